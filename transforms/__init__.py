@@ -1,0 +1,1 @@
+"""Checkpoint transforms: each a frozen config plus a pure `(ModelSpec, TensorMap) -> (ModelSpec, TensorMap)`."""

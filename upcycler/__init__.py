@@ -1,0 +1,7 @@
+"""upcycler: checkpoint surgery (depth growth, dense-to-MoE, merging) and continued pretraining in JAX."""
+
+from upcycler.errors import UpcyclerError
+from upcycler.spec import ModelSpec, MoESpec
+from upcycler.tensors import LazyTensor, TensorMap
+
+__all__ = ["LazyTensor", "ModelSpec", "MoESpec", "TensorMap", "UpcyclerError"]

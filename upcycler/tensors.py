@@ -1,0 +1,163 @@
+"""Lazy tensors and the TensorMap every reader, transform and writer speaks.
+
+A `LazyTensor` knows its shape and dtype without reading a byte; its values are produced only when a
+writer calls `load()` (the whole tensor) or `part(i)` (index `i` of the leading axis, e.g. one expert of
+a stacked expert tensor, so a 64-expert output never holds 64 experts at once). Transforms build new
+lazy tensors from old ones with `derive`, `stack` and `constant`; nothing is computed until written.
+
+Dtypes are numpy dtypes; bfloat16 comes from `ml_dtypes`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from math import prod
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES: dict[str, np.dtype] = {
+    "bf16": BF16,
+    "bfloat16": BF16,
+    "fp16": np.dtype(np.float16),
+    "float16": np.dtype(np.float16),
+    "fp32": np.dtype(np.float32),
+    "float32": np.dtype(np.float32),
+}
+
+
+def parse_dtype(name: str) -> np.dtype:
+    """Map a user-facing dtype name (bf16, fp16, fp32, …) to a numpy dtype."""
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of bf16, fp16, fp32") from None
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    return {BF16: "bfloat16", np.dtype(np.float16): "float16", np.dtype(np.float32): "float32"}.get(
+        np.dtype(dtype), np.dtype(dtype).name
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class LazyTensor:
+    """A tensor whose values are computed or read only on demand."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    _load: Callable[[], np.ndarray]
+    _part: Callable[[int], np.ndarray] | None = None
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * np.dtype(self.dtype).itemsize
+
+    def load(self) -> np.ndarray:
+        """All values, as a C-contiguous array of `shape` and `dtype`."""
+        arr = np.ascontiguousarray(self._load())
+        _check(arr, self.shape, self.dtype, "load")
+        return arr
+
+    def part(self, index: int) -> np.ndarray:
+        """`load()[index]`, computed without producing the rest of the tensor when possible."""
+        if not 0 <= index < self.shape[0]:
+            raise IndexError(f"part {index} of a tensor with leading dimension {self.shape[0]}")
+        arr = self._part(index) if self._part is not None else self._load()[index]
+        arr = np.ascontiguousarray(arr)
+        _check(arr, self.shape[1:], self.dtype, "part")
+        return arr
+
+    def astype(self, dtype: np.dtype) -> "LazyTensor":
+        """The same tensor cast to `dtype` (a no-op when it already has it)."""
+        dtype = np.dtype(dtype)
+        if dtype == self.dtype:
+            return self
+        return LazyTensor(
+            self.shape,
+            dtype,
+            lambda: self.load().astype(dtype),
+            lambda i: self.part(i).astype(dtype),
+        )
+
+
+def _check(arr: np.ndarray, shape: tuple[int, ...], dtype: np.dtype, what: str) -> None:
+    if arr.shape != tuple(shape) or arr.dtype != dtype:
+        raise AssertionError(f"lazy tensor {what} produced {arr.shape} {arr.dtype}, declared {shape} {dtype}")
+
+
+def constant(array: np.ndarray) -> LazyTensor:
+    """A lazy view of an array already in memory (small tensors: routers, norms, test data)."""
+    array = np.ascontiguousarray(array)
+    return LazyTensor(tuple(array.shape), array.dtype, lambda: array, lambda i: array[i])
+
+
+def zeros(shape: Sequence[int], dtype: np.dtype) -> LazyTensor:
+    """Zeros of `shape`, allocated only when written."""
+    shape = tuple(shape)
+    return LazyTensor(shape, np.dtype(dtype), lambda: np.zeros(shape, dtype), lambda i: np.zeros(shape[1:], dtype))
+
+
+def derive(
+    source: LazyTensor,
+    fn: Callable[[np.ndarray], np.ndarray],
+    *,
+    shape: Sequence[int] | None = None,
+    dtype: np.dtype | None = None,
+) -> LazyTensor:
+    """`fn(source.load())`, lazily. Give `shape`/`dtype` when `fn` changes them."""
+    out_shape = tuple(shape) if shape is not None else source.shape
+    out_dtype = np.dtype(dtype) if dtype is not None else source.dtype
+    return LazyTensor(out_shape, out_dtype, lambda: fn(source.load()))
+
+
+def stack(parts: Sequence[Callable[[], np.ndarray]], shape: Sequence[int], dtype: np.dtype) -> LazyTensor:
+    """A tensor whose `part(i)` is `parts[i]()`; `load()` stacks them all (avoid for large tensors)."""
+    shape = tuple(shape)
+    if len(parts) != shape[0]:
+        raise ValueError(f"{len(parts)} parts for a leading dimension of {shape[0]}")
+    return LazyTensor(shape, np.dtype(dtype), lambda: np.stack([p() for p in parts]), lambda i: parts[i]())
+
+
+class TensorMap(Mapping[str, LazyTensor]):
+    """An immutable, ordered mapping from canonical tensor name to `LazyTensor`."""
+
+    def __init__(self, tensors: Mapping[str, LazyTensor] | Sequence[tuple[str, LazyTensor]] = ()):
+        self._tensors: dict[str, LazyTensor] = dict(tensors)
+
+    def __getitem__(self, name: str) -> LazyTensor:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __repr__(self) -> str:
+        return f"TensorMap({len(self)} tensors, {self.nbytes} bytes)"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self._tensors.values())
+
+    def updated(self, changes: Mapping[str, LazyTensor]) -> "TensorMap":
+        """A copy with `changes` added or replaced (new names go at the end)."""
+        return TensorMap({**self._tensors, **changes})
+
+    def without(self, names: Sequence[str]) -> "TensorMap":
+        drop = set(names)
+        return TensorMap({k: v for k, v in self._tensors.items() if k not in drop})
+
+    def astype(self, dtype: np.dtype) -> "TensorMap":
+        """Every floating tensor cast to `dtype`."""
+        return TensorMap(
+            {k: v.astype(dtype) if np.issubdtype(v.dtype, np.floating) or v.dtype == BF16 else v
+             for k, v in self._tensors.items()}
+        )
