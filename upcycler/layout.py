@@ -45,6 +45,11 @@ class ParamDecl:
         return prod(self.shape)
 
     @property
+    def is_buffer(self) -> bool:
+        """Stored but not trained (the sigmoid router's selection bias), so not counted as a parameter."""
+        return self.name.endswith("router_bias")
+
+    @property
     def expert_stacked(self) -> bool:
         """True for routed-expert weights, whose leading axis is the expert index."""
         return bool(self.axes) and self.axes[0] == "experts"

@@ -95,7 +95,7 @@ class ModelSpec:
         """Exact number of parameters, counting tied embeddings once."""
         from upcycler.layout import declare_params
 
-        return sum(p.numel for p in declare_params(self))
+        return sum(p.numel for p in declare_params(self) if not p.is_buffer)
 
     def active_params(self) -> int:
         """Parameters used per token: everything but the routed experts, plus `top_k` routed experts."""
@@ -103,6 +103,8 @@ class ModelSpec:
 
         total = 0
         for p in declare_params(self):
+            if p.is_buffer:
+                continue
             if p.expert_stacked:
                 total += p.numel // p.shape[0] * self.moe.top_k  # type: ignore[union-attr]
             else:

@@ -1,0 +1,161 @@
+"""What every Hugging Face family adapter is: config fields in, config fields out, and a name table.
+
+An adapter turns a `config.json` into a `ModelSpec` and back, maps each canonical tensor name
+(`upcycler.layout`) to the family's on-disk names, and says which specs it cannot hold exactly. The
+attention, norm and embedding names are shared by every supported family and live here; an adapter
+only adds its MLP/MoE names and config fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from upcycler.layout import ParamDecl
+from upcycler.spec import ModelSpec, freeze_mapping
+
+# canonical suffix (after "layers.{i}.") -> HF suffix (after "model.layers.{i}.")
+SHARED_LAYER_NAMES: dict[str, str] = {
+    "attn_norm": "input_layernorm.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "attn.q_proj": "self_attn.q_proj.weight",
+    "attn.k_proj": "self_attn.k_proj.weight",
+    "attn.v_proj": "self_attn.v_proj.weight",
+    "attn.o_proj": "self_attn.o_proj.weight",
+    "attn.q_bias": "self_attn.q_proj.bias",
+    "attn.k_bias": "self_attn.k_proj.bias",
+    "attn.v_bias": "self_attn.v_proj.bias",
+    "attn.o_bias": "self_attn.o_proj.bias",
+    "attn.q_norm": "self_attn.q_norm.weight",
+    "attn.k_norm": "self_attn.k_norm.weight",
+    "mlp.gate_proj": "mlp.gate_proj.weight",
+    "mlp.up_proj": "mlp.up_proj.weight",
+    "mlp.down_proj": "mlp.down_proj.weight",
+    "mlp.gate_bias": "mlp.gate_proj.bias",
+    "mlp.up_bias": "mlp.up_proj.bias",
+    "mlp.down_bias": "mlp.down_proj.bias",
+}
+TOP_LEVEL_NAMES = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}
+
+# Config fields we interpret; everything else in config.json is carried through as `extras`.
+_INTERPRETED = {
+    "architectures", "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "rope_scaling",
+    "rope_parameters", "partial_rotary_factor", "max_position_embeddings", "hidden_act", "tie_word_embeddings",
+    "attention_bias", "mlp_bias", "qkv_bias", "sliding_window", "use_sliding_window", "max_window_layers",
+    "layer_types", "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "norm_topk_prob", "shared_expert_intermediate_size", "n_shared_experts",
+    "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace", "mlp_only_layers",
+    "decoder_sparse_step", "use_qk_norm", "num_nextn_predict_layers", "transformers_version",
+    "torch_dtype", "dtype", "id2label", "label2id", "output_router_logits",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face architecture: its names, its config mapping and its limits."""
+
+    name: str
+    architecture: str
+    model_type: str
+    read_config: Callable[[dict[str, Any]], ModelSpec]
+    write_config: Callable[[ModelSpec], dict[str, Any]]
+    moe_names: dict[str, str] = field(default_factory=dict)  # canonical MoE suffix -> HF suffix ({e} = expert)
+    limits: Callable[[ModelSpec], list[str]] = lambda spec: []
+    is_moe: bool = False
+
+    def hf_names(self, decl: ParamDecl) -> list[str]:
+        """On-disk names of one canonical parameter: one name, or one per expert for stacked experts."""
+        if decl.name in TOP_LEVEL_NAMES:
+            return [TOP_LEVEL_NAMES[decl.name]]
+        _, layer, suffix = decl.name.split(".", 2)
+        prefix = f"model.layers.{layer}."
+        if suffix in SHARED_LAYER_NAMES:
+            return [prefix + SHARED_LAYER_NAMES[suffix]]
+        template = self.moe_names[suffix]
+        if decl.expert_stacked:
+            return [prefix + template.format(e=e) for e in range(decl.shape[0])]
+        return [prefix + template]
+
+    def cannot_hold(self, spec: ModelSpec) -> list[str]:
+        """Reasons this family cannot represent `spec` exactly (empty when it can)."""
+        reasons = list(self.limits(spec))
+        if self.is_moe and spec.moe is None:
+            reasons.append(f"{self.architecture} needs MoE layers; this model is dense")
+        if not self.is_moe and spec.moe is not None:
+            reasons.append(f"{self.architecture} is dense; this model has MoE layers")
+        if spec.hidden_act != "silu":
+            reasons.append(f"hidden_act {spec.hidden_act!r} is not supported (only silu)")
+        return reasons
+
+
+def common_spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The attention/embedding/norm fields every supported family shares, read from config.json."""
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    rope = dict(cfg.get("rope_parameters") or {})
+    theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
+    rope.pop("rope_theta", None)
+    partial = cfg.get("partial_rotary_factor", rope.pop("partial_rotary_factor", 1.0))
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
+        scaling = None
+    return dict(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        rope_scaling=freeze_mapping(scaling),
+        partial_rotary_factor=float(partial if partial is not None else 1.0),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        hidden_act=cfg.get("hidden_act", "silu"),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        extras=tuple((k, v) for k, v in cfg.items() if k not in _INTERPRETED),
+    )
+
+
+def common_config_fields(spec: ModelSpec, family: "Family | str", model_type: str | None = None) -> dict[str, Any]:
+    """config.json fields shared by every family; legacy rope keys so transformers v4 reads them too."""
+    arch = family.architecture if isinstance(family, Family) else family
+    cfg: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": model_type or (family.model_type if isinstance(family, Family) else None),
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "intermediate_size": spec.intermediate_size,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": spec.rope_scaling_dict,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "hidden_act": spec.hidden_act,
+        "tie_word_embeddings": spec.tie_embeddings,
+    }
+    for key, value in spec.extras:  # token ids, dropout, init range, … carried from the source
+        cfg.setdefault(key, value)
+    return cfg
+
+
+def sliding_fields(spec: ModelSpec) -> dict[str, Any]:
+    """Qwen2/3-style sliding-window fields, consistent with the per-layer `layer_types`."""
+    out: dict[str, Any] = {"sliding_window": spec.sliding_window}
+    if spec.layer_types is not None:
+        out["layer_types"] = list(spec.layer_types)
+        out["use_sliding_window"] = "sliding_attention" in spec.layer_types
+    return out
+
+
+def read_layer_types(cfg: dict[str, Any]) -> tuple[str, ...] | None:
+    types = cfg.get("layer_types")
+    return tuple(types) if types else None
+
+
+def no_limits(spec: ModelSpec) -> list[str]:
+    return []

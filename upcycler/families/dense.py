@@ -1,0 +1,102 @@
+"""Dense families: Llama, Mistral, Qwen2 and Qwen3 (same tensor names; they differ in biases and norms).
+
+- Llama: `attention_bias` puts biases on q, k, v **and** o; `mlp_bias` on the MLP.
+- Mistral: no biases; `sliding_window`.
+- Qwen2: q/k/v biases always, no o bias; per-layer `layer_types`.
+- Qwen3: per-head q/k RMSNorm; `attention_bias` on q, k, v and o; explicit `head_dim`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from upcycler.families.base import Family, common_config_fields, common_spec_fields, read_layer_types, sliding_fields
+from upcycler.spec import ModelSpec
+
+
+def _read_llama(cfg: dict[str, Any]) -> ModelSpec:
+    bias = bool(cfg.get("attention_bias", False))
+    return ModelSpec(
+        family="llama", intermediate_size=cfg["intermediate_size"], qkv_bias=bias, o_bias=bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)), **common_spec_fields(cfg),
+    )
+
+
+def _write_llama(spec: ModelSpec) -> dict[str, Any]:
+    return {**common_config_fields(spec, LLAMA), "attention_bias": spec.qkv_bias, "mlp_bias": spec.mlp_bias}
+
+
+def _llama_limits(spec: ModelSpec) -> list[str]:
+    out = []
+    if spec.qkv_bias != spec.o_bias:
+        out.append("Llama biases q, k, v and o together; this model has q/k/v biases without an o bias")
+    if spec.qk_norm:
+        out.append("Llama has no q/k norms")
+    return out
+
+
+def _read_mistral(cfg: dict[str, Any]) -> ModelSpec:
+    return ModelSpec(
+        family="mistral", intermediate_size=cfg["intermediate_size"], sliding_window=cfg.get("sliding_window"),
+        **common_spec_fields(cfg),
+    )
+
+
+def _write_mistral(spec: ModelSpec) -> dict[str, Any]:
+    return {**common_config_fields(spec, MISTRAL), "sliding_window": spec.sliding_window}
+
+
+def _mistral_limits(spec: ModelSpec) -> list[str]:
+    out = []
+    if spec.qkv_bias or spec.o_bias or spec.mlp_bias:
+        out.append("Mistral has no biases")
+    if spec.qk_norm:
+        out.append("Mistral has no q/k norms")
+    return out
+
+
+def _read_qwen2(cfg: dict[str, Any]) -> ModelSpec:
+    return ModelSpec(
+        family="qwen2", intermediate_size=cfg["intermediate_size"], qkv_bias=True,
+        sliding_window=cfg.get("sliding_window"), layer_types=read_layer_types(cfg), **common_spec_fields(cfg),
+    )
+
+
+def _write_qwen2(spec: ModelSpec) -> dict[str, Any]:
+    return {**common_config_fields(spec, QWEN2), **sliding_fields(spec)}
+
+
+def _qwen2_limits(spec: ModelSpec) -> list[str]:
+    out = []
+    if spec.o_bias or spec.mlp_bias:
+        out.append("Qwen2 has no o_proj or MLP biases")
+    if spec.qk_norm:
+        out.append("Qwen2 has no q/k norms")
+    return out
+
+
+def _read_qwen3(cfg: dict[str, Any]) -> ModelSpec:
+    bias = bool(cfg.get("attention_bias", False))
+    return ModelSpec(
+        family="qwen3", intermediate_size=cfg["intermediate_size"], qkv_bias=bias, o_bias=bias, qk_norm=True,
+        sliding_window=cfg.get("sliding_window"), layer_types=read_layer_types(cfg), **common_spec_fields(cfg),
+    )
+
+
+def _write_qwen3(spec: ModelSpec) -> dict[str, Any]:
+    return {**common_config_fields(spec, QWEN3), "attention_bias": spec.qkv_bias, **sliding_fields(spec)}
+
+
+def _qwen3_limits(spec: ModelSpec) -> list[str]:
+    out = []
+    if not spec.qk_norm:
+        out.append("Qwen3 always has q/k norms; this model has none")
+    if spec.qkv_bias != spec.o_bias or spec.mlp_bias:
+        out.append("Qwen3 biases q, k, v and o together and has no MLP bias")
+    return out
+
+
+LLAMA = Family("llama", "LlamaForCausalLM", "llama", _read_llama, _write_llama, limits=_llama_limits)
+MISTRAL = Family("mistral", "MistralForCausalLM", "mistral", _read_mistral, _write_mistral, limits=_mistral_limits)
+QWEN2 = Family("qwen2", "Qwen2ForCausalLM", "qwen2", _read_qwen2, _write_qwen2, limits=_qwen2_limits)
+QWEN3 = Family("qwen3", "Qwen3ForCausalLM", "qwen3", _read_qwen3, _write_qwen3, limits=_qwen3_limits)

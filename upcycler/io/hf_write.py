@@ -1,0 +1,200 @@
+"""Write a `Checkpoint` as a Hugging Face directory, streaming, and only ever rename a finished one into place.
+
+- Tensors are written in canonical order, one tensor (one expert, for stacked experts) in memory at a
+  time; the next one is produced on a worker thread while the current one is written.
+- Shards are cut at `shard_size` bytes (`model-0000K-of-0000N.safetensors` + index with `total_size`),
+  or a single `model.safetensors` when everything fits.
+- `config.json` is written for the target family; tokenizer and generation files are copied.
+- `upcycler.json` records the spec, the lineage and the sha256 of every file written.
+- Everything goes to a hidden temporary sibling that is renamed to `out` only when complete; on any
+  error (a full disk included) it is removed, so no finished-looking output is left behind.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from upcycler.errors import UpcyclerError
+from upcycler.families import Family, conform, family_named
+from upcycler.io.checkpoint import MANIFEST, Checkpoint
+from upcycler.io.hf_read import INDEX, SINGLE
+from upcycler.io.safetensors_file import ShardWriter
+from upcycler.layout import declare_params
+from upcycler.tensors import dtype_name
+
+DEFAULT_SHARD_SIZE = 5 * 1000**3
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One stored tensor: its HF name, shape, dtype and how to produce its bytes."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    produce: Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+
+
+def plan_items(ckpt: Checkpoint, family: Family) -> list[_Item]:
+    """Every tensor to store, in canonical order, with per-expert items for stacked experts."""
+    items = []
+    for decl in declare_params(ckpt.spec):
+        if decl.name not in ckpt.tensors:
+            raise AssertionError(f"tensor {decl.name} declared by the spec is missing")
+        tensor = ckpt.tensors[decl.name]
+        if tensor.shape != decl.shape:
+            raise AssertionError(f"tensor {decl.name} has shape {tensor.shape}, the spec says {decl.shape}")
+        names = family.hf_names(decl)
+        if decl.expert_stacked:
+            for e, name in enumerate(names):
+                items.append(_Item(name, decl.shape[1:], tensor.dtype, lambda t=tensor, e=e: t.part(e)))
+        else:
+            items.append(_Item(names[0], decl.shape, tensor.dtype, tensor.load))
+    return items
+
+
+def split_shards(items: list[_Item], shard_size: int) -> list[list[_Item]]:
+    """Greedy cut into shards of at most `shard_size` bytes (a larger tensor gets a shard of its own)."""
+    shards: list[list[_Item]] = [[]]
+    size = 0
+    for item in items:
+        if shards[-1] and size + item.nbytes > shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += item.nbytes
+    return shards
+
+
+def prepare_output(out: Path, *, overwrite: bool) -> None:
+    """Refuse an existing output (unless `overwrite`) or an unwritable parent, before any work."""
+    if out.exists() and not overwrite:
+        raise UpcyclerError(f"{out}: already exists; choose another output or pass --overwrite")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise UpcyclerError(f"{parent}: output's parent directory does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UpcyclerError(f"{parent}: not writable; choose an output directory you can write to")
+
+
+@contextmanager
+def staged_directory(out: Path, *, overwrite: bool) -> Iterator[Path]:
+    """A temporary sibling of `out` that becomes `out` only if the block finishes without error."""
+    prepare_output(out, overwrite=overwrite)
+    tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out.exists():
+            trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            out.rename(trash)
+            tmp.rename(out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if err.errno == errno.ENOSPC:
+            raise UpcyclerError(f"{out}: disk full while writing; free space or write elsewhere") from None
+        raise UpcyclerError(f"{out}: cannot write ({err.strerror}); check the output location") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_hf(
+    ckpt: Checkpoint,
+    out: Path,
+    *,
+    family: str | None = None,
+    shard_size: int = DEFAULT_SHARD_SIZE,
+    overwrite: bool = False,
+    progress: bool = True,
+    extra_manifest: dict | None = None,
+) -> Path:
+    """Write `ckpt` to `out` in `family` (default: the spec's own) and return `out`.
+
+    Preserves every tensor bit for bit (casts happen before, in the TensorMap); adds only what
+    `conform` proves function-neutral (zero biases a family requires).
+    """
+    target = family_named(family or ckpt.spec.family)
+    spec, tensors = conform(ckpt.spec, ckpt.tensors, target)
+    ckpt = ckpt.replace(spec=spec, tensors=tensors)
+    items = plan_items(ckpt, target)
+    shards = split_shards(items, shard_size)
+    total = sum(i.nbytes for i in items)
+    with staged_directory(out, overwrite=overwrite) as tmp:
+        files = _write_shards(tmp, shards, total, progress)
+        config = {**target.write_config(spec), "torch_dtype": dtype_name(tensors["embed"].dtype)}
+        files["config.json"] = _write_json(tmp / "config.json", config)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total, "total_parameters": spec.total_params()},
+                     "weight_map": {i.name: name for name, shard in zip(_shard_names(len(shards)), shards)
+                                    for i in shard}}
+            files[INDEX] = _write_json(tmp / INDEX, index)
+        for side in ckpt.side_files:
+            shutil.copyfile(side, tmp / side.name)
+            files[side.name] = None
+        manifest = {"format": 1, "spec": json.loads(spec.to_json()), "lineage": list(ckpt.lineage),
+                    **(extra_manifest or {})}
+        manifest["files"] = {name: _file_record(tmp / name, sha) for name, sha in files.items()}
+        _write_json(tmp / MANIFEST, manifest)
+    return out
+
+
+def _shard_names(n: int) -> list[str]:
+    return [SINGLE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+
+
+def _write_shards(tmp: Path, shards: list[list[_Item]], total: int, progress: bool) -> dict[str, str | None]:
+    hashes: dict[str, str | None] = {}
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="writing", disable=not progress or None)
+    with ThreadPoolExecutor(max_workers=1) as pool, bar:
+        flat = [(name, item) for name, shard in zip(_shard_names(len(shards)), shards) for item in shard]
+        pending = pool.submit(flat[0][1].produce) if flat else None
+        writers: dict[str, ShardWriter] = {}
+        for k, (name, item) in enumerate(flat):
+            array = pending.result()
+            pending = pool.submit(flat[k + 1][1].produce) if k + 1 < len(flat) else None
+            if name not in writers:
+                if writers:
+                    done = next(iter(writers))
+                    hashes[done] = writers.pop(done).close()
+                shard = next(s for n, s in zip(_shard_names(len(shards)), shards) if n == name)
+                writers[name] = ShardWriter(tmp / name, [(i.name, i.shape, i.dtype) for i in shard],
+                                            {"format": "pt"})
+            writers[name].write(item.name, array)
+            bar.update(item.nbytes)
+            del array
+        for name, writer in writers.items():
+            hashes[name] = writer.close()
+    return hashes
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return None
+
+
+def _file_record(path: Path, sha: str | None) -> dict:
+    if sha is None:
+        from upcycler.io.hashing import sha256_file
+
+        sha = sha256_file(path)
+    return {"bytes": path.stat().st_size, "sha256": sha}
