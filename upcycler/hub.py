@@ -242,7 +242,7 @@ def _license_of(source: str, revision: str | None) -> str | None:
 
 def _intro(lineage: list[dict]) -> str:
     sources = [_source_link(s) for s in dict.fromkeys(_read_sources(lineage))]
-    made = "Made with [upcycler](https://github.com/upcycler/upcycler) (checkpoint surgery and continued pretraining)"
+    made = "Made with upcycler (checkpoint surgery and continued pretraining)"
     return f"{made} from {', '.join(sources)}." if sources else f"{made}."
 
 
@@ -377,11 +377,10 @@ def _files_section(files: dict[str, dict[str, Any]]) -> str:
 
 
 def _human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+    if n < 1024:
+        return f"{n} B"
+    exponent = min(4, (n.bit_length() - 1) // 10)
+    return f"{n / 1024**exponent:.1f} {('KiB', 'MiB', 'GiB', 'TiB')[exponent - 1]}"
 
 
 # --- push --------------------------------------------------------------------------------------------
