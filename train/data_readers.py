@@ -115,7 +115,7 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise UpcyclerError(
-                    f"{path}:{lineno}: not valid JSON ({err.msg}); each line must be one JSON object"
+                    f"{path}:{lineno}: not valid JSON ({err.msg}); JSON input must be JSON Lines, one object per line"
                 ) from None
             if not isinstance(record, dict) or text_field not in record:
                 raise UpcyclerError(f"{path}:{lineno}: no field {text_field!r}; pass --text-field NAME")

@@ -94,9 +94,8 @@ def _list_files(root: Path) -> list[str]:
 
 
 def _inside(root: Path, name: Any, named_by: Path) -> Path:
-    """`root / name`, refusing names that would leave `root`."""
-    ok = isinstance(name, str) and name and not Path(name).is_absolute() and ".." not in Path(name).parts
-    if not ok or not (root / name).resolve().is_relative_to(root.resolve()):
+    """`root / name`, refusing names that would leave `root` (absolute, or with `..`)."""
+    if not (isinstance(name, str) and name and not Path(name).is_absolute() and ".." not in Path(name).parts):
         raise UpcyclerError(f"{named_by}: names {name!r}, which is outside the directory; {REWRITE}")
     return root / name
 
@@ -104,7 +103,9 @@ def _inside(root: Path, name: Any, named_by: Path) -> Path:
 def _check_weights(root: Path, files: list[str]) -> None:
     shards = [f for f in files if SHARD.fullmatch(f)]
     if INDEX in files and SINGLE in files:
-        raise UpcyclerError(f"{root / SINGLE}: present next to {INDEX}, so loaders would pick one; delete the stale one")
+        raise UpcyclerError(
+            f"{root / SINGLE}: present next to {INDEX}, so loaders would pick one; delete the stale one"
+        )
     if INDEX in files:
         _check_index(root, shards)
     elif shards:
@@ -130,14 +131,18 @@ def _check_manifest_files(root: Path, manifest: dict[str, Any], files: list[str]
     entries: dict[str, dict[str, Any]] = manifest["files"]
     unlisted = [f for f in files if f.endswith(".safetensors") and f not in entries]
     if unlisted:
-        raise UpcyclerError(f"{root / unlisted[0]}: not listed in {MANIFEST}, so it cannot be checked; {REWRITE}")
+        raise UpcyclerError(
+            f"{root / unlisted[0]}: not listed in {MANIFEST}, so it cannot be checked; {REWRITE}"
+        )
     paths = {name: _inside(root, name, root / MANIFEST) for name in sorted(entries)}
     for name, path in paths.items():
         if not path.is_file():
             raise UpcyclerError(f"{path}: missing, but {MANIFEST} lists it; copy it back or {REWRITE}")
         size, expected = path.stat().st_size, entries[name]["bytes"]
         if size != expected:
-            raise UpcyclerError(f"{path}: {size} bytes but {MANIFEST} records {expected} (truncated?); {REWRITE}")
+            raise UpcyclerError(
+                f"{path}: {size} bytes but {MANIFEST} records {expected} (truncated?); {REWRITE}"
+            )
     for name, path in paths.items():
         echo(f"checking sha256 of {name} ({_human_bytes(entries[name]['bytes'])})")
         if sha256_file(path) != entries[name]["sha256"].lower():
@@ -186,7 +191,7 @@ def _front_matter(spec: ModelSpec, lineage: list[dict], licenses: dict[str, str]
     front: dict[str, Any] = {}
     if len(set(licenses.values())) == 1:
         front["license"] = next(iter(licenses.values()))
-    bases = list(dict.fromkeys(s for s in _read_sources(lineage) if _is_hub_id(s)))
+    bases = list(dict.fromkeys(h for h in map(_hub_id, _sources(lineage)) if h))
     if bases:
         front["base_model"] = bases[0] if len(bases) == 1 else bases
     tags = ["upcycler"] + (["moe"] if spec.moe else [])
@@ -195,12 +200,41 @@ def _front_matter(spec: ModelSpec, lineage: list[dict], licenses: dict[str, str]
     return front
 
 
-def _read_sources(lineage: list[dict]) -> list[str]:
-    return [str(e["source"]) for e in lineage if e.get("step") == "read" and e.get("source")]
+def _sources(lineage: list[dict]) -> list[str]:
+    """Every model the lineage read or merged, in order, without repeats."""
+    out = []
+    for entry in lineage:
+        if entry.get("step") == "read" and entry.get("source"):
+            out.append(str(entry["source"]))
+        elif entry.get("step") == "merge":
+            out.extend(source for source, _ in _merge_inputs(entry))
+    return list(dict.fromkeys(out))
 
 
-def _is_hub_id(source: str) -> bool:
-    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", source)) and not Path(source).exists()
+def _merge_inputs(entry: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(source, weight) of each input of a merge step; inputs are names or dicts, weights inline or a list."""
+    inputs = next((entry[k] for k in ("inputs", "sources", "models") if k in entry), None) or []
+    weights = entry.get("weights") if isinstance(entry.get("weights"), list) else []
+    out = []
+    for i, item in enumerate(inputs):
+        weight = weights[i] if i < len(weights) else None
+        if isinstance(item, dict):
+            source = next((item[k] for k in ("source", "model", "path") if k in item), json.dumps(item))
+            weight = item.get("weight", weight)
+        else:
+            source = item
+        out.append((str(source), weight))
+    return out
+
+
+def _hub_id(source: str) -> str | None:
+    """The Hub repo a source came from: a repo id itself, or a Hub cache snapshot `models--ORG--NAME/snapshots/REV`."""
+    cached = re.search(r"models--([\w.-]+?)--([\w.-]+)/snapshots/[^/]+/?$", source)
+    if cached:
+        return f"{cached[1]}/{cached[2]}"
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", source) and not Path(source).exists():
+        return source
+    return None
 
 
 def _source_licenses(lineage: list[dict], config: dict[str, Any]) -> dict[str, str]:
@@ -217,37 +251,40 @@ def _source_licenses(lineage: list[dict], config: dict[str, Any]) -> dict[str, s
 
 
 def _license_of(source: str, revision: str | None) -> str | None:
+    """The licence in a source's README front matter (local, or in the Hub cache), else in its config."""
     from huggingface_hub import try_to_load_from_cache
     from huggingface_hub.repocard import metadata_load
 
     local = Path(source)
-    readme: Any = local / "README.md" if local.is_dir() else None
-    if readme is None and _is_hub_id(source):
+    readme: Any = local / "README.md"
+    if not local.is_dir() and _hub_id(source):
         readme = try_to_load_from_cache(source, "README.md", revision=revision)
     if isinstance(readme, (str, Path)) and Path(readme).is_file():
         try:
-            lic = (metadata_load(readme) or {}).get("license")
+            found = (metadata_load(readme) or {}).get("license")
         except (yaml.YAMLError, UnicodeDecodeError, ValueError):
-            lic = None
-        if lic:
-            return str(lic)
-    config = local / CONFIG
-    if local.is_dir() and config.is_file():
-        try:
-            return json.loads(config.read_text(encoding="utf-8")).get("license")
-        except (ValueError, AttributeError):
-            return None
-    return None
+            found = None
+        if found:
+            return str(found)
+    try:
+        found = json.loads((local / CONFIG).read_text(encoding="utf-8")).get("license")
+    except (OSError, ValueError, AttributeError):
+        found = None
+    return str(found) if found else None
 
 
 def _intro(lineage: list[dict]) -> str:
-    sources = [_source_link(s) for s in dict.fromkeys(_read_sources(lineage))]
+    sources = [_source_link(s) for s in _sources(lineage)]
     made = "Made with upcycler (checkpoint surgery and continued pretraining)"
     return f"{made} from {', '.join(sources)}." if sources else f"{made}."
 
 
 def _source_link(source: str) -> str:
-    return f"[{source}](https://huggingface.co/{source})" if _is_hub_id(source) else f"`{source}`"
+    """A Hub link for a Hub source; only the name of a local directory (its path is nobody's business)."""
+    repo = _hub_id(source)
+    if repo:
+        return f"[{repo}](https://huggingface.co/{repo})"
+    return f"local checkpoint `{Path(source).name or source}`"
 
 
 def _lineage_section(lineage: list[dict], licenses: dict[str, str]) -> str:
@@ -269,35 +306,32 @@ def _render_step(entry: dict[str, Any], licenses: dict[str, str]) -> str:
     if step == "merge":
         return _render_merge(rest)
     if step == "train":
-        steps, tokens = rest.pop("steps", None), rest.pop("tokens", None)
-        done = [f"{_count(steps)} steps" if steps is not None else "", f"{_count(tokens)} tokens" if tokens else ""]
-        return "**Continued pretraining**" + (": " + ", ".join(d for d in done if d) if any(done) else "") + _extra(rest)
+        amounts = [_amount(rest.pop("steps", None), "steps"), _amount(rest.pop("tokens", None), "tokens")]
+        done = ", ".join(a for a in amounts if a)
+        return "**Continued pretraining**" + (f": {done}" if done else "") + _extra(rest)
     return f"**{step}**" + (f": {_kv(rest)}" if rest else "")
 
 
 def _render_read(rest: dict[str, Any], licenses: dict[str, str]) -> str:
     source = str(rest.pop("source", "?"))
     revision = rest.pop("revision", None)
-    files = rest.pop("files", None)
-    rest.pop("license", None)
+    fmt = rest.pop("format", "hf")
+    for key in ("files", "license"):
+        rest.pop(key, None)
     text = f"**Read** {_source_link(source)}" + (f" at revision `{revision}`" if revision else "")
-    notes = [f"{len(files)} files with recorded sha256" if isinstance(files, dict) and files else ""]
-    notes.append(f"licence `{licenses[source]}`" if source in licenses else "")
-    notes = [n for n in notes if n]
-    return text + (f" ({'; '.join(notes)})" if notes else "") + _extra(rest)
+    text += f" ({fmt} format)" if fmt != "hf" else ""
+    text += f", license `{licenses[source]}`" if source in licenses else ""
+    return text + _extra(rest)
 
 
 def _render_merge(rest: dict[str, Any]) -> str:
+    inputs = _merge_inputs(rest)
     method = rest.pop("method", None)
-    inputs = next((rest.pop(k) for k in ("inputs", "sources", "models") if k in rest), None) or []
-    weights = rest.pop("weights", None)
+    for key in ("inputs", "sources", "models", "weights"):
+        rest.pop(key, None)
     text = "**Merge**" + (f" with `{method}`" if method else "") + _extra(rest)
-    for i, item in enumerate(inputs):
-        source, weight = item, weights[i] if isinstance(weights, list) and i < len(weights) else None
-        if isinstance(item, dict):
-            source = next((item[k] for k in ("source", "model", "path") if k in item), json.dumps(item))
-            weight = item.get("weight", weight)
-        text += f"\n   - {_source_link(str(source))}" + (f", weight {weight}" if weight is not None else "")
+    for source, weight in inputs:
+        text += f"\n   - {_source_link(source)}" + (f", weight {weight}" if weight is not None else "")
     return text
 
 
@@ -314,20 +348,28 @@ def _architecture_section(spec: ModelSpec) -> str:
         ("Family", f"`{spec.family}`"),
         ("Layers", _layers_text(spec)),
         ("Hidden size", str(spec.hidden_size)),
-        ("Attention heads (query / key-value)", f"{spec.num_heads} / {spec.num_kv_heads}, head dim {spec.head_dim}"),
+        (
+            "Attention heads (query / key-value)",
+            f"{spec.num_heads} / {spec.num_kv_heads}, head dim {spec.head_dim}",
+        ),
         ("Vocabulary", str(spec.vocab_size)),
-        ("Dense MLP width", str(spec.intermediate_size)),
     ]
+    if len(spec.moe_layers) < spec.num_layers:
+        rows.append(("Dense MLP width", str(spec.intermediate_size)))
     if spec.moe:
         moe = spec.moe
-        rows.append(("Routed experts", f"{moe.num_experts}, top-{moe.top_k}, width {moe.expert_width}, "
-                                       f"`{moe.router}` router"))
+        rows.append(
+            (
+                "Routed experts",
+                f"{moe.num_experts}, top-{moe.top_k}, width {moe.expert_width}, `{moe.router}` router",
+            )
+        )
         if moe.shared_width:
             gated = ", gated" if moe.shared_gated else ""
             rows.append(("Shared expert", f"width {moe.shared_width}{gated}"))
     rows += [
         ("Tied embeddings", "yes" if spec.tie_embeddings else "no"),
-        ("RoPE θ / context", f"{spec.rope_theta:g} / {spec.max_position_embeddings}"),
+        ("RoPE θ / context", f"{spec.rope_theta:,.6g} / {spec.max_position_embeddings:,}"),
         ("**Parameters (total)**", _params(spec.total_params())),
         ("**Parameters (active per token)**", _params(spec.active_params())),
     ]
@@ -339,18 +381,20 @@ def _layers_text(spec: ModelSpec) -> str:
     if not spec.moe:
         return str(spec.num_layers)
     dense = ", ".join(str(i) for i in spec.dense_layers)
-    return f"{spec.num_layers} ({len(spec.moe_layers)} MoE" + (f"; dense: {dense})" if dense else ")")
+    return f"{spec.num_layers} (" + (f"{len(spec.moe_layers)} MoE; dense layers: {dense})" if dense else "all MoE)")
 
 
 def _params(n: int) -> str:
     for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
         if n >= scale:
-            return f"{n / scale:.2f}{suffix} ({n:,})"
+            return f"{n / scale:.3g}{suffix} ({n:,})"
     return f"{n:,}"
 
 
-def _count(n: Any) -> str:
-    return f"{n:,}" if isinstance(n, int) else str(n)
+def _amount(n: Any, unit: str) -> str:
+    if n is None:
+        return ""
+    return f"{n:,} {unit}" if isinstance(n, int) else f"{n} {unit}"
 
 
 def _verification_section(verification: Any) -> str:
@@ -372,7 +416,9 @@ def _usage_section(repo_id: str | None) -> str:
 
 
 def _files_section(files: dict[str, dict[str, Any]]) -> str:
-    rows = "\n".join(f"| `{n}` | {_human_bytes(e['bytes'])} | `{e['sha256']}` |" for n, e in sorted(files.items()))
+    rows = "\n".join(
+        f"| `{n}` | {_human_bytes(e['bytes'])} | `{e['sha256']}` |" for n, e in sorted(files.items())
+    )
     return "## Files\n\n| file | size | sha256 |\n|---|---|---|\n" + rows if files else ""
 
 
@@ -412,7 +458,11 @@ def push(
     card = None if "README.md" in files else render_model_card(root, repo_id=repo_id)
     token = token or get_token()
     api = HfApi(endpoint=endpoint, token=token)
-    say(f"pushing {len(files)} files to {repo_id}" + (f"@{revision}" if revision else "") + f" at {api.endpoint}")
+    say(
+        f"pushing {len(files)} files to {repo_id}"
+        + (f"@{revision}" if revision else "")
+        + f" at {api.endpoint}"
+    )
     with _staged(root, files, card) as stage, _hub_errors(repo_id, api.endpoint, token):
         api.create_repo(repo_id, private=True if private else None, exist_ok=True)
         if revision and revision != "main":
@@ -467,7 +517,9 @@ def _hub_errors(repo_id: str, endpoint: str, token: str | None) -> Iterator[None
     except ValueError as err:
         if "README.md" not in str(err):
             raise
-        raise UpcyclerError(f"README.md: the Hub rejected its metadata ({_scrub(str(err), token)}); fix it") from None
+        raise UpcyclerError(
+            f"README.md: the Hub rejected its metadata ({_scrub(str(err), token)}); fix it"
+        ) from None
 
 
 def _scrub(text: str, token: str | None) -> str:

@@ -14,10 +14,14 @@ import click
 @click.command("push")
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.argument("repo_id")
-@click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")
+@click.option(
+    "--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility)."
+)
 @click.option("--revision", metavar="BRANCH", help="Branch to push to; created from main if missing.")
 @click.option("--commit-message", metavar="MSG", help="Commit message (default names the directory).")
-@click.option("--endpoint", metavar="URL", help="Hub endpoint, e.g. a private Hub (default: HF_ENDPOINT or the Hub).")
+@click.option(
+    "--endpoint", metavar="URL", help="Hub endpoint, e.g. a private Hub (default: HF_ENDPOINT or the Hub)."
+)
 def command(
     directory: Path,
     repo_id: str,

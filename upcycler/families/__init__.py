@@ -49,6 +49,15 @@ def family_for_config(cfg: dict, where: str) -> Family:
     )
 
 
+def conform_spec(spec: ModelSpec, family: Family) -> ModelSpec:
+    """`spec` as `family` stores it: the function-neutral additions of `conform`, without tensors."""
+    if family.name in ("qwen2", "qwen2_moe") and not spec.qkv_bias and not spec.o_bias:
+        spec = spec.replace(qkv_bias=True)
+    if family.name == "glm4_moe" and spec.moe is not None and not spec.moe.router_bias:
+        spec = spec.replace(moe=dataclasses.replace(spec.moe, router_bias=True))
+    return spec.replace(family=family.name)
+
+
 def conform(spec: ModelSpec, tensors: TensorMap, family: Family) -> tuple[ModelSpec, TensorMap]:
     """Fit (spec, tensors) to `family`, adding only tensors that leave the function unchanged.
 
@@ -56,11 +65,7 @@ def conform(spec: ModelSpec, tensors: TensorMap, family: Family) -> tuple[ModelS
     bias for sigmoid routers. Anything the family cannot hold exactly is refused with the reasons.
     """
     added: dict = {}
-    if family.name in ("qwen2", "qwen2_moe") and not spec.qkv_bias and not spec.o_bias:
-        spec = spec.replace(qkv_bias=True)
-    if family.name == "glm4_moe" and spec.moe is not None and not spec.moe.router_bias:
-        spec = spec.replace(moe=dataclasses.replace(spec.moe, router_bias=True))
-    spec = spec.replace(family=family.name)
+    spec = conform_spec(spec, family)
     reasons = family.cannot_hold(spec)
     if reasons:
         raise UpcyclerError(

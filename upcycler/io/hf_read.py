@@ -47,6 +47,11 @@ def read_spec(path: Path) -> ModelSpec:
         raise UpcyclerError(f"{cfg_path}: field {err.args[0]!r} is missing; fix the config") from None
 
 
+def weight_files_present(path: Path) -> bool:
+    """Whether an HF directory has any weights at all (a config-only directory can still be planned)."""
+    return (path / INDEX).exists() or any(path.glob("*.safetensors"))
+
+
 def shard_files(path: Path) -> list[Path]:
     """The safetensors files of a checkpoint, from its index or the single-file name."""
     index = path / INDEX
@@ -73,11 +78,16 @@ def shard_files(path: Path) -> list[Path]:
 
 
 def _inside(root: Path, name: object, index: Path) -> Path:
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
-        raise UpcyclerError(f"{index}: shard name {name!r} is not a plain file name in the checkpoint directory")
-    target = (root / name).resolve()
-    if target.parent != root.resolve():
-        raise UpcyclerError(f"{index}: shard name {name!r} escapes the checkpoint directory")
+    """`root / name` for a plain file name; anything with a path separator or `..` escapes and is refused.
+
+    Only the name is checked, not where it resolves, so Hub cache snapshots (symlinks to blobs) still read.
+    """
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") \
+            or name.startswith("~") or "\0" in name:
+        raise UpcyclerError(
+            f"{index}: shard name {name!r} escapes the checkpoint directory; the index may only name "
+            "plain file names next to it"
+        )
     return root / name
 
 

@@ -98,7 +98,10 @@ def staged_directory(out: Path, *, overwrite: bool) -> Iterator[Path]:
     """A temporary sibling of `out` that becomes `out` only if the block finishes without error."""
     prepare_output(out, overwrite=overwrite)
     tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except OSError as err:
+        raise UpcyclerError(f"{out.parent}: not writable ({err.strerror}); choose an output directory you can write to") from None
     try:
         yield tmp
         if out.exists():

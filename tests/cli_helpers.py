@@ -1,0 +1,37 @@
+"""Run the `upcycle` CLI the way a user does (a real subprocess) and check the error contract."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_cli(*args: str | Path, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`upcycle ARGS…` in a subprocess; with `check`, fail the test on a non-zero exit."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "upcycler", *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"upcycle {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+def assert_clean_failure(proc: subprocess.CompletedProcess, *, mentions: str) -> str:
+    """Non-zero exit, exactly one `error:` line on stderr that mentions `mentions`, no traceback."""
+    assert proc.returncode != 0, f"expected failure, got success:\n{proc.stdout}"
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert mentions in lines[0], f"{mentions!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under `directory` with its bytes (to prove an input was left untouched)."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def leftovers(parent: Path, name: str) -> list[str]:
+    """Entries in `parent` that look like an output named `name` or its temporary directory."""
+    return [p.name for p in parent.iterdir() if p.name == name or p.name.startswith(f".{name}.")]

@@ -1,0 +1,182 @@
+"""The decoder-only transformer: pure functions over the parameter tree of `upcycler.train.params`.
+
+What it computes is decided by the `ModelSpec` alone (the architecture, read from a checkpoint); how it
+computes is decided by `ModelConfig` (compute dtype, attention and MoE implementations, rematerialisation).
+One function covers every supported family:
+
+- GQA attention with RoPE (default, linear, llama3 or yarn scaling; partial rotary), optional q/k/v and o
+  biases, optional per-head q/k RMSNorm before RoPE, optional sliding window per layer;
+- pre-norm residual blocks with a SwiGLU MLP, or an MoE block (`upcycler.train.moe`: softmax-renormalised,
+  softmax or sigmoid routers) with an optional shared expert (gated by `sigmoid(shared_gate · x)` or not);
+- tied or untied embeddings; causal masking, optionally restricted to segments (packing, padding).
+
+Layers of one kind are stacked and run under `jax.lax.scan`, one scan per run of consecutive layers
+(dense first layers, then MoE layers: two scans). Parameters stay in their dtype and are cast to the compute
+dtype where they are used; norms, softmaxes, routers and logits are computed in fp32.
+
+Dimension key:
+    B batch     L sequence    D model width    H query heads    K kv heads    h head dim
+    F MLP width V vocabulary  E routed experts k experts per token   M MoE layers
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from upcycler.spec import ModelSpec
+from upcycler.train import layers as nn
+from upcycler.train.params import Params, Run, layer_runs, layers_of_kind
+from upcycler.train.sharding import constrain
+
+ACTIVATION_AXES = ("batch", "seq", "act_embed")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """How to run a model (hashable: it is a static argument of the jitted forward)."""
+
+    compute_dtype: str = "float32"  # "float32" or "bfloat16"
+    attention: str = "einsum"  # "einsum" (explicit, exact) or "dot_product" (jax.nn.dot_product_attention)
+    moe_impl: str = "dropless"  # "dropless" (sort → grouped matmul) or "reference" (one-hot, for tests)
+    gmm_backend: str = "auto"  # see upcycler.train.gmm
+    remat: bool = False  # recompute each layer's activations in the backward pass
+
+    @property
+    def dtype(self) -> Any:
+        return jnp.dtype(self.compute_dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Aux:
+    """Per-MoE-layer router outputs, for the load-balancing and z losses and expert-load telemetry.
+
+    `router_logits` [M, B, L, E] fp32 (pre-activation, before any selection bias) and `expert_ids`
+    [M, B, L, k] int32 (the experts each token was sent to), for the M MoE layers in order; both are
+    None for a dense model.
+    """
+
+    router_logits: jax.Array | None = None
+    expert_ids: jax.Array | None = None
+
+
+class _Context(NamedTuple):
+    """What every layer needs besides its own parameters."""
+
+    cos_BLR: jax.Array
+    sin_BLR: jax.Array
+    visible_BLS: jax.Array
+    distance_LS: jax.Array
+
+
+def forward(
+    params: Params,
+    ids_BL: jax.Array,
+    spec: ModelSpec,
+    cfg: ModelConfig = ModelConfig(),
+    *,
+    segment_ids_BL: jax.Array | None = None,
+    positions_BL: jax.Array | None = None,
+) -> tuple[jax.Array, Aux]:
+    """Next-token logits [B, L, V] in fp32, and the router outputs of the MoE layers.
+
+    `segment_ids_BL` (optional) confines attention to tokens of the same segment (packed documents; give
+    padding its own id); `positions_BL` (optional, default 0..L-1) are the RoPE positions, e.g. restarting
+    at every packed document.
+    """
+    hidden_BLD, aux = decode(params, ids_BL, spec, cfg, segment_ids_BL=segment_ids_BL, positions_BL=positions_BL)
+    return unembed(params, hidden_BLD, spec), aux
+
+
+forward_jit = jax.jit(forward, static_argnames=("spec", "cfg"))
+
+
+def decode(
+    params: Params,
+    ids_BL: jax.Array,
+    spec: ModelSpec,
+    cfg: ModelConfig = ModelConfig(),
+    *,
+    segment_ids_BL: jax.Array | None = None,
+    positions_BL: jax.Array | None = None,
+) -> tuple[jax.Array, Aux]:
+    """The final-normed hidden states [B, L, D] (compute dtype) and the router outputs; see `forward`."""
+    B, L = ids_BL.shape
+    if positions_BL is None:
+        positions_BL = jnp.broadcast_to(jnp.arange(L), (B, L))
+    inv_freq, factor = nn.rope_frequencies(spec)
+    cos_BLR, sin_BLR = nn.rope_tables(positions_BL, inv_freq, factor)
+    visible_BLS, distance_LS = nn.attention_mask(segment_ids_BL, B, L)
+    ctx = _Context(cos_BLR, sin_BLR, visible_BLS, distance_LS)
+
+    x_BLD = jnp.take(params["embed"], ids_BL, axis=0).astype(cfg.dtype)
+    logits, ids = [], []
+    for run in layer_runs(spec):
+        x_BLD, run_aux = _scan_run(params["layers"][run.kind], x_BLD, run, spec, cfg, ctx)
+        if run.kind == "moe":
+            logits.append(run_aux[0])
+            ids.append(run_aux[1])
+    aux = Aux(jnp.concatenate(logits), jnp.concatenate(ids)) if logits else Aux()
+    return nn.rms_norm(x_BLD, params["final_norm"], spec.rms_norm_eps), aux
+
+
+def unembed(params: Params, hidden_BLD: jax.Array, spec: ModelSpec) -> jax.Array:
+    """Logits [B, L, V] in fp32 from final hidden states (the embedding matrix when tied)."""
+    w_VD = params["embed"] if spec.tie_embeddings else params["lm_head"]
+    return jnp.einsum("bld,vd->blv", hidden_BLD, w_VD.astype(hidden_BLD.dtype), preferred_element_type=jnp.float32)
+
+
+def layer_windows(spec: ModelSpec) -> tuple[int, ...]:
+    """Per layer: the sliding-window size, or 0 for full attention."""
+    window = spec.sliding_window or 0
+    if spec.layer_types is None:
+        return (window,) * spec.num_layers
+    return tuple(window if t == "sliding_attention" else 0 for t in spec.layer_types)
+
+
+def _scan_run(stack: Params, x_BLD: jax.Array, run: Run, spec: ModelSpec, cfg: ModelConfig, ctx: _Context):
+    layer_ids = layers_of_kind(spec, run.kind)[run.start : run.start + run.length]
+    if run.length != len(layers_of_kind(spec, run.kind)):
+        stack = jax.tree.map(lambda a: jax.lax.slice_in_dim(a, run.start, run.start + run.length), stack)
+    windows = tuple(layer_windows(spec)[i] for i in layer_ids)
+    body = partial(_layer, kind=run.kind, spec=spec, cfg=cfg, ctx=ctx, windowed=any(windows))
+    if cfg.remat:
+        body = jax.checkpoint(body, prevent_cse=False)
+    return jax.lax.scan(body, x_BLD, (stack, jnp.asarray(windows, jnp.int32)))
+
+
+def _layer(x_BLD, layer, *, kind: str, spec: ModelSpec, cfg: ModelConfig, ctx: _Context, windowed: bool):
+    p, window = layer
+    x_BLD = constrain(x_BLD, ACTIVATION_AXES)
+    visible_BLS = nn.window_mask(ctx.visible_BLS, ctx.distance_LS, window) if windowed else ctx.visible_BLS
+    h_BLD = nn.rms_norm(x_BLD, p["attn_norm"], spec.rms_norm_eps)
+    x_BLD = x_BLD + _attention(h_BLD, p["attn"], spec, cfg, ctx, visible_BLS)
+    h_BLD = nn.rms_norm(x_BLD, p["mlp_norm"], spec.rms_norm_eps)
+    if kind == "dense":
+        return x_BLD + nn.gated_mlp(h_BLD, p["mlp"], spec.hidden_act), None
+    y_BLD, router_aux = _moe(h_BLD, p["moe"], spec, cfg)
+    return x_BLD + y_BLD, router_aux
+
+
+def _attention(x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig, ctx: _Context, visible_BLS) -> jax.Array:
+    B, L, _ = x_BLD.shape
+    H, K, h = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    q_BLHh = nn.linear(x_BLD, p["q_proj"], p.get("q_bias")).reshape(B, L, H, h)
+    k_BLKh = nn.linear(x_BLD, p["k_proj"], p.get("k_bias")).reshape(B, L, K, h)
+    v_BLKh = nn.linear(x_BLD, p["v_proj"], p.get("v_bias")).reshape(B, L, K, h)
+    if spec.qk_norm:
+        q_BLHh = nn.rms_norm(q_BLHh, p["q_norm"], spec.rms_norm_eps)
+        k_BLKh = nn.rms_norm(k_BLKh, p["k_norm"], spec.rms_norm_eps)
+    q_BLHh = nn.apply_rope(q_BLHh, ctx.cos_BLR, ctx.sin_BLR)
+    k_BLKh = nn.apply_rope(k_BLKh, ctx.cos_BLR, ctx.sin_BLR)
+    out_BLHh = nn.attention(q_BLHh, k_BLKh, v_BLKh, visible_BLS, impl=cfg.attention)
+    return nn.linear(out_BLHh.reshape(B, L, H * h), p["o_proj"], p.get("o_bias"))
+
+
+def _moe(x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig):
+    raise NotImplementedError

@@ -1,0 +1,128 @@
+"""The one place that knows the mesh: logical axis names → mesh axes, and the shardings derived from them.
+
+Every parameter carries logical axes (`upcycler.layout`, plus `layers` for the stacked layer axis of
+`upcycler.train.params`); activations are named with the `batch`/`seq`/`act_*` axes below. `RULES` maps
+each logical axis to the mesh axes it is split over, and everything else — parameter shardings, batch
+shardings, constraints inside the model — is derived from it. The mesh has three axes:
+
+    data     pure data parallelism (parameters replicated)
+    fsdp     data parallelism with parameters, gradients and optimiser state split (ZeRO-3)
+    expert   expert parallelism: routed experts split over it; outside the experts it carries batch
+
+A dimension that does not divide evenly over its mesh axes is replicated instead, so a tiny test model
+runs on any mesh. A mesh axis may appear only once in one array's sharding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
+MeshAxes = str | tuple[str, ...] | None
+
+RULES: dict[str, MeshAxes] = {
+    # parameters (axis names from upcycler.layout)
+    "vocab": None,
+    "embed": "fsdp",
+    "q_heads": None,
+    "kv_heads": None,
+    "mlp": None,
+    "experts": "expert",
+    "expert_mlp": None,
+    "norm": None,
+    "layers": None,
+    # activations
+    "batch": ("data", "fsdp", "expert"),
+    "seq": None,
+    "act_embed": None,
+    "act_vocab": None,
+}
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, expert: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
+    """A (data, fsdp, expert) mesh over `devices` (all by default); one size may be -1 (the rest)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [data, fsdp, expert]
+    if sizes.count(-1) > 1:
+        raise ValueError("at most one mesh axis size may be -1")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices do not split into mesh axes {sizes}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if int(np.prod(sizes)) != len(devices):
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices, have {len(devices)}")
+    grid = np.asarray(devices, dtype=object).reshape(sizes)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _axis_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    return int(np.prod([mesh.shape[a] for a in axes]))
+
+
+def logical_to_spec(
+    axes: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | None = None,
+    rules: dict[str, MeshAxes] | None = None,
+) -> PartitionSpec:
+    """The PartitionSpec for one array with logical `axes`.
+
+    With `shape` and `mesh`, a dimension that does not divide by its mesh axes' size is replicated, and
+    mesh axes of size 1 are dropped. Raises if one mesh axis would split two dimensions.
+    """
+    rules = RULES if rules is None else rules
+    out: list[MeshAxes] = []
+    used: set[str] = set()
+    for i, name in enumerate(axes):
+        target = rules.get(name) if name is not None else None
+        if name is not None and name not in rules:
+            raise KeyError(f"logical axis {name!r} has no sharding rule; add it to RULES")
+        mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
+        if mesh is not None:
+            mesh_axes = tuple(a for a in mesh_axes if mesh.shape[a] > 1)
+            if shape is not None and mesh_axes and shape[i] % _axis_size(mesh, mesh_axes):
+                mesh_axes = ()
+        clash = used.intersection(mesh_axes)
+        if clash:
+            raise ValueError(f"mesh axis {sorted(clash)} would split two dimensions of an array with axes {tuple(axes)}")
+        used.update(mesh_axes)
+        out.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
+    while out and out[-1] is None:
+        out.pop()
+    return PartitionSpec(*out)
+
+
+def param_shardings(spec: Any, mesh: Mesh) -> Any:
+    """NamedShardings for the parameter tree of `spec` (same structure as `params.declare_tree(spec)`)."""
+    from upcycler.train.params import declare_tree
+
+    return jax.tree.map(
+        lambda info: NamedSharding(mesh, logical_to_spec(info.axes, info.shape, mesh)),
+        declare_tree(spec),
+        is_leaf=_is_info,
+    )
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Sharding of a `[B, L, ...]` batch array: batch split over data × fsdp × expert."""
+    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), mesh=mesh))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """Constrain an activation to its logical axes when a mesh is active (`jax.set_mesh`), else a no-op."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh))
+
+
+def _is_info(x: Any) -> bool:
+    return hasattr(x, "axes") and hasattr(x, "shape")

@@ -1,0 +1,156 @@
+"""Which Hugging Face MoE family an upcycled model is written as, and how it is fitted to it.
+
+Each target family holds a different MoE: Mixtral (no shared experts, no dense layers), Qwen3-MoE (no
+shared experts; q/k norms), Qwen2-MoE (one sigmoid-gated shared expert; q/k/v biases), GLM-4-MoE
+(sigmoid router, ungated shared experts, dense first layers). `choose_target` builds the MoE spec the
+request implies for each candidate and asks the family adapter (`Family.cannot_hold`) whether it can hold
+it exactly; `auto` takes the first that can, in the order of `AUTO_ORDER`.
+
+When the family cannot hold the *attention* of the source (q/k norms, biases), `--allow-approximate`
+lets `fit_attention` change it the least it can: zero biases are added (exact), biases the family lacks
+are dropped and q/k norms are dropped or inserted with unit weight (these change the function, and are
+reported as such).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from upcycler.errors import UpcyclerError
+from upcycler.families import FAMILIES, Family, conform_spec
+from upcycler.layout import layer_prefix
+from upcycler.spec import ModelSpec, MoESpec
+from upcycler.tensors import LazyTensor, TensorMap, constant, zeros
+
+AUTO_ORDER = ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe")
+DEFAULT_ROUTER = {"mixtral": "renormalized", "qwen2_moe": "renormalized", "qwen3_moe": "renormalized",
+                  "glm4_moe": "sigmoid"}
+
+
+@dataclass(frozen=True)
+class MoERequest:
+    """What the user asked for, in the terms of upcycling-math §1: N routed experts of width f, top-K, S shared shards."""
+
+    num_experts: int  # N
+    top_k: int  # K
+    expert_width: int  # f = F / G
+    shared_shards: int  # S
+    dense_layers: tuple[int, ...]
+    router: str | None  # None: the family's exact default
+    routed_scaling_factor: float
+
+
+@dataclass(frozen=True)
+class Target:
+    """The chosen family, the spec written for it, and the attention changes made to fit it."""
+
+    family: Family
+    spec: ModelSpec
+    attention: tuple[tuple[str, bool], ...] = ()  # (attention property, its new value)
+    lossy: tuple[str, ...] = ()  # what the attention changes lose, for the report
+
+
+def moe_spec(request: MoERequest, family: str) -> MoESpec:
+    """The MoESpec `family` stores for `request` (shared shards: one gated expert or S ungated ones)."""
+    r = request
+    shared = r.shared_shards * r.expert_width
+    return MoESpec(
+        num_experts=r.num_experts, top_k=r.top_k, expert_width=r.expert_width,
+        router=r.router or DEFAULT_ROUTER[family],  # type: ignore[arg-type]
+        routed_scaling_factor=r.routed_scaling_factor if family == "glm4_moe" else 1.0,
+        shared_width=shared,
+        num_shared_experts=(1 if shared else 0) if family == "qwen2_moe" else r.shared_shards,
+        shared_gated=family == "qwen2_moe" and bool(shared),
+    )
+
+
+def candidate(source: ModelSpec, request: MoERequest, family: str) -> ModelSpec:
+    return source.replace(family=family, moe=moe_spec(request, family), dense_layers=request.dense_layers)
+
+
+def reasons(spec: ModelSpec, family: Family) -> list[str]:
+    """Why `family` cannot hold `spec` exactly, after the function-neutral fixes the writer makes."""
+    return family.cannot_hold(conform_spec(spec, family))
+
+
+def choose_target(source: ModelSpec, request: MoERequest, name: str, *, allow_approximate: bool) -> tuple[Target, str]:
+    """The target family (`name`, or the first of `AUTO_ORDER` that fits for "auto") and why it was chosen."""
+    names = AUTO_ORDER if name == "auto" else (name,)
+    refused: dict[str, list[str]] = {}
+    for fam in names:
+        spec = candidate(source, request, fam)
+        why = reasons(spec, FAMILIES[fam])
+        if not why:
+            return Target(FAMILIES[fam], spec), _why(name, fam, refused)
+        refused[fam] = why
+    if allow_approximate:
+        for fam in names:
+            target = fit_attention(candidate(source, request, fam), FAMILIES[fam])
+            if target is not None:
+                return target, _why(name, fam, {k: v for k, v in refused.items() if k != fam})
+    detail = "; ".join(f"{fam}: {', '.join(why)}" for fam, why in refused.items())
+    hint = "" if allow_approximate else " (or pass --allow-approximate if only the attention differs)"
+    raise UpcyclerError(f"no target family can hold this request exactly ({detail}); "
+                        f"change --shared-experts/--dense-layers/--target{hint}")
+
+
+def _why(name: str, chosen: str, refused: dict[str, list[str]]) -> str:
+    if name != "auto":
+        return f"target {chosen} (as requested)"
+    skipped = "; ".join(f"{fam} cannot ({', '.join(why)})" for fam, why in refused.items())
+    tail = f"; {skipped})" if skipped else ")"
+    return f"target {chosen} (auto: the first of {', '.join(AUTO_ORDER)} that holds it exactly{tail}"
+
+
+_ATTENTION = ("qk_norm", "qkv_bias", "o_bias", "mlp_bias")
+
+
+def fit_attention(spec: ModelSpec, family: Family) -> Target | None:
+    """The variant of `spec` with the fewest attention/bias changes that `family` holds, or None."""
+    current = tuple(getattr(spec, a) for a in _ATTENTION)
+    variants = sorted(itertools.product((False, True), repeat=len(_ATTENTION)),
+                      key=lambda v: sum(a != b for a, b in zip(v, current)))
+    for values in variants:
+        if values[3] and not current[3]:
+            continue  # never invent MLP biases
+        changed = {a: v for a, v, c in zip(_ATTENTION, values, current) if v != c}
+        fitted = spec.replace(**changed)
+        if not reasons(fitted, family):
+            lossy = tuple(_loss(a, v) for a, v in changed.items() if a == "qk_norm" or not v)
+            return Target(family, fitted, tuple(changed.items()), lossy)
+    return None
+
+
+def _loss(attr: str, value: bool) -> str:
+    if attr == "qk_norm":
+        return "q/k norms inserted with unit weight" if value else "q/k norms dropped"
+    return f"{attr.replace('_', ' ')}es dropped"
+
+
+def apply_attention(target: Target, source: ModelSpec, tensors: TensorMap) -> TensorMap:
+    """The tensors of `source` with the attention changes of `target` made (zeros or ones added, others dropped)."""
+    changes = dict(target.attention)
+    if not changes:
+        return tensors
+    hd, q, kv, D = source.head_dim, source.num_heads * source.head_dim, source.num_kv_heads * source.head_dim, \
+        source.hidden_size
+    dtype = tensors["embed"].dtype
+    shapes = {"qk_norm": {"attn.q_norm": (hd,), "attn.k_norm": (hd,)},
+              "qkv_bias": {"attn.q_bias": (q,), "attn.k_bias": (kv,), "attn.v_bias": (kv,)},
+              "o_bias": {"attn.o_bias": (D,)},
+              "mlp_bias": {"mlp.gate_bias": (source.intermediate_size,), "mlp.up_bias": (source.intermediate_size,),
+                           "mlp.down_bias": (D,)}}
+    added: dict[str, LazyTensor] = {}
+    dropped: list[str] = []
+    for attr, value in changes.items():
+        for i in range(source.num_layers):
+            for suffix, shape in shapes[attr].items():
+                name = layer_prefix(i) + suffix
+                if value:
+                    added[name] = constant(np.ones(shape, dtype)) if attr == "qk_norm" else zeros(shape, dtype)
+                else:
+                    dropped.append(name)
+    return tensors.without(dropped).updated(added)

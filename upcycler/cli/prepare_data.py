@@ -1,0 +1,62 @@
+"""`upcycle prepare-data`: tokenise text sources once, with the checkpoint's tokenizer, for training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from upcycler.train.data_readers import FORMATS, TEXT_UNITS
+
+
+@click.command("prepare-data")
+@click.option(
+    "--tokenizer",
+    "tokenizer_path",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="tokenizer.json, or the model directory holding it.",
+)
+@click.option(
+    "--source",
+    "sources",
+    required=True,
+    multiple=True,
+    metavar="NAME=GLOB_OR_FILE",
+    help="A named source and its files; repeat for more sources or more files of one source.",
+)
+@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Directory to write to.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None, help="Input format [default: by extension].")
+@click.option("--text-field", default="text", show_default=True, help="The text field of JSONL / Parquet records.")
+@click.option(
+    "--text-unit",
+    type=click.Choice(TEXT_UNITS),
+    default="file",
+    show_default=True,
+    help="What one document of a plain text file is.",
+)
+@click.option("--eos", default=None, help="EOS token or id [default: from the tokenizer's configs / special tokens].")
+@click.option("--overwrite", is_flag=True, help="Replace sources already prepared in --out.")
+def command(
+    tokenizer_path: Path,
+    sources: tuple[str, ...],
+    out_dir: Path,
+    fmt: str | None,
+    text_field: str,
+    text_unit: str,
+    eos: str | None,
+    overwrite: bool,
+) -> None:
+    """Tokenise sources into OUT/NAME.tokens.npy + OUT/NAME.meta.json, each document followed by EOS."""
+    from upcycler.train.data_prepare import load_tokenizer, parse_sources, prepare_sources
+
+    tokenizer = load_tokenizer(tokenizer_path, eos)
+    files = parse_sources(sources)
+    metas = prepare_sources(
+        tokenizer, files, out_dir, fmt=fmt, text_field=text_field, text_unit=text_unit, overwrite=overwrite
+    )
+    for meta in metas:
+        click.echo(
+            f"{meta['name']}: {meta['num_documents']} documents, {meta['num_tokens']} tokens "
+            f"({meta['dtype']}) from {len(meta['files'])} files -> {out_dir / meta['tokens_file']}"
+        )
