@@ -29,6 +29,7 @@ from tqdm import tqdm
 from upcycler.errors import UpcyclerError
 from upcycler.families import Family, conform, family_named
 from upcycler.io.checkpoint import MANIFEST, Checkpoint
+from upcycler.io.hashing import sha256_file
 from upcycler.io.hf_read import INDEX, SINGLE
 from upcycler.io.safetensors_file import ShardWriter
 from upcycler.layout import declare_params
@@ -143,14 +144,16 @@ def write_hf(
     shards = split_shards(items, shard_size)
     total = sum(i.nbytes for i in items)
     with staged_directory(out, overwrite=overwrite) as tmp:
-        files = _write_shards(tmp, shards, total, progress)
+        files: dict[str, str | None] = dict(_write_shards(tmp, shards, total, progress))
         config = {**target.write_config(spec), "torch_dtype": dtype_name(tensors["embed"].dtype)}
-        files["config.json"] = _write_json(tmp / "config.json", config)
+        _write_json(tmp / "config.json", config)
+        files["config.json"] = None
         if len(shards) > 1:
             index = {"metadata": {"total_size": total, "total_parameters": spec.total_params()},
                      "weight_map": {i.name: name for name, shard in zip(_shard_names(len(shards)), shards)
                                     for i in shard}}
-            files[INDEX] = _write_json(tmp / INDEX, index)
+            _write_json(tmp / INDEX, index)
+            files[INDEX] = None
         for side in ckpt.side_files:
             shutil.copyfile(side, tmp / side.name)
             files[side.name] = None
@@ -165,39 +168,39 @@ def _shard_names(n: int) -> list[str]:
     return [SINGLE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
 
 
-def _write_shards(tmp: Path, shards: list[list[_Item]], total: int, progress: bool) -> dict[str, str | None]:
-    hashes: dict[str, str | None] = {}
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc="writing", disable=not progress or None)
-    with ThreadPoolExecutor(max_workers=1) as pool, bar:
-        flat = [(name, item) for name, shard in zip(_shard_names(len(shards)), shards) for item in shard]
-        pending = pool.submit(flat[0][1].produce) if flat else None
-        writers: dict[str, ShardWriter] = {}
-        for k, (name, item) in enumerate(flat):
-            array = pending.result()
-            pending = pool.submit(flat[k + 1][1].produce) if k + 1 < len(flat) else None
-            if name not in writers:
-                if writers:
-                    done = next(iter(writers))
-                    hashes[done] = writers.pop(done).close()
-                shard = next(s for n, s in zip(_shard_names(len(shards)), shards) if n == name)
-                writers[name] = ShardWriter(tmp / name, [(i.name, i.shape, i.dtype) for i in shard],
-                                            {"format": "pt"})
-            writers[name].write(item.name, array)
-            bar.update(item.nbytes)
-            del array
-        for name, writer in writers.items():
-            hashes[name] = writer.close()
+def _write_shards(tmp: Path, shards: list[list[_Item]], total: int, progress: bool) -> dict[str, str]:
+    """Write every shard; return the sha256 of each, computed while its bytes streamed out."""
+    hashes = {}
+    arrays = _prefetched([item for shard in shards for item in shard])
+    with tqdm(total=total, unit="B", unit_scale=True, desc="writing", disable=not progress or None) as bar:
+        for name, shard in zip(_shard_names(len(shards)), shards):
+            writer = ShardWriter(tmp / name, [(i.name, i.shape, i.dtype) for i in shard], {"format": "pt"})
+            try:
+                for item in shard:
+                    writer.write(item.name, next(arrays))
+                    bar.update(item.nbytes)
+                hashes[name] = writer.close()
+            except BaseException:
+                writer.abort()
+                raise
     return hashes
+
+
+def _prefetched(items: list[_Item]) -> Iterator[np.ndarray]:
+    """Each item's array in order; the next one is produced on a worker thread while this one is written."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(items[0].produce) if items else None
+        for k in range(len(items)):
+            array = pending.result()
+            pending = pool.submit(items[k + 1].produce) if k + 1 < len(items) else None
+            yield array
+            del array
 
 
 def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
-    return None
 
 
 def _file_record(path: Path, sha: str | None) -> dict:
-    if sha is None:
-        from upcycler.io.hashing import sha256_file
-
-        sha = sha256_file(path)
-    return {"bytes": path.stat().st_size, "sha256": sha}
+    """Size and sha256 of a written file (hashed now unless it was hashed while streaming)."""
+    return {"bytes": path.stat().st_size, "sha256": sha or sha256_file(path)}
