@@ -3,6 +3,7 @@ shuffles, token-share mixing by phase, exact resume, multi-process slicing and c
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import sys
@@ -18,8 +19,15 @@ from upcycler.cli import main
 from upcycler.errors import UpcyclerError
 from upcycler.train.data_config import DataConfig, Phase
 from upcycler.train.data_mix import MixSchedule, make_data_iterator
-from upcycler.train.data_prepare import load_tokenizer, parse_sources, prepare_sources, token_dtype
-from upcycler.train.data_sources import ExampleStream, Windows, open_source
+from upcycler.train.data_prepare import parse_sources, prepare_sources, token_dtype
+from upcycler.train.data_sources import (
+    MATERIALISE_BELOW,
+    ExampleStream,
+    Windows,
+    open_source,
+    stable_permutation,
+)
+from upcycler.train.data_tokenizer import load_tokenizer
 
 WORDS = [f"w{i}" for i in range(60)]
 SEQ_LEN = 16
@@ -46,7 +54,9 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict:
     (root / "web-0.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs["web"][:200]))
     (root / "web-1.jsonl").write_text("".join(json.dumps({"text": d}) + "\n\n" for d in docs["web"][200:]))
     (root / "code.txt").write_text("\n\n".join(docs["code"]) + "\n")
-    (root / "math.jsonl").write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs["math"])))
+    (root / "math.jsonl").write_text(
+        "".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs["math"]))
+    )
     return {"root": root, "docs": docs, "tokenizer": _tokenizer(root / "tokenizer.json", ["<unk>", "</s>"])}
 
 
@@ -54,7 +64,15 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def prepared(corpus: dict) -> Path:
     """The corpus prepared through the CLI."""
     root, out = corpus["root"], corpus["root"] / "prepared"
-    args = ["prepare-data", "--tokenizer", str(corpus["tokenizer"]), "--out", str(out), "--text-unit", "paragraph"]
+    args = [
+        "prepare-data",
+        "--tokenizer",
+        str(corpus["tokenizer"]),
+        "--out",
+        str(out),
+        "--text-unit",
+        "paragraph",
+    ]
     for name, pattern in (("web", "web-*.jsonl"), ("code", "code.txt"), ("math", "math.jsonl")):
         args += ["--source", f"{name}={root / pattern}"]
     result = CliRunner().invoke(main, args)
@@ -78,7 +96,9 @@ def _batches(iterator, count: int) -> list[dict]:
 
 
 def _same(a: list[dict], b: list[dict]) -> bool:
-    return len(a) == len(b) and all(x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x) for x, y in zip(a, b)
+    )
 
 
 def test_prepare_writes_the_documents_with_eos_and_metadata(corpus: dict, prepared: Path) -> None:
@@ -134,10 +154,14 @@ def test_bad_input_fails_without_output(tmp_path: Path, corpus: dict, content: s
     assert not (tmp_path / "out").exists()
 
 
-def test_cli_errors_are_one_line(tmp_path: Path, corpus: dict, prepared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_errors_are_one_line(
+    tmp_path: Path, corpus: dict, prepared: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def run(*args: str) -> str:
         result = CliRunner().invoke(main, ["prepare-data", "--tokenizer", str(corpus["tokenizer"]), *args])
-        assert result.exit_code == 2 and result.output.startswith("error: ") and result.output.count("\n") == 1
+        assert (
+            result.exit_code == 2 and result.output.startswith("error: ") and result.output.count("\n") == 1
+        )
         return result.output
 
     web = str(corpus["root"] / "web-0.jsonl")
@@ -160,22 +184,31 @@ def test_windows_overlap_by_one_token_and_lose_nothing(length: int) -> None:
     targets = np.concatenate([t[m > 0] for _, t, m in examples])
     inputs = np.concatenate([x[m > 0] for x, _, m in examples])
     assert targets.tolist() == tokens[1:].tolist() and inputs.tolist() == tokens[:-1].tolist()
-    for (_, previous, _), (following, _, _) in zip(examples, examples[1:]):
+    for (_, previous, _), (following, _, _) in itertools.pairwise(examples):
         assert following[0] == previous[-1]
     assert all(m.all() for _, _, m in examples[:-1])
 
 
-def test_each_epoch_is_a_fresh_permutation(prepared: Path) -> None:
+@pytest.mark.parametrize("materialise_below", [MATERIALISE_BELOW, 0], ids=["array", "grain"])
+def test_each_epoch_is_a_fresh_permutation(prepared: Path, materialise_below: int) -> None:
     source = open_source(prepared, "code")
-    stream = ExampleStream(Windows(source.tokens, SEQ_LEN, 1), "code", seed=5)
+    windows = Windows(source.tokens, SEQ_LEN, 1)
+    stream = ExampleStream(windows, "code", seed=5, materialise_below=materialise_below)
     n = stream.epoch_size
     epochs = [[stream.window_index(k * n + i) for i in range(n)] for k in range(3)]
     assert all(sorted(e) == list(range(n)) for e in epochs)
     assert epochs[0] != epochs[1] != epochs[2]
-    assert epochs[1] == [ExampleStream(stream.windows, "code", seed=5).window_index(n + i) for i in range(n)]
-    assert epochs[0] != [ExampleStream(stream.windows, "web", seed=5).window_index(i) for i in range(n)]
+    again = ExampleStream(windows, "code", seed=5, materialise_below=materialise_below)
+    assert epochs[1] == [again.window_index(n + i) for i in range(n)]
+    other = ExampleStream(windows, "web", seed=5, materialise_below=materialise_below)
+    assert epochs[0] != [other.window_index(i) for i in range(n)]
     targets = np.concatenate([stream.windows[i][1][stream.windows[i][2] > 0] for i in sorted(epochs[0])])
     assert targets.tolist() == source.tokens[1:].tolist()
+
+
+def test_shuffles_are_pinned_integer_arithmetic() -> None:
+    assert stable_permutation(8, 0).tolist() == [0, 7, 3, 1, 5, 4, 6, 2]
+    assert stable_permutation(8, 2**64 - 1).tolist() == [6, 0, 2, 5, 3, 4, 7, 1]
 
 
 def test_mixing_matches_token_shares(prepared: Path) -> None:
@@ -207,6 +240,13 @@ def test_phase_switches_at_exactly_the_boundary_and_streams_continue() -> None:
     assert example[source == 0].tolist() == sorted(example[source == 0].tolist())
 
 
+def test_iterator_switches_phase_at_the_boundary_step(prepared: Path) -> None:
+    config = _config(prepared, phases=(Phase({"web": 1.0}, until_step=3), Phase({"math": 1.0})))
+    iterator = make_data_iterator(config)
+    names = [{iterator.source_names[i] for i in next(iterator)["source_id"]} for _ in range(6)]
+    assert names == [{"web"}] * 3 + [{"math"}] * 3
+
+
 def test_resume_gives_the_batches_of_an_uninterrupted_run(prepared: Path) -> None:
     config = _config(prepared, phases=(Phase({"web": 0.5, "code": 0.5}, 6), Phase({"math": 0.4, "web": 0.6})))
     first = make_data_iterator(config)
@@ -235,7 +275,9 @@ def test_grain_checkpoint_handler_round_trips_the_state(tmp_path: Path, prepared
     _batches(iterator, 3)
     grain.checkpoint.CheckpointHandler().save(tmp_path, item=iterator)
     expected = _batches(iterator, 2)
-    restored = grain.checkpoint.CheckpointHandler().restore(tmp_path, item=make_data_iterator(_config(prepared)))
+    restored = grain.checkpoint.CheckpointHandler().restore(
+        tmp_path, item=make_data_iterator(_config(prepared))
+    )
     assert _same(_batches(restored, 2), expected)
 
 
@@ -251,10 +293,24 @@ def test_processes_get_disjoint_rows_of_the_same_global_batch(prepared: Path) ->
     assert whole[0]["inputs"].dtype == np.int32 and whole[0]["mask"].dtype == np.float32
 
 
+def test_truncated_tokens_are_reported(tmp_path: Path, prepared: Path) -> None:
+    for suffix in (".tokens.npy", ".meta.json"):
+        (tmp_path / f"math{suffix}").write_bytes((prepared / f"math{suffix}").read_bytes())
+    data = (tmp_path / "math.tokens.npy").read_bytes()
+    (tmp_path / "math.tokens.npy").write_bytes(data[: len(data) // 2])
+    with pytest.raises(
+        UpcyclerError, match=r"math\.meta\.json: unreadable prepared source .*re-run upcycle prepare-data"
+    ):
+        open_source(tmp_path, "math")
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"sources": ("web", "code"), "phases": (Phase({"web": 0.5, "math": 0.5}),)}, "unknown source 'math'"),
+        (
+            {"sources": ("web", "code"), "phases": (Phase({"web": 0.5, "math": 0.5}),)},
+            "unknown source 'math'",
+        ),
         ({"phases": (Phase({"web": 0.5, "news": 0.5}),)}, "no prepared source 'news'"),
         ({"phases": (Phase({"web": 0.7, "code": 0.2}),)}, "sum to 0.9, not 1"),
         ({"phases": (Phase({"web": 1.0}, 10), Phase({"code": 1.0}, 10), Phase({"web": 1.0}))}, "increasing"),
@@ -280,4 +336,6 @@ def test_config_from_yaml_mapping(tmp_path: Path) -> None:
     with pytest.raises(UpcyclerError, match="train.yaml: unknown key 'weight'"):
         DataConfig.from_dict({**raw, "weight": 1}, origin="train.yaml")
     with pytest.raises(UpcyclerError, match=r"train.yaml: phases\[1\].weights sum to 1.1"):
-        DataConfig.from_dict({**raw, "phases": [raw["phases"][0], {"weights": {"code": 1.1}}]}, origin="train.yaml")
+        DataConfig.from_dict(
+            {**raw, "phases": [raw["phases"][0], {"weights": {"code": 1.1}}]}, origin="train.yaml"
+        )

@@ -70,6 +70,8 @@ class DataConfig:
         _positive(process_count, "process_count", origin)
         if not _is_int(self.seed) or self.seed < 0:
             raise UpcyclerError(f"{origin}: seed must be a non-negative integer, not {self.seed!r}")
+        if not isinstance(self.shuffle, bool):
+            raise UpcyclerError(f"{origin}: shuffle must be true or false, not {self.shuffle!r}")
         if not _is_int(self.prefetch) or self.prefetch < 0:
             raise UpcyclerError(f"{origin}: prefetch must be a non-negative integer, not {self.prefetch!r}")
         if self.global_batch_size % process_count:
@@ -96,7 +98,12 @@ class DataConfig:
                 raise UpcyclerError(
                     f"{where}.weights: unknown source {name!r}; use one of {', '.join(self.source_names)}"
                 )
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, (int, float))
+                or not math.isfinite(weight)
+                or weight < 0
+            ):
                 raise UpcyclerError(f"{where}.weights.{name} is {weight!r}; weights are non-negative numbers")
         total = math.fsum(weights.values())
         if abs(total - 1.0) > WEIGHT_TOLERANCE:
@@ -115,7 +122,9 @@ class DataConfig:
         if not isinstance(phases, list):
             raise UpcyclerError(f"{origin}: phases must be a list of {{until_step, weights}} mappings")
         sources = raw.get("sources")
-        if sources is not None and (not isinstance(sources, list) or not all(isinstance(s, str) for s in sources)):
+        if sources is not None and (
+            not isinstance(sources, list) or not all(isinstance(s, str) for s in sources)
+        ):
             raise UpcyclerError(f"{origin}: sources must be a list of source names")
         config = cls(
             dir=Path(raw["dir"]),
@@ -124,7 +133,7 @@ class DataConfig:
             phases=tuple(_phase(p, f"{origin}: phases[{k}]") for k, p in enumerate(phases)),
             seed=raw.get("seed", 0),
             sources=None if sources is None else tuple(sources),
-            shuffle=bool(raw.get("shuffle", True)),
+            shuffle=raw.get("shuffle", True),
             prefetch=raw.get("prefetch", 2),
         )
         config.check(origin=origin)

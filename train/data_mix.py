@@ -7,7 +7,8 @@ process reads only its own rows, whatever the process count.
 
 Allocation within a phase: the weights are rounded to integer quotas over a period of `PATTERN_PERIOD`
 examples (largest remainder; weights with 4 decimals are exact) and spread over the period by smooth
-weighted round-robin, so any run of examples holds each source within about one example of its share.
+weighted round-robin, so every prefix of a phase holds each source within one example of its quota
+(any run of examples within two).
 The rows of each batch are then permuted by a permutation seeded from (seed, step). All examples carry L
 targets except the one short example per epoch of a source, so example shares are token shares.
 
@@ -129,7 +130,9 @@ class MixSchedule:
 class _Batches:
     """Random access `step -> batch` for the rows [lo, hi) of the global batch; a Grain MapDataset source."""
 
-    def __init__(self, schedule: MixSchedule, streams: Sequence[ExampleStream], lo: int, hi: int, seq_len: int):
+    def __init__(
+        self, schedule: MixSchedule, streams: Sequence[ExampleStream], lo: int, hi: int, seq_len: int
+    ):
         self.schedule, self.streams, self.lo, self.hi, self.seq_len = schedule, streams, lo, hi, seq_len
 
     def __len__(self) -> int:
@@ -165,7 +168,11 @@ class DataIterator(grain.DatasetIterator):
         self.eos_id = int(sources[0].meta["eos_id"])
         self.schedule = batches.schedule
         self._dataset = grain.MapDataset.source(batches)
-        self._identity = {"seed": config.seed, "seq_len": config.seq_len, "global_batch_size": config.global_batch_size}
+        self._identity = {
+            "seed": config.seed,
+            "seq_len": config.seq_len,
+            "global_batch_size": config.global_batch_size,
+        }
         self._prefetch = config.prefetch
         self._inner: grain.DatasetIterator | None = None
         self._restart(step)
@@ -173,7 +180,9 @@ class DataIterator(grain.DatasetIterator):
     def _restart(self, step: int) -> None:
         if self._inner is not None:
             self._inner.close()
-        options = grain.ReadOptions(num_threads=1 if self._prefetch else 0, prefetch_buffer_size=self._prefetch)
+        options = grain.ReadOptions(
+            num_threads=1 if self._prefetch else 0, prefetch_buffer_size=self._prefetch
+        )
         self._inner = iter(self._dataset[step:].to_iter_dataset(options))
         self._step = step
 
@@ -233,7 +242,9 @@ def make_data_iterator(
     sources = [open_source(config.dir, name) for name in config.source_names]
     _check_compatible(sources, config)
     streams = [
-        ExampleStream(Windows(s.tokens, config.seq_len, int(s.meta["eos_id"])), s.name, config.seed, config.shuffle)
+        ExampleStream(
+            Windows(s.tokens, config.seq_len, int(s.meta["eos_id"])), s.name, config.seed, config.shuffle
+        )
         for s in sources
     ]
     schedule = MixSchedule(config.source_names, config.phases, config.global_batch_size, config.seed)

@@ -40,11 +40,15 @@ def detect_format(path: Path) -> str:
         suffixes.pop()
     fmt = _EXTENSIONS.get(suffixes[-1]) if suffixes else None
     if fmt is None:
-        raise UpcyclerError(f"{path}: cannot tell the format from the file name; pass --format text|jsonl|parquet")
+        raise UpcyclerError(
+            f"{path}: cannot tell the format from the file name; pass --format text|jsonl|parquet"
+        )
     return fmt
 
 
-def read_documents(path: Path, fmt: str, *, text_field: str = "text", text_unit: str = "file") -> Iterator[str]:
+def read_documents(
+    path: Path, fmt: str, *, text_field: str = "text", text_unit: str = "file"
+) -> Iterator[str]:
     """Yield the non-empty documents of `path` in file order, streaming."""
     if fmt == "text":
         yield from _checked_utf8(path, _text_documents(path, text_unit))
@@ -124,12 +128,15 @@ def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
 
 def _parquet_documents(path: Path, text_field: str) -> Iterator[str]:
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise UpcyclerError(f"{path}: reading Parquet needs pyarrow; install it with `pip install pyarrow`") from None
+        raise UpcyclerError(
+            f"{path}: reading Parquet needs pyarrow; install it with `pip install pyarrow`"
+        ) from None
     try:
         parquet = pq.ParquetFile(path)
-    except Exception as err:  # pyarrow raises ArrowInvalid / OSError subclasses for bad files
+    except (pa.ArrowException, OSError, ValueError) as err:
         raise UpcyclerError(f"{path}: not a readable Parquet file ({err}); check the --source path") from None
     columns = parquet.schema_arrow.names
     if text_field not in columns:
@@ -146,5 +153,7 @@ def _text_value(value: object, where: str, text_field: str) -> Iterator[str]:
     if value is None or value == "":
         return
     if not isinstance(value, str):
-        raise UpcyclerError(f"{where}: field {text_field!r} is {type(value).__name__}, not text; pass --text-field NAME")
+        raise UpcyclerError(
+            f"{where}: field {text_field!r} is {type(value).__name__}, not text; pass --text-field NAME"
+        )
     yield value

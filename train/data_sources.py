@@ -23,7 +23,7 @@ import numpy as np
 from upcycler.errors import UpcyclerError
 from upcycler.train.data_prepare import FORMAT_VERSION, META_SUFFIX, TOKENS_SUFFIX
 
-MATERIALISE_BELOW = 1 << 22
+MATERIALISE_BELOW = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,16 @@ def open_source(directory: Path, name: str) -> TokenSource:
             raise ValueError(f"format_version {meta['format_version']}")
         tokens = np.load(directory / f"{name}{TOKENS_SUFFIX}", mmap_mode="r")
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise UpcyclerError(f"{meta_path}: unreadable prepared source ({err}); re-run upcycle prepare-data") from None
-    if tokens.ndim != 1 or tokens.shape[0] != meta.get("num_tokens") or tokens.dtype.name != meta.get("dtype"):
         raise UpcyclerError(
-            f"{directory / meta['tokens_file']}: does not match {meta_path.name} (truncated or replaced); "
+            f"{meta_path}: unreadable prepared source ({err}); re-run upcycle prepare-data"
+        ) from None
+    if (
+        tokens.ndim != 1
+        or tokens.shape[0] != meta.get("num_tokens")
+        or tokens.dtype.name != meta.get("dtype")
+    ):
+        raise UpcyclerError(
+            f"{directory / f'{name}{TOKENS_SUFFIX}'}: does not match {meta_path.name} (truncated or replaced); "
             "re-run upcycle prepare-data"
         )
     return TokenSource(name, tokens, meta)
@@ -74,7 +80,7 @@ class Windows:
         self.pad_id = pad_id
 
     def __len__(self) -> int:
-        return -(-(self.tokens.shape[0] - 1) // self.seq_len)
+        return (self.tokens.shape[0] - 1 + self.seq_len - 1) // self.seq_len
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """inputs_L and targets_L (int32) and mask_L (float32, 1 where the target is real)."""
@@ -94,7 +100,7 @@ class Windows:
 
 def derive_seed(*parts: object, bits: int = 64) -> int:
     """A `bits`-bit seed determined by `parts` alone; distinct parts give unrelated seeds."""
-    digest = hashlib.sha256("upcycler.data/".encode() + "/".join(map(str, parts)).encode()).digest()
+    digest = hashlib.sha256(b"upcycler.data/" + "/".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[: bits // 8], "little")
 
 
@@ -121,12 +127,17 @@ class ExampleStream:
 
     `order_k` is a permutation of range(n) seeded by (seed, name, k), or the identity if `shuffle` is
     False, so every window appears exactly once per epoch. Epochs of fewer than `materialise_below`
-    windows hold their order as an array (4 to 8 bytes per window); larger ones use Grain's index
+    windows hold their order as an int32 array; larger ones use Grain's index
     shuffle, which needs no memory but costs about 10 us per lookup.
     """
 
     def __init__(
-        self, windows: Windows, name: str, seed: int, shuffle: bool = True, materialise_below: int = MATERIALISE_BELOW
+        self,
+        windows: Windows,
+        name: str,
+        seed: int,
+        shuffle: bool = True,
+        materialise_below: int = MATERIALISE_BELOW,
     ):
         self.windows = windows
         self.name = name
@@ -155,7 +166,7 @@ class ExampleStream:
             if order is None:
                 seed = derive_seed(self.seed, self.name, epoch, bits=32)
                 if self.epoch_size < self.materialise_below:
-                    order = stable_permutation(self.epoch_size, seed)
+                    order = stable_permutation(self.epoch_size, seed).astype(np.int32)
                 else:
                     order = grain.MapDataset.range(self.epoch_size).shuffle(seed=seed)
                 kept = {k: v for k, v in self._orders.items() if k == epoch - 1}

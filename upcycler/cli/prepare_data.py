@@ -25,9 +25,15 @@ from upcycler.train.data_readers import FORMATS, TEXT_UNITS
     metavar="NAME=GLOB_OR_FILE",
     help="A named source and its files; repeat for more sources or more files of one source.",
 )
-@click.option("--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Directory to write to.")
-@click.option("--format", "fmt", type=click.Choice(FORMATS), default=None, help="Input format [default: by extension].")
-@click.option("--text-field", default="text", show_default=True, help="The text field of JSONL / Parquet records.")
+@click.option(
+    "--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Directory to write to."
+)
+@click.option(
+    "--format", "fmt", type=click.Choice(FORMATS), default=None, help="Input format [default: by extension]."
+)
+@click.option(
+    "--text-field", default="text", show_default=True, help="The text field of JSONL / Parquet records."
+)
 @click.option(
     "--text-unit",
     type=click.Choice(TEXT_UNITS),
@@ -35,7 +41,9 @@ from upcycler.train.data_readers import FORMATS, TEXT_UNITS
     show_default=True,
     help="What one document of a plain text file is.",
 )
-@click.option("--eos", default=None, help="EOS token or id [default: from the tokenizer's configs / special tokens].")
+@click.option(
+    "--eos", default=None, help="EOS token or id [default: from the tokenizer's configs / special tokens]."
+)
 @click.option("--overwrite", is_flag=True, help="Replace sources already prepared in --out.")
 def command(
     tokenizer_path: Path,
@@ -48,7 +56,8 @@ def command(
     overwrite: bool,
 ) -> None:
     """Tokenise sources into OUT/NAME.tokens.npy + OUT/NAME.meta.json, each document followed by EOS."""
-    from upcycler.train.data_prepare import load_tokenizer, parse_sources, prepare_sources
+    from upcycler.train.data_prepare import parse_sources, prepare_sources
+    from upcycler.train.data_tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path, eos)
     files = parse_sources(sources)
