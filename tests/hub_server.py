@@ -7,8 +7,9 @@ endpoint explicitly. Knobs for tests:
 
 - `fail(route, status, times)` makes the next `times` requests to a route (all of them when `times` is
   None, until `clear_failures()`) answer `status`; routes are the names in `ROUTES`.
-- `require_token(token)` answers 401 to any request without `Authorization: Bearer <token>`.
-- `requests` records every request as `(method, route, path)`.
+- `require_token(token)` answers 401 to any request without `Authorization: Bearer <token>` (except
+  the LFS PUT, which goes to a pre-signed URL on the real Hub).
+- `requests` records every request as `(method, route, path)`; unknown routes as route "unknown".
 
     with FakeHub() as hub:
         HfApi(endpoint=hub.url, token="t").create_repo("me/model")
@@ -25,6 +26,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote, urlsplit
+
+import yaml
 
 REPO = r"(?P<repo>[^/]+/[^/]+)"
 REV = r"(?P<rev>[^/]+)"
@@ -46,6 +49,7 @@ ROUTES: list[tuple[str, str, re.Pattern[str]]] = [
         ("HEAD", "resolve", rf"/{REPO}/resolve/{REV}/(?P<path>.+)"),
     ]
 ]
+Response = tuple[int, dict[str, str], bytes]  # status, headers, body
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".npz")
 LFS_MIN_BYTES = 10 * 1024 * 1024
 
@@ -83,7 +87,7 @@ class FakeHub:
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
 
     # --- lifecycle and knobs ---------------------------------------------------------------------------
-    def start(self) -> "FakeHub":
+    def start(self) -> FakeHub:
         threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()
         return self
 
@@ -91,7 +95,7 @@ class FakeHub:
         self._server.shutdown()
         self._server.server_close()
 
-    def __enter__(self) -> "FakeHub":
+    def __enter__(self) -> FakeHub:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -112,19 +116,15 @@ class FakeHub:
         return {path: data for path, (data, _) in repo.commits[repo.branches[revision]].items()}
 
     # --- dispatch ------------------------------------------------------------------------------------
-    def handle(
-        self, method: str, raw_path: str, headers: Any, body: bytes
-    ) -> tuple[int, dict[str, str], bytes]:
+    def handle(self, method: str, raw_path: str, headers: Any, body: bytes) -> Response:
         path = urlsplit(raw_path).path
-        for m, route, pattern in ROUTES:
-            match = pattern.fullmatch(path)
-            if m == method and match:
-                break
-        else:
-            return _json(404, {"error": f"no route for {method} {path}"})
-        args = {k: unquote(v) for k, v in match.groupdict().items() if v is not None}
+        found = next(((r, m) for verb, r, p in ROUTES if verb == method and (m := p.fullmatch(path))), None)
         with self._lock:
-            self.requests.append((method, route, path))
+            self.requests.append((method, found[0] if found else "unknown", path))
+            if found is None:
+                return _json(404, {"error": f"no route for {method} {path}"})
+            route, match = found
+            args = {k: unquote(v) for k, v in match.groupdict().items() if v is not None}
             try:
                 self._check(route, headers)
                 return getattr(self, "_on_" + route.replace("-", "_"))(body=body, method=method, **args)
@@ -166,7 +166,7 @@ class FakeHub:
         return oid
 
     # --- routes --------------------------------------------------------------------------------------
-    def _on_create(self, body: bytes, **_: Any) -> tuple[int, dict[str, str], bytes]:
+    def _on_create(self, body: bytes, **_: Any) -> Response:
         req = json.loads(body)
         repo_id = f"{req.get('organization') or 'user'}/{req['name']}"
         if repo_id in self.repos:
@@ -178,19 +178,17 @@ class FakeHub:
         self.repos[repo_id] = repo
         return _json(200, {"url": f"{self.url}/{repo_id}", "name": repo_id})
 
-    def _on_validate_yaml(self, body: bytes, **_: Any) -> tuple[int, dict[str, str], bytes]:
+    def _on_validate_yaml(self, body: bytes, **_: Any) -> Response:
         content = json.loads(body)["content"]
         parts = content.split("---", 2) if content.startswith("---") else []
         if len(parts) == 3:
             try:
-                import yaml
-
                 yaml.safe_load(parts[1])
             except yaml.YAMLError as err:
                 return _json(400, {"errors": [{"message": str(err)}], "warnings": []})
         return _json(200, {"errors": [], "warnings": []})
 
-    def _on_branch(self, repo: str, rev: str, body: bytes, **_: Any) -> tuple[int, dict[str, str], bytes]:
+    def _on_branch(self, repo: str, rev: str, body: bytes, **_: Any) -> Response:
         r = self._repo(repo)
         if rev in r.branches:
             raise HubError(409, f"Branch {rev} already exists")
@@ -198,7 +196,7 @@ class FakeHub:
         r.branches[rev] = r.branches.get(start, start)
         return _json(200, {})
 
-    def _on_preupload(self, repo: str, rev: str, body: bytes, **_: Any) -> tuple[int, dict[str, str], bytes]:
+    def _on_preupload(self, repo: str, rev: str, body: bytes, **_: Any) -> Response:
         tree = self._files_at(repo, rev)
         out = []
         for f in json.loads(body)["files"]:
@@ -215,7 +213,7 @@ class FakeHub:
             )
         return _json(200, {"files": out})
 
-    def _on_lfs_batch(self, repo: str, body: bytes, **_: Any) -> tuple[int, dict[str, str], bytes]:
+    def _on_lfs_batch(self, repo: str, body: bytes, **_: Any) -> Response:
         self._repo(repo)
         objects = []
         for obj in json.loads(body)["objects"]:
@@ -227,23 +225,23 @@ class FakeHub:
         status, head, payload = _json(200, {"transfer": "basic", "objects": objects})
         return status, {**head, "Content-Type": "application/vnd.git-lfs+json"}, payload
 
-    def _on_lfs_upload(self, oid: str, body: bytes, **_: Any) -> tuple[int, dict[str, str], bytes]:
+    def _on_lfs_upload(self, oid: str, body: bytes, **_: Any) -> Response:
         if hashlib.sha256(body).hexdigest() != oid:
             raise HubError(400, "uploaded content does not match its oid")
         self.lfs[oid] = body
         return 200, {}, b""
 
-    def _on_lfs_verify(self, oid: str, body: bytes, **_: Any) -> tuple[int, dict[str, str], bytes]:
+    def _on_lfs_verify(self, oid: str, body: bytes, **_: Any) -> Response:
         size = json.loads(body)["size"]
         if oid not in self.lfs or len(self.lfs[oid]) != size:
             raise HubError(404, f"LFS object {oid} was not uploaded")
         return _json(200, {})
 
-    def _on_commit(self, repo: str, rev: str, body: bytes, **_: Any) -> tuple[int, dict[str, str], bytes]:
+    def _on_commit(self, repo: str, rev: str, body: bytes, **_: Any) -> Response:
         r = self._repo(repo)
-        files = dict(self._files_at(repo, rev))
         if rev not in r.branches:
-            raise HubError(400, f"{rev} is not a branch")
+            raise HubError(404, f"Branch {rev} not found", "RevisionNotFound")
+        files = dict(r.commits[r.branches[rev]])
         summary = ""
         for line in body.decode().splitlines():
             op = json.loads(line)
@@ -269,7 +267,7 @@ class FakeHub:
             200, {"commitUrl": f"{self.url}/{repo}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None}
         )
 
-    def _on_tree(self, repo: str, rev: str, path: str = "", **_: Any) -> tuple[int, dict[str, str], bytes]:
+    def _on_tree(self, repo: str, rev: str, path: str = "", **_: Any) -> Response:
         prefix = path.strip("/") + "/" if path.strip("/") else ""
         out = []
         for name, (data, lfs) in sorted(self._files_at(repo, rev).items()):
@@ -289,7 +287,7 @@ class FakeHub:
                 out.append(entry)
         return _json(200, out)
 
-    def _on_info(self, repo: str, rev: str = "main", **_: Any) -> tuple[int, dict[str, str], bytes]:
+    def _on_info(self, repo: str, rev: str = "main", **_: Any) -> Response:
         r = self._repo(repo)
         sha = r.branches.get(rev, rev)
         siblings = [{"rfilename": p} for p in sorted(self._files_at(repo, rev))]
@@ -297,16 +295,14 @@ class FakeHub:
             200, {"id": repo, "modelId": repo, "sha": sha, "private": r.private, "siblings": siblings}
         )
 
-    def _on_refs(self, repo: str, **_: Any) -> tuple[int, dict[str, str], bytes]:
+    def _on_refs(self, repo: str, **_: Any) -> Response:
         r = self._repo(repo)
         branches = [
             {"name": n, "ref": f"refs/heads/{n}", "targetCommit": c} for n, c in sorted(r.branches.items())
         ]
         return _json(200, {"branches": branches, "converts": [], "tags": []})
 
-    def _on_resolve(
-        self, repo: str, rev: str, path: str, method: str, **_: Any
-    ) -> tuple[int, dict[str, str], bytes]:
+    def _on_resolve(self, repo: str, rev: str, path: str, method: str, **_: Any) -> Response:
         r = self._repo(repo)
         tree = self._files_at(repo, rev)
         if path not in tree:
@@ -333,7 +329,7 @@ def _oid(data: bytes, lfs: bool) -> str:
     return hashlib.sha256(data).hexdigest() if lfs else _git_oid(data)
 
 
-def _json(status: int, payload: Any) -> tuple[int, dict[str, str], bytes]:
+def _json(status: int, payload: Any) -> Response:
     return status, {"Content-Type": "application/json"}, json.dumps(payload).encode()
 
 

@@ -1,10 +1,12 @@
-"""`upcycle push` against the in-memory Hub: byte-identical uploads, model card, refusals, auth and retries."""
+"""`upcycle push` against the in-memory Hub: identical bytes, model card, refusals, auth, retries."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import huggingface_hub
@@ -16,12 +18,12 @@ from huggingface_hub import hf_hub_download
 from safetensors.numpy import save_file
 
 from upcycler.cli import main
-from upcycler.hub import render_model_card, validate_for_upload
+from upcycler.hub import validate_for_upload
+from upcycler.model_card import render_model_card
 from upcycler.spec import ModelSpec, MoESpec
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Use 'content=<...>':DeprecationWarning"
-)  # inside huggingface_hub
+# raised inside huggingface_hub's own LFS upload, not by upcycler
+pytestmark = pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")
 
 TOKEN = "hf_testtokenABCDEF123456"
 SPEC = ModelSpec(
@@ -39,7 +41,8 @@ SPEC = ModelSpec(
 
 
 @pytest.fixture()
-def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeHub]:
+    """The fake Hub requiring TOKEN (set as HF_TOKEN), with Xet off and the client's retry sleeps skipped."""
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
     monkeypatch.delenv("HF_OIDC_RESOURCE", raising=False)
@@ -57,9 +60,9 @@ def write_model(path: Path, sharded: bool = True, seed: int = 0) -> Path:
     tensors = {f"model.layers.{i}.w": rng.standard_normal((8, 8)).astype(np.float32) for i in range(2)}
     if sharded:
         names = [f"model-0000{i + 1}-of-00002.safetensors" for i in range(2)]
-        for name, (key, value) in zip(names, tensors.items()):
+        for name, (key, value) in zip(names, tensors.items(), strict=True):
             save_file({key: value}, str(path / name), metadata={"format": "pt"})
-        index = {"metadata": {"total_size": 512}, "weight_map": dict(zip(tensors, names))}
+        index = {"metadata": {"total_size": 512}, "weight_map": dict(zip(tensors, names, strict=True))}
         (path / "model.safetensors.index.json").write_text(json.dumps(index))
     else:
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -122,7 +125,8 @@ def test_push_to_a_new_branch_of_a_private_repo(hub: FakeHub, tmp_path: Path) ->
     assert result.exit_code == 0, result.output
     assert hub.repos["me/tiny"].private
     assert hub.files("me/tiny", "main") == {}
-    assert hub.files("me/tiny", "dev")["model.safetensors"] == (model / "model.safetensors").read_bytes()
+    weights = download(hub, "me/tiny", "model.safetensors", tmp_path / "cache", revision="dev")
+    assert weights == (model / "model.safetensors").read_bytes()
 
 
 def test_a_users_readme_is_uploaded_unchanged(hub: FakeHub, tmp_path: Path) -> None:
@@ -167,7 +171,7 @@ def _escape_index(model: Path) -> None:
         (_drop_shard, "model-00002-of-00002.safetensors: missing"),
         (_flip_byte, "model-00001-of-00002.safetensors: sha256 differs"),
         (_truncate, "model-00001-of-00002.safetensors: 364 bytes but upcycler.json records 368"),
-        (_escape_index, "'../elsewhere.safetensors', which is outside the directory"),
+        (_escape_index, "'../elsewhere.safetensors', which escapes the directory"),
         (lambda m: (m / "config.json").write_text("{"), "config.json: unreadable JSON"),
         (lambda m: (m / "upcycler.json").unlink(), "upcycler.json: missing"),
     ],
@@ -202,9 +206,10 @@ def test_a_wrong_token_gives_one_clear_line_without_the_token(
     assert "me/tiny" not in hub.repos
 
 
-def test_a_server_error_fails_clearly_and_a_retry_completes(hub: FakeHub, tmp_path: Path) -> None:
+@pytest.mark.parametrize("route", ["commit", "lfs-upload", "preupload"])
+def test_a_server_error_fails_clearly_and_a_retry_completes(hub: FakeHub, tmp_path: Path, route: str) -> None:
     model = write_model(tmp_path / "out")
-    hub.fail("commit", 500)
+    hub.fail(route, 500)
     result = run_push(hub, str(model), "me/tiny")
     assert result.exit_code == 2
     last = result.stderr.strip().splitlines()[-1]
@@ -212,13 +217,24 @@ def test_a_server_error_fails_clearly_and_a_retry_completes(hub: FakeHub, tmp_pa
         last.startswith("error: the Hub failed while pushing me/tiny (HTTP 500") and "retry resumes" in last
     )
     assert "Traceback" not in result.output and TOKEN not in result.output
-    uploads_before = sum(route == "lfs-upload" for _, route, _ in hub.requests)
+    uploaded = [r for _, r, _ in hub.requests if r == "lfs-upload"]
     hub.clear_failures()
     result = run_push(hub, str(model), "me/tiny")
     assert result.exit_code == 0, result.output
-    assert sum(route == "lfs-upload" for _, route, _ in hub.requests) == uploads_before
+    if route == "commit":
+        assert [r for _, r, _ in hub.requests if r == "lfs-upload"] == uploaded
     remote = hub.files("me/tiny")
     assert all(remote[p.name] == p.read_bytes() for p in model.iterdir())
+
+
+def test_an_unreachable_endpoint_fails_clearly(hub: FakeHub, tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    args = ["push", str(write_model(tmp_path / "out")), "me/tiny", "--endpoint", closed]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"error: could not reach {closed} (ConnectError)")
 
 
 def test_validate_lists_the_files_to_upload(tmp_path: Path) -> None:
@@ -228,16 +244,20 @@ def test_validate_lists_the_files_to_upload(tmp_path: Path) -> None:
     assert validate_for_upload(model) == sorted(p.name for p in model.iterdir() if p.is_file())
 
 
-def test_card_names_a_hub_base_model_and_the_verification(tmp_path: Path) -> None:
+def test_card_names_the_hub_base_model_and_its_cached_license(tmp_path: Path) -> None:
     model = write_model(tmp_path / "out")
+    snapshot = tmp_path / "hub" / "models--org--base" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "README.md").write_text("---\nlicense: llama3.2\n---\n")
     manifest = json.loads((model / "upcycler.json").read_text())
     manifest["lineage"] = [
-        {"step": "read", "source": "org/base", "revision": "abc"},
+        {"step": "read", "source": str(snapshot), "revision": "abc123", "format": "hf"},
         {"step": "quantise", "bits": 4},
     ]
     manifest.pop("verification")
     (model / "upcycler.json").write_text(json.dumps(manifest))
     card = render_model_card(model, repo_id="me/tiny")
-    assert card.startswith("---\nbase_model: org/base\n")
-    assert "[org/base](https://huggingface.co/org/base) at revision `abc`" in card
+    assert card.startswith("---\nlicense: llama3.2\nbase_model: org/base\n")
+    assert "**Read** [org/base](https://huggingface.co/org/base) at revision `abc123`" in card
     assert "**quantise**: `bits=4`" in card and "No logit comparison was recorded" in card
+    assert str(tmp_path) not in card

@@ -24,15 +24,17 @@ SINGLE = "model.safetensors"
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def read_json(path: Path) -> dict:
+def read_json(path: Path, fix: str | None = None) -> dict:
+    """The JSON object in `path`, else a one-line error naming the file and ending in `fix` (by default,
+    advice for a downloaded Hugging Face checkpoint)."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UpcyclerError(f"{path}: missing; a Hugging Face checkpoint needs it") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UpcyclerError(f"{path}: not valid JSON ({err}); fix or re-download it") from None
+        raise UpcyclerError(f"{path}: missing; {fix or 'a Hugging Face checkpoint needs it'}") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UpcyclerError(f"{path}: unreadable JSON ({err}); {fix or 'fix or re-download it'}") from None
     if not isinstance(data, dict):
-        raise UpcyclerError(f"{path}: expected a JSON object; fix or re-download it")
+        raise UpcyclerError(f"{path}: expected a JSON object; {fix or 'fix or re-download it'}")
     return data
 
 
@@ -61,7 +63,7 @@ def shard_files(path: Path) -> list[Path]:
             raise UpcyclerError(f"{index}: no weight_map; fix or re-download the index")
         files = []
         for name in dict.fromkeys(weight_map.values()):
-            shard = _inside(path, name, index)
+            shard = plain_member(path, name, index)
             if not shard.is_file():
                 raise UpcyclerError(f"{index}: names shard {name!r}, which is missing; download every shard")
             files.append(shard)
@@ -77,16 +79,17 @@ def shard_files(path: Path) -> list[Path]:
     )
 
 
-def _inside(root: Path, name: object, index: Path) -> Path:
+def plain_member(root: Path, name: object, named_by: Path, fix: str | None = None) -> Path:
     """`root / name` for a plain file name; anything with a path separator or `..` escapes and is refused.
 
     Only the name is checked, not where it resolves, so Hub cache snapshots (symlinks to blobs) still read.
+    `named_by` is the file that names it; `fix`, when given, ends the error.
     """
     if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") \
             or name.startswith("~") or "\0" in name:
         raise UpcyclerError(
-            f"{index}: shard name {name!r} escapes the checkpoint directory; the index may only name "
-            "plain file names next to it"
+            f"{named_by}: names {name!r}, which escapes the directory; only plain file names next to it "
+            "are allowed" + (f"; {fix}" if fix else "")
         )
     return root / name
 
