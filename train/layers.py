@@ -1,4 +1,4 @@
-"""Transformer building blocks as pure functions: RMSNorm, rotary embeddings, attention masks, GQA attention, SwiGLU.
+"""Transformer building blocks as pure functions: RMSNorm, RoPE, attention masks, GQA attention, SwiGLU.
 
 Every function takes arrays and returns arrays; none holds parameters or knows the mesh. Weights arrive in the
 canonical Hugging Face `[out, in]` orientation (`upcycler.layout`) and are contracted as such.
@@ -142,13 +142,26 @@ def window_mask(visible_BLS: jax.Array, distance_LS: jax.Array, window: jax.Arra
 
 
 def attention(
-    q_BLHh: jax.Array, k_BSKh: jax.Array, v_BSKh: jax.Array, visible_BLS: jax.Array, *, impl: str = "einsum"
+    q_BLHh: jax.Array,
+    k_BSKh: jax.Array,
+    v_BSKh: jax.Array,
+    visible_BLS: jax.Array | None,
+    *,
+    impl: str = "einsum",
 ) -> jax.Array:
-    """Grouped-query softmax attention, scaled by h^-½; scores and softmax in fp32. Returns [B, L, H, h]."""
+    """Grouped-query softmax attention, scaled by h^-½; scores and softmax in fp32. Returns [B, L, H, h].
+
+    `visible_BLS` None means plain causal attention (which lets "dot_product" use a fused kernel).
+    """
     if impl == "dot_product":
+        if visible_BLS is None:
+            return jax.nn.dot_product_attention(q_BLHh, k_BSKh, v_BSKh, is_causal=True)
         return jax.nn.dot_product_attention(q_BLHh, k_BSKh, v_BSKh, mask=visible_BLS[:, None])
     if impl != "einsum":
         raise ValueError(f"attention impl must be einsum or dot_product, not {impl!r}")
+    if visible_BLS is None:
+        L, S = q_BLHh.shape[1], k_BSKh.shape[1]
+        visible_BLS = (jnp.arange(L)[:, None] >= jnp.arange(S)[None, :])[None]
     B, L, H, h = q_BLHh.shape
     K = k_BSKh.shape[2]
     q_BLKGh = q_BLHh.reshape(B, L, K, H // K, h)

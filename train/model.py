@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from upcycler.spec import ModelSpec
 from upcycler.train import layers as nn
+from upcycler.train import moe
 from upcycler.train.params import Params, Run, layer_runs, layers_of_kind
 from upcycler.train.sharding import constrain
 
@@ -72,6 +73,7 @@ class _Context(NamedTuple):
     sin_BLR: jax.Array
     visible_BLS: jax.Array
     distance_LS: jax.Array
+    causal_only: bool  # no segments: plain causal attention unless a layer has a window
 
 
 def forward(
@@ -89,14 +91,30 @@ def forward(
     padding its own id); `positions_BL` (optional, default 0..L-1) are the RoPE positions, e.g. restarting
     at every packed document.
     """
-    hidden_BLD, aux = decode(params, ids_BL, spec, cfg, segment_ids_BL=segment_ids_BL, positions_BL=positions_BL)
+    hidden_BLD, aux = hidden_states(
+        params, ids_BL, spec, cfg, segment_ids_BL=segment_ids_BL, positions_BL=positions_BL
+    )
     return unembed(params, hidden_BLD, spec), aux
 
 
 forward_jit = jax.jit(forward, static_argnames=("spec", "cfg"))
 
 
-def decode(
+def unsupported(spec: ModelSpec) -> list[str]:
+    """Reasons this model cannot run `spec` (empty when it can)."""
+    reasons = []
+    if spec.hidden_act not in nn.ACTIVATIONS:
+        reasons.append(f"activation {spec.hidden_act!r} is not supported ({', '.join(nn.ACTIVATIONS)})")
+    try:
+        nn.rope_frequencies(spec)
+    except (ValueError, KeyError) as err:
+        reasons.append(f"RoPE: {err}")
+    if spec.num_heads % spec.num_kv_heads:
+        reasons.append(f"{spec.num_heads} query heads do not group over {spec.num_kv_heads} kv heads")
+    return reasons
+
+
+def hidden_states(
     params: Params,
     ids_BL: jax.Array,
     spec: ModelSpec,
@@ -112,7 +130,7 @@ def decode(
     inv_freq, factor = nn.rope_frequencies(spec)
     cos_BLR, sin_BLR = nn.rope_tables(positions_BL, inv_freq, factor)
     visible_BLS, distance_LS = nn.attention_mask(segment_ids_BL, B, L)
-    ctx = _Context(cos_BLR, sin_BLR, visible_BLS, distance_LS)
+    ctx = _Context(cos_BLR, sin_BLR, visible_BLS, distance_LS, segment_ids_BL is None)
 
     x_BLD = jnp.take(params["embed"], ids_BL, axis=0).astype(cfg.dtype)
     logits, ids = [], []
@@ -128,7 +146,9 @@ def decode(
 def unembed(params: Params, hidden_BLD: jax.Array, spec: ModelSpec) -> jax.Array:
     """Logits [B, L, V] in fp32 from final hidden states (the embedding matrix when tied)."""
     w_VD = params["embed"] if spec.tie_embeddings else params["lm_head"]
-    return jnp.einsum("bld,vd->blv", hidden_BLD, w_VD.astype(hidden_BLD.dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum(
+        "bld,vd->blv", hidden_BLD, w_VD.astype(hidden_BLD.dtype), preferred_element_type=jnp.float32
+    )
 
 
 def layer_windows(spec: ModelSpec) -> tuple[int, ...]:
@@ -153,7 +173,10 @@ def _scan_run(stack: Params, x_BLD: jax.Array, run: Run, spec: ModelSpec, cfg: M
 def _layer(x_BLD, layer, *, kind: str, spec: ModelSpec, cfg: ModelConfig, ctx: _Context, windowed: bool):
     p, window = layer
     x_BLD = constrain(x_BLD, ACTIVATION_AXES)
-    visible_BLS = nn.window_mask(ctx.visible_BLS, ctx.distance_LS, window) if windowed else ctx.visible_BLS
+    if windowed:
+        visible_BLS = nn.window_mask(ctx.visible_BLS, ctx.distance_LS, window)
+    else:
+        visible_BLS = None if ctx.causal_only else ctx.visible_BLS
     h_BLD = nn.rms_norm(x_BLD, p["attn_norm"], spec.rms_norm_eps)
     x_BLD = x_BLD + _attention(h_BLD, p["attn"], spec, cfg, ctx, visible_BLS)
     h_BLD = nn.rms_norm(x_BLD, p["mlp_norm"], spec.rms_norm_eps)
@@ -178,5 +201,33 @@ def _attention(x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig, ctx: _Contex
     return nn.linear(out_BLHh.reshape(B, L, H * h), p["o_proj"], p.get("o_bias"))
 
 
-def _moe(x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig):
-    raise NotImplementedError
+def _moe(
+    x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Routed (+ shared) experts: y [B, L, D] and (router logits [B, L, E], chosen experts [B, L, k])."""
+    moe_spec = spec.moe
+    B, L, D = x_BLD.shape
+    x_TD = x_BLD.reshape(B * L, D)
+    logits_TE = moe.router_logits(x_TD, p["router"])
+    routing = moe.route(
+        logits_TE, moe_spec.top_k, moe_spec.router, moe_spec.routed_scaling_factor, p.get("router_bias")
+    )
+    experts = p["experts"]  # canonical [E, out, in]; the MoE kernels take [E, in, out]
+    w_gate_EDF, w_up_EDF, w_down_EFD = (
+        jnp.swapaxes(experts[name], 1, 2).astype(x_BLD.dtype)
+        for name in ("gate_proj", "up_proj", "down_proj")
+    )
+    if cfg.moe_impl == "dropless":
+        y_TD = moe.dropless_moe(x_TD, w_gate_EDF, w_up_EDF, w_down_EFD, routing, backend=cfg.gmm_backend)
+    elif cfg.moe_impl == "reference":
+        y_TD = moe.onehot_moe_reference(x_TD, w_gate_EDF, w_up_EDF, w_down_EFD, routing)
+    else:
+        raise ValueError(f"moe_impl must be dropless or reference, not {cfg.moe_impl!r}")
+    y_BLD = y_TD.reshape(B, L, D)
+    if moe_spec.shared_width:
+        shared_BLD = nn.gated_mlp(x_BLD, p["shared"], spec.hidden_act)
+        if moe_spec.shared_gated:
+            shared_BLD = jax.nn.sigmoid(nn.linear(x_BLD, p["shared_gate"])) * shared_BLD
+        y_BLD = y_BLD + shared_BLD
+    aux = (logits_TE.reshape(B, L, -1), routing.expert_TK.reshape(B, L, -1))
+    return y_BLD, aux

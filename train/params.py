@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import jax
@@ -131,25 +131,43 @@ def _leaf_dtype(info: ParamInfo, dtype: Any) -> Any:
 
 
 # --- initialisation --------------------------------------------------------------------------------------
-def _initializer(info: ParamInfo, std: float):
-    last = info.names[0].rsplit(".", 1)[-1]
+def _kind(info: ParamInfo) -> str:
+    """How a leaf starts: "ones" (norms), "zeros" (biases, the router's selection bias) or "normal"."""
     if info.axes[-1] == "norm":
-        return lambda key, shape, dtype: jnp.ones(shape, dtype)
-    if last.endswith("_bias"):
-        return lambda key, shape, dtype: jnp.zeros(shape, dtype)
-    return lambda key, shape, dtype: (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        return "ones"
+    if info.names[0].rsplit(".", 1)[-1].endswith("_bias"):
+        return "zeros"
+    return "normal"
 
 
-def init_params(spec: ModelSpec, key: jax.Array, dtype: Any = jnp.float32, std: float | None = None) -> Params:
+def init_params(
+    spec: ModelSpec, key: jax.Array, dtype: Any = jnp.float32, std: float | None = None
+) -> Params:
     """Random parameters: normal(0, std) matrices, unit norms, zero biases. Leaves follow `declare_tree`.
 
-    `std` defaults to the checkpoint's `initializer_range` (0.02 when absent). Run under `jax.jit` with
-    `out_shardings=sharding.param_shardings(spec, mesh)` to create them sharded.
+    `std` defaults to the checkpoint's `initializer_range` (0.02 when absent). One compiled computation;
+    wrap it in `jax.jit(..., out_shardings=sharding.param_shardings(spec, mesh))` to create it sharded.
     """
-    std = float(spec.extras_dict.get("initializer_range", 0.02)) if std is None else std
+    std = float(spec.extras_dict.get("initializer_range", 0.02)) if std is None else float(std)
+    return _init(key, spec, jnp.dtype(dtype), std)
+
+
+@partial(jax.jit, static_argnums=(1, 2, 3))
+def _init(key: jax.Array, spec: ModelSpec, dtype: Any, std: float) -> Params:
+    # One normal draw for all matrices, cut into leaves: XLA compiles one RNG instead of one per leaf.
     infos = _infos(spec)
-    keys = jax.random.split(key, len(infos))
-    leaves = [_initializer(i, std)(k, i.shape, _leaf_dtype(i, dtype)) for i, k in zip(infos, keys)]
+    random = [i for i in infos if _kind(i) == "normal"]
+    sizes = [int(np.prod(i.shape)) for i in random]
+    draws_N = std * jax.random.normal(key, (sum(sizes),), jnp.float32)
+    offsets = dict(zip(random, np.cumsum([0, *sizes[:-1]]).tolist()))
+    leaves = []
+    for info, size in zip(infos, (int(np.prod(i.shape)) for i in infos)):
+        leaf_dtype = _leaf_dtype(info, dtype)
+        if _kind(info) == "normal":
+            start = offsets[info]
+            leaves.append(draws_N[start : start + size].reshape(info.shape).astype(leaf_dtype))
+        else:
+            leaves.append(jnp.full(info.shape, 1.0 if _kind(info) == "ones" else 0.0, leaf_dtype))
     return jax.tree.unflatten(jax.tree.structure(declare_tree(spec), is_leaf=_is_info), leaves)
 
 
@@ -176,9 +194,9 @@ def from_tensors(
                 raise ValueError(f"{name}: shape {tuple(t.shape)}, the spec says {tuple(want)}")
         out_dtype = np.dtype(dtype) if dtype is not None else parts[0].dtype
         if sharding is None:
-            return jnp.asarray(_block(parts, info.stacked, (), out_dtype))
+            return jnp.asarray(_block(parts, info, (), out_dtype))
         return jax.make_array_from_callback(
-            info.shape, sharding, lambda index: _block(parts, info.stacked, index, out_dtype)
+            info.shape, sharding, lambda index: _block(parts, info, index, out_dtype)
         )
 
     if shardings is None:
@@ -186,17 +204,19 @@ def from_tensors(
     return jax.tree.map(leaf, declare_tree(spec), shardings, is_leaf=_is_info)
 
 
-def _block(parts: list[LazyTensor], stacked: bool, index: tuple, dtype: np.dtype) -> np.ndarray:
+def _block(parts: list[LazyTensor], info: ParamInfo, index: tuple, dtype: np.dtype) -> np.ndarray:
     """`stack(parts)[index]` (or `parts[0][index]`), loading only the layers and experts it covers."""
-    if not stacked:
-        return _slice(parts[0], index).astype(dtype)
+    experts = info.axes[1 if info.stacked else 0] == "experts"
+    if not info.stacked:
+        return _slice(parts[0], index, experts).astype(dtype)
     layers = index[0] if index else slice(None)
-    rest = tuple(index[1:])
-    return np.stack([_slice(parts[i], rest).astype(dtype) for i in range(len(parts))[layers]])
+    return np.stack(
+        [_slice(parts[i], tuple(index[1:]), experts).astype(dtype) for i in range(len(parts))[layers]]
+    )
 
 
-def _slice(t: LazyTensor, index: tuple) -> np.ndarray:
-    if index and isinstance(index[0], slice) and len(t.shape) > 1:
+def _slice(t: LazyTensor, index: tuple, experts: bool) -> np.ndarray:
+    if experts and index and isinstance(index[0], slice):
         lead = range(t.shape[0])[index[0]]
         if len(lead) < t.shape[0]:  # a block of experts: read only those
             return np.stack([t.part(i) for i in lead])[(slice(None), *index[1:])]
@@ -215,7 +235,9 @@ def to_tensors(spec: ModelSpec, params: Params) -> TensorMap:
         if tuple(arr.shape) != info.shape:
             raise ValueError(f"{info.names[0]}: array shape {tuple(arr.shape)}, declared {info.shape}")
         for i, name in enumerate(info.names):
-            out[name] = _lazy(arr, i if info.stacked else None, info.shape[1:] if info.stacked else info.shape)
+            out[name] = _lazy(
+                arr, i if info.stacked else None, info.shape[1:] if info.stacked else info.shape
+            )
 
     jax.tree.map(add, declare_tree(spec), params, is_leaf=_is_info)
     order = [d.name for d in declare_params(spec)]

@@ -22,6 +22,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from upcycler.spec import ModelSpec
+from upcycler.train.params import ParamInfo, Params, declare_tree
+
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 MeshAxes = str | tuple[str, ...] | None
 
@@ -56,7 +59,9 @@ def make_mesh(data: int = 1, fsdp: int = -1, expert: int = 1, devices: Sequence[
             raise ValueError(f"{len(devices)} devices do not split into mesh axes {sizes}")
         sizes[sizes.index(-1)] = len(devices) // known
     if int(np.prod(sizes)) != len(devices):
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices, have {len(devices)}")
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices, have {len(devices)}"
+        )
     grid = np.asarray(devices, dtype=object).reshape(sizes)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
@@ -66,7 +71,9 @@ def _axis_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
 
 
 def logical_to_spec(
-    axes: Sequence[str | None], shape: Sequence[int] | None = None, mesh: Mesh | None = None,
+    axes: Sequence[str | None],
+    shape: Sequence[int] | None = None,
+    mesh: Mesh | None = None,
     rules: dict[str, MeshAxes] | None = None,
 ) -> PartitionSpec:
     """The PartitionSpec for one array with logical `axes`.
@@ -88,7 +95,9 @@ def logical_to_spec(
                 mesh_axes = ()
         clash = used.intersection(mesh_axes)
         if clash:
-            raise ValueError(f"mesh axis {sorted(clash)} would split two dimensions of an array with axes {tuple(axes)}")
+            raise ValueError(
+                f"mesh axis {sorted(clash)} would split two dimensions of an array with axes {tuple(axes)}"
+            )
         used.update(mesh_axes)
         out.append(None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
     while out and out[-1] is None:
@@ -96,14 +105,12 @@ def logical_to_spec(
     return PartitionSpec(*out)
 
 
-def param_shardings(spec: Any, mesh: Mesh) -> Any:
+def param_shardings(spec: ModelSpec, mesh: Mesh) -> Params:
     """NamedShardings for the parameter tree of `spec` (same structure as `params.declare_tree(spec)`)."""
-    from upcycler.train.params import declare_tree
-
     return jax.tree.map(
         lambda info: NamedSharding(mesh, logical_to_spec(info.axes, info.shape, mesh)),
         declare_tree(spec),
-        is_leaf=_is_info,
+        is_leaf=lambda x: isinstance(x, ParamInfo),
     )
 
 
@@ -122,7 +129,3 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh))
-
-
-def _is_info(x: Any) -> bool:
-    return hasattr(x, "axes") and hasattr(x, "shape")
