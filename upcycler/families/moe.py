@@ -132,6 +132,8 @@ def _qwen3_moe_limits(spec: ModelSpec) -> list[str]:
 
 # --- GLM-4-MoE -----------------------------------------------------------------------------------------
 def _read_glm4_moe(cfg: dict[str, Any]) -> ModelSpec:
+    if not cfg.get("norm_topk_prob", True) or int(cfg.get("n_group") or 1) > 1 or int(cfg.get("topk_group") or 1) > 1:
+        raise ValueError("only GLM-4-MoE routers with norm_topk_prob true and n_group = topk_group = 1 are supported")
     n_shared = int(cfg.get("n_shared_experts") or 0)
     width = cfg["moe_intermediate_size"]
     moe = MoESpec(

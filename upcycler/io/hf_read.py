@@ -47,6 +47,8 @@ def read_spec(path: Path) -> ModelSpec:
         return family.read_config(cfg)
     except KeyError as err:
         raise UpcyclerError(f"{cfg_path}: field {err.args[0]!r} is missing; fix the config") from None
+    except ValueError as err:
+        raise UpcyclerError(f"{cfg_path}: {err}") from None
 
 
 def weight_files_present(path: Path) -> bool:
