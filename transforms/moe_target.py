@@ -32,7 +32,7 @@ DEFAULT_ROUTER = {"mixtral": "renormalized", "qwen2_moe": "renormalized", "qwen3
 
 @dataclass(frozen=True)
 class MoERequest:
-    """What the user asked for, in the terms of upcycling-math §1: N routed experts of width f, top-K, S shared shards."""
+    """What the user asked for (upcycling-math §1): N routed experts of width f, top-K, S shared shards."""
 
     num_experts: int  # N
     top_k: int  # K
@@ -76,25 +76,35 @@ def reasons(spec: ModelSpec, family: Family) -> list[str]:
     return family.cannot_hold(conform_spec(spec, family))
 
 
-def choose_target(source: ModelSpec, request: MoERequest, name: str, *, allow_approximate: bool) -> tuple[Target, str]:
+def choose_target(source: ModelSpec, request: MoERequest, name: str, *,
+                  allow_approximate: bool) -> tuple[Target, str]:
     """The target family (`name`, or the first of `AUTO_ORDER` that fits for "auto") and why it was chosen."""
     names = AUTO_ORDER if name == "auto" else (name,)
     refused: dict[str, list[str]] = {}
+    fitted: dict[str, Target] = {}
     for fam in names:
         spec = candidate(source, request, fam)
         why = reasons(spec, FAMILIES[fam])
         if not why:
             return Target(FAMILIES[fam], spec), _why(name, fam, refused)
+        target = fit_attention(spec, FAMILIES[fam])
+        if target is not None and not target.lossy:
+            return target, _why(name, fam, refused)
+        if target is not None:
+            fitted[fam] = target
         refused[fam] = why
-    if allow_approximate:
-        for fam in names:
-            target = fit_attention(candidate(source, request, fam), FAMILIES[fam])
-            if target is not None:
-                return target, _why(name, fam, {k: v for k, v in refused.items() if k != fam})
+    if allow_approximate and fitted:
+        fam = min(fitted, key=lambda f: len(fitted[f].lossy))  # fewest lossy changes, then AUTO_ORDER
+        return fitted[fam], _why(name, fam, {k: v for k, v in refused.items() if k != fam})
+    hint = ""
+    if fitted:
+        hint = f"; or pass --allow-approximate to fit {', '.join(fitted)} by changing the attention"
+    if name != "auto":
+        raise UpcyclerError(f"--target {name} cannot hold this request exactly: {', '.join(refused[name])}; "
+                            f"choose another --target or --target auto{hint}")
     detail = "; ".join(f"{fam}: {', '.join(why)}" for fam, why in refused.items())
-    hint = "" if allow_approximate else " (or pass --allow-approximate if only the attention differs)"
     raise UpcyclerError(f"no target family can hold this request exactly ({detail}); "
-                        f"change --shared-experts/--dense-layers/--target{hint}")
+                        f"change --shared-experts or --dense-layers{hint}")
 
 
 def _why(name: str, chosen: str, refused: dict[str, list[str]]) -> str:
@@ -110,16 +120,17 @@ _ATTENTION = ("qk_norm", "qkv_bias", "o_bias", "mlp_bias")
 
 def fit_attention(spec: ModelSpec, family: Family) -> Target | None:
     """The variant of `spec` with the fewest attention/bias changes that `family` holds, or None."""
-    current = tuple(getattr(spec, a) for a in _ATTENTION)
-    variants = sorted(itertools.product((False, True), repeat=len(_ATTENTION)),
-                      key=lambda v: sum(a != b for a, b in zip(v, current)))
-    for values in variants:
-        if values[3] and not current[3]:
+    current = dict(zip(_ATTENTION, (getattr(spec, a) for a in _ATTENTION)))
+    variants = []
+    for values in itertools.product((False, True), repeat=len(_ATTENTION)):
+        changed = {a: v for a, v in zip(_ATTENTION, values) if v != current[a]}
+        if changed.get("mlp_bias"):
             continue  # never invent MLP biases
-        changed = {a: v for a, v, c in zip(_ATTENTION, values, current) if v != c}
+        lossy = tuple(_loss(a, v) for a, v in changed.items() if a == "qk_norm" or not v)
+        variants.append((len(lossy), len(changed), changed, lossy))
+    for _, _, changed, lossy in sorted(variants, key=lambda v: v[:2]):
         fitted = spec.replace(**changed)
         if not reasons(fitted, family):
-            lossy = tuple(_loss(a, v) for a, v in changed.items() if a == "qk_norm" or not v)
             return Target(family, fitted, tuple(changed.items()), lossy)
     return None
 
@@ -135,14 +146,13 @@ def apply_attention(target: Target, source: ModelSpec, tensors: TensorMap) -> Te
     changes = dict(target.attention)
     if not changes:
         return tensors
-    hd, q, kv, D = source.head_dim, source.num_heads * source.head_dim, source.num_kv_heads * source.head_dim, \
-        source.hidden_size
+    hd, D, F = source.head_dim, source.hidden_size, source.intermediate_size
+    q, kv = source.num_heads * hd, source.num_kv_heads * hd
     dtype = tensors["embed"].dtype
     shapes = {"qk_norm": {"attn.q_norm": (hd,), "attn.k_norm": (hd,)},
               "qkv_bias": {"attn.q_bias": (q,), "attn.k_bias": (kv,), "attn.v_bias": (kv,)},
               "o_bias": {"attn.o_bias": (D,)},
-              "mlp_bias": {"mlp.gate_bias": (source.intermediate_size,), "mlp.up_bias": (source.intermediate_size,),
-                           "mlp.down_bias": (D,)}}
+              "mlp_bias": {"mlp.gate_bias": (F,), "mlp.up_bias": (F,), "mlp.down_bias": (D,)}}
     added: dict[str, LazyTensor] = {}
     dropped: list[str] = []
     for attr, value in changes.items():

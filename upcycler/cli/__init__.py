@@ -1,8 +1,8 @@
 """The `upcycle` command line: a click group that collects one command per module of this package.
 
-Each module in `upcycler/cli/` (other than this one) defines `command`, a `click.Command`; adding a
-command means adding a file. Heavy imports (jax, torch) happen inside the commands, so `upcycle inspect`
-starts fast. Every `UpcyclerError` becomes one line on stderr and exit status 2, with no traceback.
+Each module in `upcycler/cli/` (other than this one) defines `command`, a `click.Command` (or
+`commands`, a list of them, when the commands are generated); adding a command means adding a file.
+Heavy imports (jax, torch) happen inside the commands, so `upcycle inspect` starts fast. Every `UpcyclerError` becomes one line on stderr and exit status 2, with no traceback.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ class _Group(click.Group):
             if info.name.startswith("_"):
                 continue
             module = importlib.import_module(f"{__name__}.{info.name}")
-            cmd = getattr(module, "command", None)
-            if isinstance(cmd, click.Command):
-                self.add_command(cmd)
+            for cmd in (getattr(module, "command", None), *getattr(module, "commands", ())):
+                if isinstance(cmd, click.Command):
+                    self.add_command(cmd)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         self._load()

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +50,7 @@ class _Item:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
+        return prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
 def plan_items(ckpt: Checkpoint, family: Family) -> list[_Item]:

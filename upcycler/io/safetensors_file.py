@@ -18,6 +18,7 @@ import json
 import os
 import struct
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -34,6 +35,8 @@ _DTYPES: dict[str, np.dtype] = {
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
 MAX_HEADER = 100 * 1024 * 1024
+_OVERLAP_MIN = 1 << 20  # writes at least this large are hashed concurrently with the write
+_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
 
 
 @dataclass(frozen=True)
@@ -150,8 +153,13 @@ class ShardWriter:
         self._write(encode_header(items, metadata))
 
     def _write(self, data) -> None:
-        self._file.write(data)
-        self._sha.update(data)
+        if len(data) < _OVERLAP_MIN:
+            self._file.write(data)
+            self._sha.update(data)
+        else:  # hash on another thread while writing: both release the GIL, so this costs max(write, hash)
+            hashed = _HASHER.submit(self._sha.update, data)
+            self._file.write(data)
+            hashed.result()
         self.bytes_written += len(data)
 
     def write(self, name: str, array: np.ndarray) -> None:

@@ -1,0 +1,179 @@
+"""Benchmark checkpoint surgery on synthetic checkpoints with real tensor shapes (bf16 safetensors).
+
+    python bench/surgery.py [--scale 1.0] [--workdir DIR] [--only depth|moe] [--repeats 1]
+
+(a) depth 32 → 48 (SOLAR) at Llama-3-8B shapes; (b) dense-to-moe 64 experts top-8 G=8 (and 8 experts,
+to show memory does not grow with the expert count) at Llama-3.2-1B shapes. `--scale s` shrinks the
+widths and the vocabulary by `s` for a quick run (layer counts stay). Each surgery runs in a fresh
+subprocess that reports its own peak RSS (VmHWM); the baseline is a plain copy (`os.sendfile` + fsync)
+of the same number of bytes from the source files, timed in the same run; the source is read once before
+each, so both start from the same page cache. One JSON line per benchmark, with
+the median over `--repeats`. The synthetic files are deleted at the end, also on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from upcycler.io.checkpoint import Checkpoint
+from upcycler.io.hf_write import write_hf
+from upcycler.layout import declare_params
+from upcycler.spec import ModelSpec
+from upcycler.tensors import BF16, LazyTensor, TensorMap
+
+_POOL_ELEMENTS = 32 * 1024 * 1024  # 64 MiB of bf16 values, reused (rotated) to fill every tensor
+
+
+def llama_spec(*, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
+               tied: bool, scale: float) -> ModelSpec:
+    """A Llama-family spec with widths and vocabulary shrunk by `scale` (head_dim and layers kept)."""
+    h = max(1, round(heads * scale))
+    kv = max(1, round(kv_heads * scale))
+    h -= h % kv
+    return ModelSpec(family="llama", vocab_size=max(1024, round(vocab * scale)), hidden_size=h * head_dim,
+                     num_layers=layers, num_heads=h, num_kv_heads=kv, head_dim=head_dim,
+                     intermediate_size=64 * max(1, round(intermediate * scale / 64)), rope_theta=500000.0,
+                     rms_norm_eps=1e-5, max_position_embeddings=8192, tie_embeddings=tied)
+
+
+def synthetic(spec: ModelSpec, out: Path) -> None:
+    """Write a bf16 HF checkpoint of `spec` filled with small random values (fast: one pool, rotated)."""
+    bits = np.random.default_rng(0).integers(0, 1 << 16, size=_POOL_ELEMENTS, dtype=np.uint16)
+    pool = ((bits & 0x807F) | 0x3C00).view(BF16)  # sign and mantissa random, |x| in [2^-7, 2^-6)
+
+    def filled(shape: tuple[int, ...], offset: int) -> LazyTensor:
+        def load() -> np.ndarray:
+            n = int(np.prod(shape))
+            flat = np.empty(n, BF16)
+            done = 0
+            while done < n:
+                start = (offset + done) % _POOL_ELEMENTS
+                take = min(n - done, _POOL_ELEMENTS - start)
+                flat[done:done + take] = pool[start:start + take]
+                done += take
+            return flat.reshape(shape)
+
+        return LazyTensor(shape, BF16, load)
+
+    tensors = TensorMap({d.name: filled(d.shape, 7919 * k) for k, d in enumerate(declare_params(spec))})
+    write_hf(Checkpoint(spec, tensors), out, progress=False)
+
+
+def run_child(args: list[str]) -> dict:
+    """Run `upcycle ARGS` in a fresh process that reports its wall time and peak RSS."""
+    # VmHWM is this process's own peak RSS (ru_maxrss can carry the parent's peak across fork + exec)
+    code = ("import json, sys, time\n"
+            "from upcycler.cli import main\n"
+            "t = time.perf_counter()\n"
+            "main(sys.argv[1:], standalone_mode=False)\n"
+            "seconds = time.perf_counter() - t\n"
+            "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
+            "print(json.dumps({'seconds': seconds, 'peak_rss': int(hwm.split()[1]) * 1024}))\n")
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"upcycle {' '.join(args)} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def copy_seconds(sources: list[Path], nbytes: int, workdir: Path) -> float:
+    """Seconds to copy `nbytes` from `sources` (cyclically) to new files with fsync, deleting each copy."""
+    done, start = 0, time.perf_counter()
+    k = 0
+    while done < nbytes:
+        src = sources[k % len(sources)]
+        count = min(src.stat().st_size, nbytes - done)
+        dst = workdir / f"copy-{k}"
+        with open(src, "rb") as fin, open(dst, "wb") as fout:
+            sent = 0
+            while sent < count:
+                sent += os.sendfile(fout.fileno(), fin.fileno(), sent, count - sent)
+            os.fsync(fout.fileno())
+        dst.unlink()
+        done += count
+        k += 1
+    return time.perf_counter() - start
+
+
+def warm(files: list[Path]) -> None:
+    """Read `files` once so the surgery and the copy both start from the same page-cache state."""
+    for f in files:
+        with open(f, "rb") as fh:
+            while fh.read(1 << 26):
+                pass
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+def measure(name: str, source: Path, out: Path, args: list[str], repeats: int, extra: dict) -> dict:
+    runs = []
+    files = sorted(source.glob("*.safetensors"))
+    for _ in range(repeats):
+        warm(files)
+        child = run_child([*args[:1], str(source), str(out), *args[1:]])
+        nbytes = dir_bytes(out)
+        shutil.rmtree(out)
+        warm(files)
+        copy = copy_seconds(files, nbytes, out.parent)
+        runs.append({**child, "bytes": nbytes, "copy_seconds": copy})
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return {"bench": name, **extra, "seconds": round(med["seconds"], 2), "output_bytes": int(med["bytes"]),
+            "copy_seconds": round(med["copy_seconds"], 2), "ratio": round(med["seconds"] / med["copy_seconds"], 3),
+            "peak_rss_mb": round(med["peak_rss"] / 2**20), "repeats": repeats}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scale", type=float, default=1.0, help="shrink widths and vocabulary (1.0 = real shapes)")
+    ap.add_argument("--workdir", type=Path, default=None, help="where the synthetic files go (default: a temp dir)")
+    ap.add_argument("--only", choices=("depth", "moe"), default=None)
+    ap.add_argument("--repeats", type=int, default=1)
+    a = ap.parse_args()
+    big = llama_spec(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256,
+                     tied=False, scale=a.scale)
+    small = llama_spec(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, head_dim=64, vocab=128256,
+                       tied=True, scale=a.scale)
+    work = Path(tempfile.mkdtemp(prefix="surgery-bench-", dir=a.workdir))
+    try:
+        need = 0
+        if a.only in (None, "depth"):
+            need = max(need, big.total_params() * 2 * (1 + 1.5) + 5e9)
+        if a.only in (None, "moe"):
+            need = max(need, small.total_params() * 2 * (1 + 6) + 5e9)
+        free = shutil.disk_usage(work).free
+        if free < need:
+            raise SystemExit(f"needs about {need / 1e9:.0f} GB free in {work}, has {free / 1e9:.0f} GB; "
+                             "use --scale to shrink the shapes")
+        scale = {"scale": a.scale}
+        if a.only in (None, "depth"):
+            src = work / "llama-3-8b"
+            synthetic(big, src)
+            print(json.dumps(measure("depth 32->48 solar, Llama-3-8B shapes", src, work / "out",
+                                     ["depth", "--layers", "48", "--method", "solar"], a.repeats, scale)), flush=True)
+            shutil.rmtree(src)
+        if a.only in (None, "moe"):
+            src = work / "llama-3.2-1b"
+            synthetic(small, src)
+            for experts in (8, 64):
+                args = ["dense-to-moe", "--experts", str(experts), "--topk", "8", "--granularity", "8"]
+                print(json.dumps(measure(f"dense-to-moe {experts} experts top-8 G=8, Llama-3.2-1B shapes", src,
+                                         work / "out", args, a.repeats, {**scale, "experts": experts})), flush=True)
+            shutil.rmtree(src)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

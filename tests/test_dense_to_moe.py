@@ -1,0 +1,233 @@
+"""dense-to-moe: function preservation judged by transformers, virtual-group structure, counts, refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from cli_helpers import assert_clean_failure, leftovers, run_cli
+from transform_helpers import (
+    TOLERANCE,
+    active_by_hand,
+    config,
+    hf_param_count,
+    max_logit_diff,
+    run_transform,
+    stored,
+)
+
+from upcycler.tensors import LazyTensor, TensorMap
+from upcycler.transforms import transform_named
+
+# name: (source family, source overrides, dense-to-moe options, expected family)
+CASES = {
+    "mixtral-coarse": ("llama", {}, {"experts": 8, "topk": 2}, "mixtral"),
+    "mixtral-fine": ("llama", {}, {"experts": 64, "topk": 8, "granularity": 8}, "mixtral"),
+    "qwen2_moe-shared": ("llama", {"num_hidden_layers": 3},
+                         {"experts": 12, "topk": 6, "granularity": 4, "shared_experts": 1, "dense_layers": 1},
+                         "qwen2_moe"),
+    "qwen3_moe-dense-first": ("qwen3", {"num_hidden_layers": 3},
+                              {"experts": 16, "topk": 4, "granularity": 4, "dense_layers": 2}, "qwen3_moe"),
+    "glm4_moe-shared": ("llama", {"num_hidden_layers": 3},
+                        {"experts": 8, "topk": 4, "granularity": 4, "shared_experts": 2, "dense_layers": 1,
+                         "target": "glm4_moe", "routed_scaling_factor": 2.5}, "glm4_moe"),
+}
+
+
+@pytest.fixture(scope="module")
+def upcycled(tiny_dir, tmp_path_factory):
+    """`upcycled(case)` -> (source dir, output dir, plan), built once per case."""
+    cache: dict = {}
+
+    def build(case: str):
+        if case not in cache:
+            family, overrides, options, _ = CASES[case]
+            src = tiny_dir(family, **overrides)
+            out = tmp_path_factory.mktemp(case) / "out"
+            cache[case] = (src, out, run_transform("dense-to-moe", src, out, **options))
+        return cache[case]
+
+    return build
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_function_preserved(case, upcycled):
+    src, out, p = upcycled(case)
+    assert config(out)["model_type"] == CASES[case][3]
+    assert p.exact and json.loads((out / "upcycler.json").read_text())["lineage"][-1]["function_preserving"]
+    assert max_logit_diff(src, out) <= TOLERANCE
+
+
+def test_virtual_groups(upcycled):
+    """64 experts, G=8: router rows repeat per group bitwise; expert e = shard e mod 8, down_proj × 8."""
+    src, out, _ = upcycled("mixtral-fine")
+    dense, moe = stored(src), stored(out)
+    for layer in range(2):
+        p, q = f"model.layers.{layer}.", f"model.layers.{layer}.block_sparse_moe."
+        router = moe[q + "gate.weight"]
+        assert router.shape == (64, 64)
+        groups = router.reshape(8, 8, 64)
+        assert (groups == groups[:, :1]).all() and len({g[0].tobytes() for g in groups}) == 8
+        for e in (0, 5, 13, 63):
+            rows = slice(16 * (e % 8), 16 * (e % 8 + 1))
+            assert np.array_equal(moe[q + f"experts.{e}.w1.weight"], dense[p + "mlp.gate_proj.weight"][rows])
+            assert np.array_equal(moe[q + f"experts.{e}.w3.weight"], dense[p + "mlp.up_proj.weight"][rows])
+            assert np.array_equal(moe[q + f"experts.{e}.w2.weight"], dense[p + "mlp.down_proj.weight"][:, rows] * 8)
+
+
+def test_qwen2_moe_shared_expert_and_dense_layer(upcycled):
+    src, out, _ = upcycled("qwen2_moe-shared")
+    dense, moe, cfg = stored(src), stored(out), config(out)
+    assert cfg["mlp_only_layers"] == [0] and cfg["norm_topk_prob"] is True
+    assert cfg["shared_expert_intermediate_size"] == 32 and cfg["moe_intermediate_size"] == 32
+    for name in ("gate_proj", "up_proj", "down_proj"):  # the dense first layer is untouched
+        assert np.array_equal(moe[f"model.layers.0.mlp.{name}.weight"], dense[f"model.layers.0.mlp.{name}.weight"])
+    p = "model.layers.1.mlp."
+    assert not moe[p + "shared_expert_gate.weight"].any()
+    assert np.array_equal(moe[p + "shared_expert.gate_proj.weight"], dense["model.layers.1.mlp.gate_proj.weight"][:32])
+    assert np.array_equal(moe[p + "shared_expert.down_proj.weight"],
+                          dense["model.layers.1.mlp.down_proj.weight"][:, :32] * 2)
+    # routed expert e holds shard 1 + e mod 3, scaled by R = 3
+    assert np.array_equal(moe[p + "experts.4.up_proj.weight"], dense["model.layers.1.mlp.up_proj.weight"][64:96])
+
+
+def test_glm4_moe_ungated_shared_experts(upcycled):
+    src, out, _ = upcycled("glm4_moe-shared")
+    dense, moe, cfg = stored(src), stored(out), config(out)
+    assert (cfg["n_shared_experts"], cfg["moe_intermediate_size"], cfg["first_k_dense_replace"]) == (2, 32, 1)
+    assert cfg["routed_scaling_factor"] == 2.5 and cfg["partial_rotary_factor"] == 1.0
+    p = "model.layers.2.mlp."
+    assert np.array_equal(moe[p + "shared_experts.down_proj.weight"], dense[p + "down_proj.weight"][:, :64])
+    assert not moe[p + "gate.e_score_correction_bias"].any()
+
+
+def test_auto_target_says_which_and_why(tiny_dir, tmp_path):
+    proc = run_cli("dense-to-moe", tiny_dir("llama", num_hidden_layers=3), tmp_path / "out", "--experts", "12",
+                   "--topk", "6", "--granularity", "4", "--shared-experts", "1", "--dense-layers", "1")
+    assert "target qwen2_moe (auto" in proc.stderr and "Mixtral has no shared experts" in proc.stderr
+    assert "function preserved" in proc.stdout
+
+
+def test_same_seed_same_bytes(tiny_dir, tmp_path):
+    src = tiny_dir("llama")
+    options = {"experts": 16, "topk": 4, "granularity": 4, "seed": 7, "reinit_ratio": 0.25}
+    a, b, c = (tmp_path / n for n in "abc")
+    run_transform("dense-to-moe", src, a, **options)
+    run_transform("dense-to-moe", src, b, **options)
+    run_transform("dense-to-moe", src, c, **{**options, "seed": 8})
+    names = sorted(f.name for f in a.iterdir())
+    assert names == sorted(f.name for f in b.iterdir())
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+
+
+def test_unnormalized_router_is_reported_approximate(tiny_dir, tmp_path):
+    src = tiny_dir("qwen3")
+    p = run_transform("dense-to-moe", src, tmp_path / "out", experts=16, topk=4, granularity=4,
+                      target="qwen3_moe", router="unnormalized", router_std=0.5)
+    assert not p.exact and any("APPROXIMATE" in n.text for s in p.steps for n in s.notes)
+    assert config(tmp_path / "out")["norm_topk_prob"] is False
+    lineage = json.loads((tmp_path / "out" / "upcycler.json").read_text())["lineage"]
+    assert lineage[-1]["function_preserving"] is False
+    assert max_logit_diff(src, tmp_path / "out") > TOLERANCE
+
+
+def test_unnormalized_uniform_coarse_router_is_exact(tiny_dir, tmp_path):
+    src = tiny_dir("qwen3")
+    p = run_transform("dense-to-moe", src, tmp_path / "out", experts=8, topk=2, target="qwen3_moe",
+                      router="unnormalized", router_std=0.0)
+    assert p.exact and max_logit_diff(src, tmp_path / "out") <= TOLERANCE
+
+
+def test_drop_upcycling_reinitialises_the_same_neurons(tiny_dir, tmp_path):
+    src = tiny_dir("llama")
+    p = run_transform("dense-to-moe", src, tmp_path / "out", experts=4, topk=2, reinit_ratio=0.25)
+    assert not p.exact and any("NOT function-preserving: Drop-Upcycling" in n.text for n in p.steps[0].notes)
+    dense, moe = stored(src), stored(tmp_path / "out")
+    q = "model.layers.1.block_sparse_moe.experts."
+    changed = {}
+    for w, name, axis in (("w1", "gate_proj", 1), ("w3", "up_proj", 1), ("w2", "down_proj", 0)):
+        diff = moe[q + f"2.{w}.weight"] != dense[f"model.layers.1.mlp.{name}.weight"]
+        changed[w] = set(np.flatnonzero(diff.any(axis=axis)))
+    assert len(changed["w1"]) == 32 and changed["w1"] == changed["w3"] == changed["w2"]
+
+
+def test_experts_cut_lazily_reading_each_dense_tensor_once(tiny_dir):
+    """Producing all 64 experts part by part loads every dense tensor once, never the whole stack."""
+    from upcycler.io.checkpoint import read_checkpoint
+
+    ckpt = read_checkpoint(tiny_dir("llama"))
+    loads: dict[str, int] = {}
+
+    def counted(name: str, t: LazyTensor) -> LazyTensor:
+        def load():
+            loads[name] = loads.get(name, 0) + 1
+            return t.load()
+        return LazyTensor(t.shape, t.dtype, load)
+
+    tensors = TensorMap({n: counted(n, t) for n, t in ckpt.tensors.items()})
+    t = transform_named("dense-to-moe")
+    applied = t.apply(t.make_config({"experts": 64, "topk": 8, "granularity": 8}), ckpt.spec, tensors)
+    assert loads == {}
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        stacked = applied.tensors[f"layers.0.moe.experts.{name}"]
+        parts = [stacked.part(e) for e in range(64)]
+        assert len(parts) == 64
+    assert loads == {f"layers.0.mlp.{n}": 1 for n in ("gate_proj", "up_proj", "down_proj")}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_dry_run_counts_match_transformers(case, tiny_dir, tmp_path):
+    """From config.json alone: the planned config builds a transformers model with exactly the counted params."""
+    family, overrides, options, _ = CASES[case]
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(tiny_dir(family, **overrides) / "config.json", config_only)
+    p = run_transform("dense-to-moe", config_only, None, dry_run=True, **options).to_json()
+    total = hf_param_count(p["config"], tmp_path / "built")
+    assert p["total_params"] == total
+    assert p["active_params"] == active_by_hand(p["config"], total)
+
+
+def test_dry_run_bytes_match_the_written_files(upcycled):
+    _, out, p = upcycled("qwen2_moe-shared")
+    assert p.output_bytes == sum(f.stat().st_size for f in out.glob("*.safetensors"))
+
+
+def test_dry_run_cli_writes_nothing(tiny_dir, tmp_path):
+    proc = run_cli("dense-to-moe", tiny_dir("llama"), tmp_path / "out", "--experts", "8", "--topk", "2",
+                   "--dry-run", "--json")
+    info = json.loads(proc.stdout)
+    assert info["config"]["num_local_experts"] == 8 and info["function_preserving"]
+    assert not list(tmp_path.iterdir())
+
+
+REFUSALS = {
+    "topk-not-multiple": (["--experts", "8", "--topk", "3", "--granularity", "2"], "multiple of the routed group"),
+    "granularity-divides": (["--experts", "6", "--topk", "3", "--granularity", "3"], "does not divide"),
+    "shared-ge-granularity": (["--experts", "8", "--topk", "2", "--granularity", "2", "--shared-experts", "2"],
+                              "must be smaller than --granularity"),
+    "dense-ge-layers": (["--experts", "8", "--topk", "2", "--dense-layers", "2"], "leaves no MoE layer"),
+    "family-cannot-hold": (["--experts", "4", "--topk", "2", "--granularity", "2", "--shared-experts", "1",
+                            "--target", "mixtral"], "Mixtral has no shared experts"),
+    "too-large": (["--experts", "2048", "--topk", "2"], "--allow-large"),
+    "reinit-ratio": (["--experts", "8", "--topk", "2", "--reinit-ratio", "1.5"], "--reinit-ratio"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_refusals(case, tiny_dir, tmp_path):
+    args, mentions = REFUSALS[case]
+    proc = run_cli("dense-to-moe", tiny_dir("llama"), tmp_path / "out", *args, check=False)
+    assert_clean_failure(proc, mentions=mentions)
+    assert leftovers(tmp_path, "out") == []
+
+
+def test_refuses_an_moe_source(tiny_dir, tmp_path):
+    proc = run_cli("dense-to-moe", tiny_dir("mixtral"), tmp_path / "out", "--experts", "8", "--topk", "2",
+                   check=False)
+    assert_clean_failure(proc, mentions="already MoE")
+    assert leftovers(tmp_path, "out") == []

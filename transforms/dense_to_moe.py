@@ -1,0 +1,287 @@
+"""`dense-to-moe`: upcycle a dense SwiGLU model into a Mixture-of-Experts that computes the same function.
+
+The maths (upcycling-math §1–4): cut the dense FFN's intermediate dim F into G contiguous shards of
+width f = F/G, so y = Σ_j f_j(x) exactly. The first S shards form the shared expert; the other
+R = G − S shards are the routed experts of one *virtual group*. Routed expert e holds shard S + (e mod R)
+and router row r[e // R]: E = N/R random rows, each repeated R times, bitwise identical, so a group's
+experts always tie and top-K (a multiple of R) picks whole groups. The weights of one chosen group sum to
+1/R of the group's share, so the whole correction goes on `down_proj` (never on gate/up: SiLU is not
+homogeneous):
+
+    renormalised softmax (Mixtral, Qwen with norm_topk_prob)   down_proj × R              exact
+    sigmoid, renormalised × routed_scaling_factor (GLM-4-MoE)  down_proj × R / rsf        exact
+    softmax without renormalising (forced --router unnormalized) down_proj × N·R/K        approximate
+
+Tensors are lazy: expert e's slices are cut from the dense tensor only when a writer asks for
+`part(e)`, and a dense tensor is read once for all the experts cut from it (`_Recent`), so memory stays
+a few dense tensors whatever the number of experts. The router is drawn from a numpy Generator seeded by
+(seed, layer) and stored in the model's dtype (the routers of the HF families are plain linear layers of
+the model dtype; transformers upcasts the logits to fp32 itself).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from math import log2
+
+import numpy as np
+
+from upcycler.errors import UpcyclerError
+from upcycler.layout import layer_prefix
+from upcycler.spec import ROUTER_KINDS, ModelSpec, MoESpec
+from upcycler.tensors import LazyTensor, TensorMap, dtype_name, stack, zeros
+from upcycler.transforms.moe_target import AUTO_ORDER, MoERequest, apply_attention, choose_target
+from upcycler.transforms.registry import option, register, report
+
+MAX_GROWTH = 10  # refuse results with more than this many times the source's parameters (--allow-large)
+
+
+@dataclass(frozen=True)
+class DenseToMoE:
+    """Options of `dense-to-moe`."""
+
+    experts: int = option(help="Routed experts N (a multiple of the routed group size R = G − S).", metavar="N")
+    topk: int = option(help="Routed experts per token K (a multiple of R, so whole virtual groups are chosen).",
+                       metavar="K")
+    granularity: int = option(1, help="Shards G per dense FFN (1: experts are full copies); must divide F.",
+                              metavar="G")
+    shared_experts: int = option(0, help="Shards S (of G) that form the always-on shared expert.", metavar="S")
+    dense_layers: int = option(0, help="First D layers keep their dense MLP untouched.", metavar="D")
+    router_std: float = option(0.02, help="Std of the random router rows (0: uniform router).", metavar="σ")
+    target: str = option("auto", choices=(*AUTO_ORDER, "auto"),
+                         help="HF MoE family to produce; auto: the first that holds the request exactly.")
+    router: str | None = option(None, choices=ROUTER_KINDS,
+                                help="Router kind (default: the target's exact one; unnormalized is approximate).")
+    routed_scaling_factor: float = option(1.0, help="GLM-4-MoE's routed_scaling_factor (sigmoid router).",
+                                          metavar="RSF")
+    seed: int = option(0, help="Seed of the router (and of --reinit-ratio).")
+    reinit_ratio: float = option(0.0, help="Drop-Upcycling: re-initialise this fraction of each routed "
+                                           "expert's neurons (NOT function-preserving).", metavar="r")
+    allow_approximate: bool = option(False, help="Accept a target that cannot hold the source's attention "
+                                                 "exactly (q/k norms or biases changed).")
+    allow_large: bool = option(False, help=f"Allow a result over {MAX_GROWTH}× the source's parameters.")
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The numbers of upcycling-math §1: G shards of width f, S shared, R = G − S routed, E groups."""
+
+    G: int
+    S: int
+    R: int
+    E: int
+    f: int
+
+
+@register("dense-to-moe", DenseToMoE)
+def dense_to_moe(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap) -> tuple[ModelSpec, TensorMap]:
+    """Upcycle a dense model into a fine-grained MoE with virtual groups, shared experts and dense first layers.
+
+    Sparse Upcycling (Komatsuzaki et al., arXiv 2212.05055) for G=1; virtual groups and weight scaling
+    (He et al., arXiv 2410.07524), with the whole scale on down_proj; shared experts and dense first
+    layers as in DeepSeekMoE (arXiv 2401.06066); `--reinit-ratio` is Drop-Upcycling (arXiv 2502.19261).
+
+    Preserves the function exactly (up to float rounding of a non-power-of-two scale) for renormalising
+    and sigmoid routers, whatever the router weights: attention, norms, embeddings and dense layers are
+    the source's tensors, untouched. Not preserved: a forced unnormalised router (approximate unless the
+    router is uniform and R = 1), `--reinit-ratio` > 0, and attention changes made under
+    `--allow-approximate`; each is reported.
+    """
+    shape = _check(cfg, spec)
+    request = MoERequest(cfg.experts, cfg.topk, shape.f, shape.S, tuple(range(cfg.dense_layers)), cfg.router,
+                         cfg.routed_scaling_factor)
+    target, why = choose_target(spec, request, cfg.target, allow_approximate=cfg.allow_approximate)
+    report(why)
+    if target.lossy:
+        report(f"NOT function-preserving: {'; '.join(target.lossy)} to fit {target.family.architecture} "
+               "(--allow-approximate)", exact=False)
+    out = target.spec
+    _check_size(cfg, spec, out)
+    tensors = apply_attention(target, spec, tensors)
+    factor = _scale(out.moe, shape, cfg.router_std, tensors["embed"].dtype)  # type: ignore[arg-type]
+    if cfg.reinit_ratio > 0:
+        n = round(cfg.reinit_ratio * shape.f)
+        report(f"NOT function-preserving: Drop-Upcycling re-initialises {n} of the {shape.f} neurons of every "
+               f"routed expert ({cfg.reinit_ratio:.0%}, seed {cfg.seed})", exact=False)
+    recent = _Recent()
+    new: dict[str, LazyTensor] = {}
+    for i in out.moe_layers:
+        new.update(_moe_layer(cfg, out, shape, factor, tensors, i, recent))
+    dense = [layer_prefix(i) + f"mlp.{w}" for i in out.moe_layers for w in ("gate_proj", "up_proj", "down_proj")]
+    return out, tensors.without(dense).updated(new)
+
+
+def _check(cfg: DenseToMoE, spec: ModelSpec) -> _Shape:
+    """Refuse requests that cannot be upcycled, with the flag to change; return the shard numbers."""
+    if spec.moe is not None:
+        raise UpcyclerError(f"dense-to-moe needs a dense source; this {spec.family} model is already MoE")
+    G, S, N, K, F = cfg.granularity, cfg.shared_experts, cfg.experts, cfg.topk, spec.intermediate_size
+    if G < 1 or N < 1 or K < 1 or S < 0 or cfg.dense_layers < 0 or cfg.seed < 0:
+        raise UpcyclerError("--experts, --topk and --granularity must be ≥ 1; --shared-experts, --dense-layers "
+                            "and --seed ≥ 0")
+    if F % G:
+        divisors = [d for d in range(2, 65) if F % d == 0]
+        raise UpcyclerError(f"--granularity {G} does not divide the intermediate size {F}; choose a divisor "
+                            f"({', '.join(map(str, divisors)) or 'none up to 64'})")
+    if S >= G:
+        raise UpcyclerError(f"--shared-experts {S} must be smaller than --granularity {G} "
+                            "(at least one shard must stay routed)")
+    R = G - S
+    if N % R:
+        raise UpcyclerError(f"--experts {N} is not a multiple of the routed group size R = G − S = {R}")
+    if K % R:
+        raise UpcyclerError(f"--topk {K} is not a multiple of the routed group size R = G − S = {R}; "
+                            "top-k must choose whole virtual groups to preserve the function")
+    if K > N:
+        raise UpcyclerError(f"--topk {K} is larger than --experts {N}")
+    if cfg.dense_layers >= spec.num_layers:
+        raise UpcyclerError(f"--dense-layers {cfg.dense_layers} leaves no MoE layer (the model has "
+                            f"{spec.num_layers} layers); use fewer")
+    if not 0 <= cfg.reinit_ratio < 1:
+        raise UpcyclerError(f"--reinit-ratio {cfg.reinit_ratio} must be in [0, 1)")
+    if cfg.router_std < 0 or cfg.routed_scaling_factor <= 0:
+        raise UpcyclerError("--router-std must be ≥ 0 and --routed-scaling-factor > 0")
+    return _Shape(G, S, R, N // R, F // G)
+
+
+def _check_size(cfg: DenseToMoE, source: ModelSpec, out: ModelSpec) -> None:
+    before, after = source.total_params(), out.total_params()
+    if after > MAX_GROWTH * before and not cfg.allow_large:
+        raise UpcyclerError(f"dense-to-moe would make {after:,} parameters, {after / before:.0f}× the source's "
+                            f"{before:,} (over {MAX_GROWTH}×); lower --experts or pass --allow-large to force")
+
+
+def _scale(moe: MoESpec, shape: _Shape, router_std: float, dtype: np.dtype) -> float:
+    """The factor on routed down_proj for the target's router, reported with its exactness."""
+    R, N, K = shape.R, moe.num_experts, moe.top_k
+    if moe.router == "renormalized":
+        factor, how, exact = float(R), f"× R = {R} (renormalising router)", True
+    elif moe.router == "sigmoid":
+        factor = R / moe.routed_scaling_factor
+        how, exact = f"× R / routed_scaling_factor = {factor:g} (sigmoid router, renormalised)", True
+    else:
+        factor = N * R / K
+        how = f"× N·R/K = {factor:g} (router does not renormalise the top-k weights)"
+        exact = router_std == 0 and R == 1
+    if exact:
+        report(f"routed down_proj {how}: function-preserving")
+    else:
+        report(f"APPROXIMATE: routed down_proj {how} is exact only for a uniform router; the default "
+               "renormalising router (norm_topk_prob=true) is exact", exact=False)
+    if factor != 1 and not log2(factor).is_integer():
+        report(f"the scale {factor:g} is not a power of two, so scaled weights round in {dtype_name(dtype)}")
+    return factor
+
+
+def _moe_layer(cfg: DenseToMoE, out: ModelSpec, shape: _Shape, factor: float, tensors: TensorMap, i: int,
+               recent: _Recent) -> dict[str, LazyTensor]:
+    """Router, routed experts and shared expert of MoE layer `i`, all lazy views of its dense MLP."""
+    p = layer_prefix(i)
+    gate, up, down = (tensors[p + f"mlp.{w}"] for w in ("gate_proj", "up_proj", "down_proj"))
+    moe = out.moe
+    assert moe is not None
+    D, f, S, R, N = out.hidden_size, shape.f, shape.S, shape.R, moe.num_experts
+    dtype = gate.dtype
+    reinit = round(cfg.reinit_ratio * f)
+
+    def rows(w: LazyTensor, e: int, k: int) -> np.ndarray:  # [f, D]: shard S + e mod R of gate/up
+        j = S + e % R
+        out_ = recent.get(w)[j * f:(j + 1) * f]
+        return _reinit(out_, recent.stats(w), cfg.seed, i, e, k, reinit, axis=0) if reinit else out_
+
+    def cols(e: int) -> np.ndarray:  # [D, f]: shard S + e mod R of down, scaled
+        j = S + e % R
+        out_ = recent.get(down)[:, j * f:(j + 1) * f]
+        if reinit:
+            out_ = _reinit(out_, recent.stats(down), cfg.seed, i, e, 2, reinit, axis=1)
+        return _scaled(out_, factor)
+
+    new = {
+        p + "moe.router": _router(cfg.seed, i, shape.E, R, D, cfg.router_std, dtype),
+        p + "moe.experts.gate_proj": stack([lambda e=e: rows(gate, e, 0) for e in range(N)], (N, f, D), dtype),
+        p + "moe.experts.up_proj": stack([lambda e=e: rows(up, e, 1) for e in range(N)], (N, f, D), dtype),
+        p + "moe.experts.down_proj": stack([lambda e=e: cols(e) for e in range(N)], (N, D, f), dtype),
+    }
+    if S:
+        width = S * f
+        new[p + "moe.shared.gate_proj"] = LazyTensor((width, D), dtype, lambda: recent.get(gate)[:width])
+        new[p + "moe.shared.up_proj"] = LazyTensor((width, D), dtype, lambda: recent.get(up)[:width])
+        # a gated shared expert is multiplied by sigmoid(0 · x) = 1/2: double its down_proj (exact)
+        double = 2.0 if moe.shared_gated else 1.0
+        new[p + "moe.shared.down_proj"] = LazyTensor((D, width), dtype,
+                                                     lambda: _scaled(recent.get(down)[:, :width], double))
+        if moe.shared_gated:
+            new[p + "moe.shared_gate"] = zeros((1, D), dtype)
+    return new
+
+
+def _router(seed: int, layer: int, groups: int, R: int, D: int, std: float, dtype: np.dtype) -> LazyTensor:
+    """[E·R, D]: E rows ~ N(0, std²) drawn for (seed, layer), each repeated R times (one per group member)."""
+
+    def load() -> np.ndarray:
+        rows = np.random.default_rng([seed, layer]).standard_normal((groups, D)) * std
+        return np.repeat(rows.astype(np.float32).astype(dtype), R, axis=0)
+
+    return LazyTensor((groups * R, D), np.dtype(dtype), load)
+
+
+def _scaled(w: np.ndarray, factor: float) -> np.ndarray:
+    if factor == 1:
+        return w
+    wide = np.float64 if w.dtype == np.float64 else np.float32
+    return (w.astype(wide) * wide(factor)).astype(w.dtype)
+
+
+def _reinit(w: np.ndarray, stats: tuple[float, float], seed: int, layer: int, expert: int, which: int,
+            count: int, *, axis: int) -> np.ndarray:
+    """`w` with `count` neurons (rows for gate/up, columns for down) redrawn from N(mean, std) of the dense
+    weight; the neurons are the same for gate, up and down of one expert (seeded by seed, layer, expert)."""
+    neurons = np.random.default_rng([seed, layer, expert]).choice(w.shape[axis], size=count, replace=False)
+    shape = (count, w.shape[1]) if axis == 0 else (w.shape[0], count)
+    fresh = np.random.default_rng([seed, layer, expert, which + 1]).normal(*stats, size=shape)
+    out = np.array(w)
+    if axis == 0:
+        out[neurons] = fresh.astype(np.float32).astype(w.dtype)
+    else:
+        out[:, neurons] = fresh.astype(np.float32).astype(w.dtype)
+    return out
+
+
+class _Recent:
+    """The last few dense tensors loaded, so the N experts cut from one tensor read it once.
+
+    Writers ask for every expert of one stacked tensor in a row (gate, then up, then down, then the shared
+    expert), so three entries (one layer's gate, up and down) are enough.
+    """
+
+    def __init__(self, size: int = 3):
+        self._size = size
+        self._arrays: OrderedDict[int, tuple[LazyTensor, np.ndarray, tuple[float, float] | None]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, tensor: LazyTensor) -> np.ndarray:
+        with self._lock:
+            key = id(tensor)
+            if key in self._arrays:
+                self._arrays.move_to_end(key)
+                return self._arrays[key][1]
+            array = tensor.load()
+            self._arrays[key] = (tensor, array, None)
+            while len(self._arrays) > self._size:
+                self._arrays.popitem(last=False)
+            return array
+
+    def stats(self, tensor: LazyTensor) -> tuple[float, float]:
+        """Mean and std of a dense tensor (for Drop-Upcycling's re-initialisation)."""
+        array = self.get(tensor)
+        with self._lock:
+            entry = self._arrays.get(id(tensor))
+            if entry is not None and entry[2] is not None:
+                return entry[2]
+            wide = array.astype(np.float64)
+            stats = (float(wide.mean()), float(wide.std()))
+            if entry is not None:
+                self._arrays[id(tensor)] = (entry[0], entry[1], stats)
+            return stats

@@ -1,0 +1,182 @@
+"""Plan and run a recipe in one streaming pass: read lazily, transform, cast, fit the family, write.
+
+`plan` does everything but write: it reads only the source's config and safetensors headers (or, for a
+config-only directory, nothing but config.json: every tensor is then a placeholder that refuses to be
+read), applies the transforms to the spec and the lazy tensors, and computes the resulting config,
+the exact parameter counts and the exact output bytes. `--dry-run` prints that plan; `execute` hands
+the planned checkpoint to the writer, which pulls each output tensor (one expert at a time) through the
+chain of lazy transforms from the source bytes. No intermediate checkpoint is ever written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from upcycler.errors import UpcyclerError
+from upcycler.families import conform, family_named
+from upcycler.io.checkpoint import Checkpoint, detect_format, read_checkpoint, write_checkpoint
+from upcycler.io.hf_read import read_json, read_spec, weight_files_present
+from upcycler.io.hf_write import plan_items, split_shards
+from upcycler.io.safetensors_file import encode_header
+from upcycler.layout import declare_params
+from upcycler.spec import ModelSpec
+from upcycler.summary import format_summary, human_bytes, spec_summary
+from upcycler.tensors import LazyTensor, TensorMap, dtype_name, parse_dtype
+from upcycler.transforms.recipe import Recipe
+from upcycler.transforms.registry import Note, config_dict
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One applied transform: its name, config and what it reported."""
+
+    name: str
+    config: dict[str, Any]
+    notes: tuple[Note, ...]
+
+    @property
+    def exact(self) -> bool:
+        return all(n.exact for n in self.notes)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a run will do and produce, known before a tensor byte is read."""
+
+    recipe: Recipe
+    ckpt: Checkpoint  # transformed, cast and fitted to the output family, with its lineage
+    steps: tuple[StepResult, ...]
+    config_only: bool
+    config: dict[str, Any] | None  # the config.json an HF output gets
+    output_bytes: int
+    shards: int
+
+    @property
+    def exact(self) -> bool:
+        return all(s.exact for s in self.steps)
+
+    def to_json(self) -> dict[str, Any]:
+        spec = self.ckpt.spec
+        return {
+            "recipe": self.recipe.to_dict(),
+            "config_only_source": self.config_only,
+            "steps": [{"transform": s.name, "config": s.config, "function_preserving": s.exact,
+                       "notes": [n.text for n in s.notes]} for s in self.steps],
+            "function_preserving": self.exact,
+            "architecture": spec_summary(spec),
+            "total_params": spec.total_params(),
+            "active_params": spec.active_params(),
+            "output_bytes": self.output_bytes,
+            "shards": self.shards,
+            "dtype": dtype_name(self.ckpt.tensors["embed"].dtype),
+            "config": self.config,
+        }
+
+    def describe(self) -> str:
+        """The plan for people: steps with their notes, the resulting architecture, counts and bytes."""
+        r = self.recipe
+        src = f"read    {r.source}" + ("  (config.json only: planned without weights)" if self.config_only else "")
+        lines = ["plan", "  " + src]
+        for s in self.steps:
+            options = ", ".join(f"{k}={v}" for k, v in s.config.items() if v is not None)
+            lines.append(f"  {s.name:<7} {options}")
+            lines += [f"          {'' if n.exact else '! '}{n.text}" for n in s.notes]
+        out = r.output
+        dtype = dtype_name(self.ckpt.tensors["embed"].dtype)
+        lines.append(f"  write   {out.path if out.path else '(no output path)'} as {out.format}"
+                     f"{' ' + self.ckpt.spec.family if out.format == 'hf' else ''}, {dtype}, "
+                     f"{self.shards} file(s)")
+        lines += ["result", *("  " + line for line in format_summary(spec_summary(self.ckpt.spec)).splitlines())]
+        lines.append(f"  output bytes    {self.output_bytes:,} ({human_bytes(self.output_bytes)})")
+        lines.append(f"  function        {'preserved' if self.exact else 'NOT preserved (see ! above)'}")
+        return "\n".join(lines)
+
+
+def plan(recipe: Recipe, *, allow_config_only: bool = False) -> Plan:
+    """Apply the recipe to the spec and the lazy tensors of its source; nothing is read but headers."""
+    ckpt, config_only = read_source(recipe.source, allow_config_only=allow_config_only)
+    results = []
+    for step in recipe.steps:
+        applied = step.transform.apply(step.config, ckpt.spec, ckpt.tensors)
+        result = StepResult(step.transform.name, config_dict(step.config), applied.notes)
+        results.append(result)
+        record = {"step": result.name, "config": result.config, "function_preserving": result.exact,
+                  "notes": [n.text for n in result.notes]}
+        ckpt = ckpt.with_step(record, applied.spec, applied.tensors)
+    out = recipe.output
+    if out.dtype:
+        ckpt = ckpt.replace(tensors=ckpt.tensors.astype(parse_dtype(out.dtype)))
+    exact = all(r.exact for r in results)
+    recorded = recipe.to_dict()
+    recorded["output"].pop("path")  # the output is the directory the record lives in
+    ckpt = ckpt.replace(lineage=(*ckpt.lineage, {"step": "recipe", "recipe": recorded,
+                                                 "function_preserving": exact}))
+    if out.format != "hf":
+        return Plan(recipe, ckpt, tuple(results), config_only, None, ckpt.tensors.nbytes, 1)
+    family = family_named(out.family or ckpt.spec.family)
+    spec, tensors = conform(ckpt.spec, ckpt.tensors, family)
+    ckpt = ckpt.replace(spec=spec, tensors=tensors)
+    shards = split_shards(plan_items(ckpt, family), _shard_size(out.shard_size))
+    nbytes = sum(len(encode_header([(i.name, i.shape, i.dtype) for i in shard], {"format": "pt"}))
+                 + sum(i.nbytes for i in shard) for shard in shards)
+    config = {**family.write_config(spec), "torch_dtype": dtype_name(tensors["embed"].dtype)}
+    return Plan(recipe, ckpt, tuple(results), config_only, config, nbytes, len(shards))
+
+
+def execute(p: Plan, *, overwrite: bool = False, progress: bool = True) -> Path:
+    """Write the planned checkpoint (the single pass over the source bytes) and return the output path."""
+    out = p.recipe.output
+    if p.config_only:
+        raise UpcyclerError(f"{p.recipe.source}: has config.json but no weights; only --dry-run can plan from it")
+    if out.path is None:
+        raise UpcyclerError("no output path given; pass OUT (or use --dry-run)")
+    if out.format == "hf":
+        return write_checkpoint(p.ckpt, out.path, to="hf", family=p.ckpt.spec.family,
+                                shard_size=_shard_size(out.shard_size), overwrite=overwrite, progress=progress)
+    return write_checkpoint(p.ckpt, out.path, to=out.format, overwrite=overwrite)
+
+
+def read_source(path: Path, *, allow_config_only: bool) -> tuple[Checkpoint, bool]:
+    """The source checkpoint, lazily; a config-only HF directory gives placeholders when allowed."""
+    if detect_format(path) == "hf" and not weight_files_present(path):
+        if not allow_config_only:
+            raise UpcyclerError(f"{path}: has config.json but no weights; only --dry-run can plan from it")
+        spec = read_spec(path)
+        step = {"step": "read", "source": str(path), "format": "hf", "config_only": True}
+        return Checkpoint(spec, placeholders(spec, _config_dtype(path)), path, (step,)), True
+    return read_checkpoint(path), False
+
+
+def placeholders(spec: ModelSpec, dtype: np.dtype) -> TensorMap:
+    """A TensorMap with every declared tensor's shape and dtype and no bytes (for planning)."""
+
+    def refuse(*_: Any) -> np.ndarray:
+        raise UpcyclerError("this model was planned from config.json alone; it has no tensor bytes to write")
+
+    return TensorMap({d.name: LazyTensor(d.shape, np.float32 if d.is_buffer else dtype, refuse, refuse)
+                      for d in declare_params(spec)})
+
+
+def _config_dtype(path: Path) -> np.dtype:
+    cfg = read_json(path / "config.json")
+    name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    try:
+        return parse_dtype(str(name))
+    except ValueError:
+        where = path / "config.json"
+        raise UpcyclerError(f"{where}: dtype {name!r} is not supported; use bf16, fp16 or fp32") from None
+
+
+def _shard_size(text: str) -> int:
+    import click
+
+    from upcycler.cli.options import parse_size
+
+    try:
+        return parse_size(str(text))
+    except click.ClickException:
+        raise UpcyclerError(f"shard size {text!r} is not a size; use e.g. 5GB or 500MB") from None

@@ -1,0 +1,139 @@
+"""Recipes: a source, a chain of transforms and one output, as a YAML file or built by a command.
+
+    source: ./llama-3-8b              # HF or Orbax directory (relative paths: from the recipe's directory)
+    transforms:                       # applied in order, each `name: {options}` (options as on the CLI)
+      - depth: {layers: 48, method: identity}
+      - dense-to-moe: {experts: 64, topk: 8, granularity: 8}
+    output:
+      path: ./llama-moe
+      format: hf                      # hf | orbax
+      family: null                    # HF family to write (default: what the last transform produced)
+      dtype: bf16                     # bf16 | fp16 | fp32 (default: keep)
+      shard_size: 5GB
+
+`upcycle run recipe.yaml` and every single-transform command (`upcycle depth SRC OUT …`) build a
+`Recipe`; `transforms.pipeline` plans and runs it. The recipe is recorded in the output's lineage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from upcycler.errors import UpcyclerError
+from upcycler.io.hf_write import DEFAULT_SHARD_SIZE
+from upcycler.transforms.registry import Transform, config_dict, transform_named
+
+FORMATS = ("hf", "orbax")
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One transform of a recipe with its config."""
+
+    transform: Transform
+    config: Any
+
+    def to_dict(self) -> dict[str, Any]:
+        return {self.transform.name: config_dict(self.config)}
+
+
+@dataclass(frozen=True)
+class Output:
+    """Where and how the result is written."""
+
+    path: Path | None  # None: plan only
+    format: str = "hf"
+    family: str | None = None
+    dtype: str | None = None
+    shard_size: str = str(DEFAULT_SHARD_SIZE)
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise UpcyclerError(f"output format {self.format!r} is unknown; use {' or '.join(FORMATS)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise UpcyclerError(f"output dtype {self.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
+        if self.family is not None and self.format != "hf":
+            raise UpcyclerError("an output family applies to format hf only; drop it for orbax")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": None if self.path is None else str(self.path), "format": self.format,
+                "family": self.family, "dtype": self.dtype, "shard_size": self.shard_size}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A source directory, the transforms to apply in order, and the output."""
+
+    source: Path
+    steps: tuple[Step, ...]
+    output: Output
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": str(self.source), "transforms": [s.to_dict() for s in self.steps],
+                "output": self.output.to_dict()}
+
+
+def single(transform: str, values: dict[str, Any], source: Path, output: Output) -> Recipe:
+    """The recipe of one command: `source`, one transform with `values`, `output`."""
+    t = transform_named(transform)
+    return Recipe(source, (Step(t, t.make_config(values, f"upcycle {t.name}")),), output)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Parse and check a recipe file (no model is read)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise UpcyclerError(f"{path}: no such recipe file; check the path") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UpcyclerError(f"{path}: not valid YAML ({first}); fix the recipe") from None
+    return recipe_from_dict(data, path.parent, str(path))
+
+
+def recipe_from_dict(data: Any, base: Path, where: str) -> Recipe:
+    """A recipe from its parsed YAML; relative paths are taken from `base`."""
+    if not isinstance(data, dict):
+        raise UpcyclerError(f"{where}: a recipe is a mapping with source, transforms and output")
+    unknown = set(data) - {"source", "transforms", "output"}
+    if unknown:
+        raise UpcyclerError(f"{where}: unknown key {min(unknown)!r}; a recipe has source, transforms, output")
+    if not isinstance(data.get("source"), str) or not data["source"]:
+        raise UpcyclerError(f"{where}: source must be the path of a checkpoint directory")
+    items = data.get("transforms") or []
+    if not isinstance(items, list) or not items:
+        raise UpcyclerError(f"{where}: transforms must be a non-empty list of `name: {{options}}` entries")
+    steps = []
+    for k, item in enumerate(items):
+        if not isinstance(item, dict) or len(item) != 1:
+            raise UpcyclerError(f"{where}: transforms[{k}] must be one `name: {{options}}` mapping")
+        (name, values), = item.items()
+        t = transform_named(str(name))
+        if values is not None and not isinstance(values, dict):
+            raise UpcyclerError(f"{where}: the options of {name} must be a mapping")
+        steps.append(Step(t, t.make_config(values or {}, f"{where}: transforms[{k}] {name}")))
+    return Recipe(_path(base, data["source"]), tuple(steps), _output(data.get("output"), base, where))
+
+
+def _output(data: Any, base: Path, where: str) -> Output:
+    if not isinstance(data, dict):
+        raise UpcyclerError(f"{where}: output must be a mapping with at least a path")
+    unknown = set(data) - {"path", "format", "family", "dtype", "shard_size"}
+    if unknown:
+        raise UpcyclerError(f"{where}: unknown output key {min(unknown)!r}; "
+                            "use path, format, family, dtype, shard_size")
+    if not isinstance(data.get("path"), str) or not data["path"]:
+        raise UpcyclerError(f"{where}: output.path must be the directory to write")
+    return Output(_path(base, data["path"]), str(data.get("format", "hf")), data.get("family"), data.get("dtype"),
+                  str(data.get("shard_size", DEFAULT_SHARD_SIZE)))
+
+
+def _path(base: Path, text: str) -> Path:
+    path = Path(text).expanduser()
+    return path if path.is_absolute() else base / path

@@ -1,0 +1,100 @@
+"""`upcycle <transform> SRC OUT [options]` for every registered transform, and `upcycle run recipe.yaml`.
+
+The options of each transform command are generated from the fields of its config dataclass (type,
+default, choices and help come from the field), plus the output options every writing command shares
+(`--to`, `--family`, `--dtype`, `--shard-size`, `--overwrite`) and `--dry-run` / `--json`. A command is a
+one-step recipe, so it runs exactly like `upcycle run` and records the same lineage.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import click
+
+from upcycler.cli.options import output_options
+from upcycler.transforms import TRANSFORMS
+from upcycler.transforms.registry import OptionInfo, Transform
+
+_CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING}
+_RESERVED = {"src", "out", "to", "family", "dtype", "shard_size", "overwrite", "dry_run", "as_json"}
+
+
+def run_options(fn: Callable) -> Callable:
+    """--dry-run and --json, shared by every transform command and `run`."""
+    fn = click.option("--json", "as_json", is_flag=True,
+                      help="Print the plan (with --dry-run) or the result as one JSON object.")(fn)
+    return click.option("--dry-run", is_flag=True,
+                        help="Print the plan, architecture, exact parameter counts and output bytes; "
+                             "read no tensor bytes (a config-only source works).")(fn)
+
+
+def _option(info: OptionInfo) -> Callable:
+    if info.name in _RESERVED:
+        raise ValueError(f"transform option {info.name!r} collides with a command option")
+    if info.type is bool:
+        return click.option(info.flag, info.name, is_flag=True, default=bool(info.default), help=info.help)
+    kind = click.Choice(info.choices) if info.choices else _CLICK_TYPES[info.type]
+    return click.option(info.flag, info.name, type=kind, required=info.required, default=info.default,
+                        show_default=info.default is not None, metavar=info.metavar, help=info.help)
+
+
+def finish(p, *, dry_run: bool, as_json: bool, overwrite: bool) -> None:
+    """Print the plan (dry run), or print the notes, write, and print what was written."""
+    from upcycler.summary import human_bytes, human_count
+    from upcycler.transforms.pipeline import execute
+
+    if dry_run:
+        click.echo(json.dumps(p.to_json(), indent=2) if as_json else p.describe())
+        return
+    if not as_json:
+        for step in p.steps:
+            for note in step.notes:
+                click.echo(f"{'note' if note.exact else 'warning'}: {step.name}: {note.text}", err=True)
+    out = execute(p, overwrite=overwrite)
+    if as_json:
+        click.echo(json.dumps({**p.to_json(), "written": str(out)}, indent=2))
+        return
+    spec = p.ckpt.spec
+    click.echo(f"wrote {out}: {spec.family}, {spec.num_layers} layers, {human_count(spec.total_params())} "
+               f"params ({human_count(spec.active_params())} active), {human_bytes(p.output_bytes)}; "
+               f"function {'preserved' if p.exact else 'NOT preserved'}")
+
+
+def transform_command(t: Transform) -> click.Command:
+    """The click command of transform `t`: SRC, OUT, its options, the output options and --dry-run."""
+
+    def callback(src: Path, out: Path | None, dry_run: bool, as_json: bool, to: str, family: str | None,
+                 dtype: str | None, shard_size: str, overwrite: bool, **values) -> None:
+        from upcycler.transforms.pipeline import plan
+        from upcycler.transforms.recipe import Output, single
+
+        if out is None and not dry_run:
+            raise click.UsageError("missing argument OUT (only --dry-run can do without it)")
+        recipe = single(t.name, values, src, Output(out, to, family, dtype, shard_size))
+        finish(plan(recipe, allow_config_only=dry_run), dry_run=dry_run, as_json=as_json, overwrite=overwrite)
+
+    fn: Callable = run_options(output_options(callback))
+    for info in reversed(t.options()):
+        fn = _option(info)(fn)
+    fn = click.argument("out", required=False, type=click.Path(path_type=Path))(fn)
+    fn = click.argument("src", type=click.Path(path_type=Path))(fn)
+    return click.command(t.name, help=t.doc, short_help=t.summary)(fn)
+
+
+@click.command("run")
+@click.argument("recipe", type=click.Path(path_type=Path))
+@click.option("--overwrite", is_flag=True, help="Replace the output directory if it exists.")
+@run_options
+def run(recipe: Path, dry_run: bool, as_json: bool, overwrite: bool) -> None:
+    """Apply the transforms of RECIPE (YAML) in one streaming pass and write its output."""
+    from upcycler.transforms.pipeline import plan
+    from upcycler.transforms.recipe import load_recipe
+
+    finish(plan(load_recipe(recipe), allow_config_only=dry_run), dry_run=dry_run, as_json=as_json,
+           overwrite=overwrite)
+
+
+commands = [*(transform_command(t) for t in TRANSFORMS.values()), run]
