@@ -80,6 +80,13 @@ class ModelSpec:
         return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
     @property
+    def uses_sliding_window(self) -> bool:
+        """True when some layer attends through a sliding window (Mistral-style, or per `layer_types`)."""
+        if not self.sliding_window:
+            return False
+        return self.layer_types is None or "sliding_attention" in self.layer_types
+
+    @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return None if self.rope_scaling is None else dict(self.rope_scaling)
 

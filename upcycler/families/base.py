@@ -64,6 +64,7 @@ class Family:
     moe_names: dict[str, str] = field(default_factory=dict)  # canonical MoE suffix -> HF suffix ({e} = expert)
     limits: Callable[[ModelSpec], list[str]] = lambda spec: []
     is_moe: bool = False
+    sliding_window: bool = True  # whether the family can express sliding-window attention
 
     def hf_names(self, decl: ParamDecl) -> list[str]:
         """On-disk names of one canonical parameter: one name, or one per expert for stacked experts."""
@@ -85,6 +86,8 @@ class Family:
             reasons.append(f"{self.architecture} needs MoE layers; this model is dense")
         if not self.is_moe and spec.moe is not None:
             reasons.append(f"{self.architecture} is dense; this model has MoE layers")
+        if spec.uses_sliding_window and not self.sliding_window:
+            reasons.append(f"{self.architecture} has no sliding-window attention")
         if spec.hidden_act != "silu":
             reasons.append(f"hidden_act {spec.hidden_act!r} is not supported (only silu)")
         return reasons

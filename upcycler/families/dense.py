@@ -96,7 +96,8 @@ def _qwen3_limits(spec: ModelSpec) -> list[str]:
     return out
 
 
-LLAMA = Family("llama", "LlamaForCausalLM", "llama", _read_llama, _write_llama, limits=_llama_limits)
+LLAMA = Family("llama", "LlamaForCausalLM", "llama", _read_llama, _write_llama, limits=_llama_limits,
+               sliding_window=False)
 MISTRAL = Family("mistral", "MistralForCausalLM", "mistral", _read_mistral, _write_mistral, limits=_mistral_limits)
 QWEN2 = Family("qwen2", "Qwen2ForCausalLM", "qwen2", _read_qwen2, _write_qwen2, limits=_qwen2_limits)
 QWEN3 = Family("qwen3", "Qwen3ForCausalLM", "qwen3", _read_qwen3, _write_qwen3, limits=_qwen3_limits)

@@ -204,4 +204,4 @@ QWEN2_MOE = Family("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2_moe", lambda c: _r
 QWEN3_MOE = Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", lambda c: _read_qwen_moe(c, "qwen3_moe"),
                    lambda s: _write_qwen_moe(s, QWEN3_MOE), _QWEN_MOE_NAMES, _qwen3_moe_limits, is_moe=True)
 GLM4_MOE = Family("glm4_moe", "Glm4MoeForCausalLM", "glm4_moe", _read_glm4_moe, _write_glm4_moe,
-                  _GLM_NAMES, _glm4_moe_limits, is_moe=True)
+                  _GLM_NAMES, _glm4_moe_limits, is_moe=True, sliding_window=False)
