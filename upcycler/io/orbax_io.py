@@ -1,0 +1,219 @@
+"""Write and read a `Checkpoint` as an Orbax directory: the canonical pytree the JAX trainer loads.
+
+Layout of an Orbax output `OUT/`:
+
+    OUT/upcycler.json      manifest: the HF writer's {format, spec, lineage, files: {name: {bytes, sha256}}}
+                           (`files`: the side files) plus tensors: {name: {dtype, shape, sha256}}, the
+                           sha256 of each tensor's C-order bytes, whatever Orbax's storage layout
+    OUT/params/            an Orbax checkpoint (orbax-checkpoint v1 layout); the pytree is in params/state/
+    OUT/params/state/      OCDBT key-value store of zarr3 arrays, uncompressed, one key prefix per leaf
+    OUT/tokenizer.json …   side files (tokenizer, generation config), copied
+
+The tree is the canonical names split on "." into nested dicts, e.g. `{"embed": …, "layers": {"0": {"attn":
+{"q_proj": …}}}}`, each leaf a host numpy array of the tensor's own dtype (bf16 stays bf16), with routed
+experts stacked `[E, …]` and chunked one expert per chunk, so reading expert `e` reads only its bytes.
+The trainer restores it with `orbax.checkpoint.experimental.v1.load(OUT / "params", abstract_tree)`.
+
+- Writing streams: leaves are produced in canonical order and saved in groups of about `group_bytes` with
+  `partial.save_async`, the next group read while the previous one is written, so memory holds at most
+  two groups (or one tensor when a tensor is larger); `partial.finalize` merges the groups. Each group is
+  hashed from memory on a worker thread while Orbax writes it, so nothing is read back. Everything goes
+  to a temporary sibling that is renamed to OUT only when complete (`staged_directory`).
+- Reading is lazy (`upcycler.io.orbax_read`): the manifest and the stored tree are checked against the
+  spec, then each leaf is opened with tensorstore, reading metadata only; `load()` reads one leaf and
+  `part(e)` one expert slice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from upcycler.errors import UpcyclerError
+from upcycler.io.checkpoint import MANIFEST, Checkpoint
+from upcycler.io.hashing import sha256_file
+from upcycler.io.hf_write import staged_directory
+from upcycler.layout import ParamDecl, declare_params
+from upcycler.tensors import LazyTensor, TensorMap, dtype_name
+
+PARAMS = "params"
+TREE = "state"  # the v1 layout keeps the pytree of a checkpoint in this subdirectory
+DEFAULT_GROUP_BYTES = 512 * 1024**2
+CHUNK_BYTES = 64 * 1024**2
+REWRITE = "re-write it with `upcycle convert SRC OUT --to orbax`"
+
+
+def write_orbax(
+    ckpt: Checkpoint,
+    out: Path,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+    extra_manifest: dict | None = None,
+    group_bytes: int = DEFAULT_GROUP_BYTES,
+) -> Path:
+    """Write `ckpt` to `out` in the layout above and return `out`.
+
+    Preserves every tensor bit for bit (shape, dtype and bytes; casts happen before, in the TensorMap),
+    the spec and the lineage (in the manifest) and the side files.
+    """
+    out = Path(out).absolute()  # Orbax requires absolute destinations
+    decls = _checked_decls(ckpt)
+    groups = _groups(decls, ckpt.tensors, group_bytes)
+    with staged_directory(out, overwrite=overwrite) as tmp:
+        try:
+            digests = _save_params(tmp / PARAMS, ckpt.tensors, groups, 2 * group_bytes, progress)
+        except ValueError as err:  # tensorstore reports I/O failures as ValueError
+            raise _write_error(out, err) from None
+        files = {}
+        for side in ckpt.side_files:
+            copy = tmp / side.name
+            shutil.copyfile(side, copy)
+            files[side.name] = {"bytes": copy.stat().st_size, "sha256": sha256_file(copy)}
+        tensors = {d.name: {"dtype": dtype_name(ckpt.tensors[d.name].dtype), "shape": list(d.shape),
+                            "sha256": digests[d.name]} for d in decls}
+        manifest = {"format": 1, "spec": json.loads(ckpt.spec.to_json()), "lineage": list(ckpt.lineage),
+                    **(extra_manifest or {}), "files": files, "tensors": tensors}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return out
+
+
+def _checked_decls(ckpt: Checkpoint) -> list[ParamDecl]:
+    decls = declare_params(ckpt.spec)
+    for decl in decls:
+        if decl.name not in ckpt.tensors:
+            raise AssertionError(f"tensor {decl.name} declared by the spec is missing")
+        if ckpt.tensors[decl.name].shape != decl.shape:
+            raise AssertionError(f"tensor {decl.name} has shape {ckpt.tensors[decl.name].shape}, "
+                                 f"the spec says {decl.shape}")
+    return decls
+
+
+def _groups(decls: list[ParamDecl], tensors: TensorMap, group_bytes: int) -> list[list[ParamDecl]]:
+    """Consecutive declarations cut into groups of at most `group_bytes` (a larger tensor stands alone)."""
+    groups: list[list[ParamDecl]] = [[]]
+    size = 0
+    for decl in decls:
+        nbytes = tensors[decl.name].nbytes
+        if groups[-1] and size + nbytes > group_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(decl)
+        size += nbytes
+    return groups
+
+
+def _produce(decl: ParamDecl, tensor: LazyTensor) -> np.ndarray:
+    """The values of one tensor; stacked experts are filled one expert at a time (no second copy)."""
+    if not decl.expert_stacked:
+        return tensor.load()
+    out = np.empty(tensor.shape, tensor.dtype)
+    for e in range(tensor.shape[0]):
+        out[e] = tensor.part(e)
+    return out
+
+
+def _nest(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """{"a.b.c": x} -> {"a": {"b": {"c": x}}}."""
+    tree: dict[str, Any] = {}
+    for name, array in arrays.items():
+        *parents, leaf = name.split(".")
+        node = tree
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = array
+    return tree
+
+
+def _context() -> Any:
+    """Orbax save options: host numpy leaves saved as they are, uncompressed, chunked for streaming."""
+    import jax
+    import orbax.checkpoint.experimental.v1 as ocp
+
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    storage = ocp.options.ArrayOptions.Saving.StorageOptions
+
+    def per_leaf(keypath: Any, value: Any) -> Any:
+        expert = "['experts']" in jax.tree_util.keystr(keypath)  # routed experts: moe.experts.*
+        return storage(shard_axes=(0,)) if expert and np.ndim(value) > 1 else None
+
+    ctx = ocp.Context()
+    ctx.array.saving.use_compression = False  # random-like weights barely compress; zstd costs the CPU
+    ctx.array.saving.storage_options.chunk_byte_size = CHUNK_BYTES
+    ctx.array.saving.scoped_storage_options_creator = per_leaf
+    ctx.memory.deepcopy_host_arrays = False  # the arrays are ours and never mutated: no second copy
+    return ctx
+
+
+def _save_params(path: Path, tensors: TensorMap, groups: list[list[ParamDecl]], budget: int,
+                 progress: bool) -> dict[str, str]:
+    """Save every group with `partial.save_async`; return the sha256 of each tensor's bytes.
+
+    Group k+1 is read while group k is written and hashed (on a worker thread, from memory), but two
+    groups are in memory together only when they fit in `budget` bytes; otherwise the next group is read
+    after the previous one is done. On an error, no save is left running when this returns.
+    """
+    import orbax.checkpoint.experimental.v1 as ocp
+
+    sizes = [sum(tensors[d.name].nbytes for d in g) for g in groups]
+    bar = tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="writing", disable=not progress or None)
+    digests: dict[str, str] = {}
+    pending: tuple[Any, Future[dict[str, str]]] | None = None
+    pending_bytes = 0
+    try:
+        with _context(), bar, ThreadPoolExecutor(max_workers=1) as hasher:
+            for group, nbytes in zip(groups, sizes):
+                if pending is not None and pending_bytes + nbytes > budget:
+                    digests.update(_finish(pending))
+                    pending = None
+                arrays = {d.name: _produce(d, tensors[d.name]) for d in group}
+                if pending is not None:
+                    digests.update(_finish(pending))
+                pending = ocp.partial.save_async(path, _nest(arrays)), hasher.submit(_sha256_arrays, arrays)
+                pending_bytes = nbytes
+                del arrays
+                bar.update(nbytes)
+            if pending is not None:
+                digests.update(_finish(pending))
+                pending = None
+            ocp.partial.finalize(path)
+    finally:
+        if pending is not None:  # an error left a save running: let it stop before the directory goes
+            with suppress(Exception):  # the first error is the one reported
+                pending[0].result()
+    return digests
+
+
+def _finish(pending: tuple[Any, Future[dict[str, str]]]) -> dict[str, str]:
+    """Wait until a group is committed to disk and hashed; its digests."""
+    save, digests = pending
+    save.result()
+    return digests.result()
+
+
+def _sha256_arrays(arrays: dict[str, np.ndarray]) -> dict[str, str]:
+    """The sha256 of each array's bytes, in C order: what `LazyTensor.load().tobytes()` would hash."""
+    return {name: hashlib.sha256(a.reshape(-1).view(np.uint8)).hexdigest() for name, a in arrays.items()}
+
+
+def _write_error(path: Path, err: Exception) -> UpcyclerError:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if "No space left" in str(err):
+        return UpcyclerError(f"{path}: disk full while writing; free space or write elsewhere")
+    return UpcyclerError(f"{path}: writing the Orbax checkpoint failed ({text}); check the output location")
+
+
+def read_orbax(path: str | Path) -> Checkpoint:
+    """Read an Orbax output directory lazily (see `upcycler.io.orbax_read`)."""
+    from upcycler.io.orbax_read import read_orbax as read
+
+    return read(path)
