@@ -127,12 +127,13 @@ def test_unwritable_output(src, tmp_path):
         locked.chmod(0o700)
 
 
-def test_output_parent_missing_or_a_file(src, tmp_path):
-    proc = run_cli("convert", src, tmp_path / "no" / "such" / "out", check=False)
-    assert_clean_failure(proc, mentions="does not exist")
+def test_output_parent_is_created_but_a_file_parent_is_refused(src, tmp_path):
+    run_cli("convert", src, tmp_path / "new" / "nested" / "out")
+    assert (tmp_path / "new" / "nested" / "out" / "config.json").exists()
     (tmp_path / "afile").write_text("x")
     proc = run_cli("convert", src, tmp_path / "afile" / "out", check=False)
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert_clean_failure(proc, mentions="afile")
+    assert (tmp_path / "afile").read_text() == "x"
 
 
 def test_disk_full_leaves_nothing(src, tmp_path):

@@ -85,12 +85,20 @@ def split_shards(items: list[_Item], shard_size: int) -> list[list[_Item]]:
 
 
 def prepare_output(out: Path, *, overwrite: bool) -> None:
-    """Refuse an existing output (unless `overwrite`) or an unwritable parent, before any work."""
+    """Refuse an existing output (unless `overwrite`) or an unwritable parent, before any work.
+
+    Missing parent directories are created (like `mkdir -p`); a parent that is a file is refused.
+    """
     if out.exists() and not overwrite:
         raise UpcyclerError(f"{out}: already exists; choose another output or pass --overwrite")
     parent = out.parent if str(out.parent) else Path(".")
-    if not parent.is_dir():
-        raise UpcyclerError(f"{parent}: output's parent directory does not exist; create it first")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UpcyclerError(f"{parent}: is a file, not a directory; choose another output path") from None
+    except OSError as err:
+        raise UpcyclerError(f"{parent}: cannot create the output's directory ({err.strerror}); "
+                            "choose an output directory you can write to") from None
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UpcyclerError(f"{parent}: not writable; choose an output directory you can write to")
 
