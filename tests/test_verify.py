@@ -17,7 +17,7 @@ from cli_helpers import assert_clean_failure, run_cli
 from click.testing import CliRunner
 
 from upcycler.cli import main
-from upcycler.cli.verify import probe_ids
+from upcycler.verify import probe_ids
 from upcycler.io.checkpoint import read_checkpoint, write_checkpoint
 from upcycler.tensors import constant
 

@@ -13,8 +13,8 @@ with gate and up stacked along the output dimension (H = 2F) so one grouped matm
 
 Pipeline of `dropless_moe` (Megablocks-style, no capacity, no dropped tokens):
     route -> stable argsort of the N copies by expert -> gather rows -> one grouped matmul for gate and
-    up -> silu(gate) * up -> grouped matmul for down -> gather back per copy -> fp32 weighted sum over K.
-Both gathers have custom VJPs that are gathers too (no scatter-add in the backward pass).
+    up -> silu(gate) * up -> grouped matmul for down -> gather back per copy with an fp32 weighted sum
+    over K. Both gathers have custom VJPs that are gathers too (no scatter-add in the backward pass).
 """
 
 from __future__ import annotations
@@ -129,46 +129,70 @@ def plan_dispatch(expert_TK: jax.Array, num_experts: int, capacity: int | None =
     return Dispatch(sizes_E, pos_N, copy_R)
 
 
-@jax.custom_vjp
-def gather_rows(src_AD: jax.Array, index_B: jax.Array, readers_AF: jax.Array) -> jax.Array:
-    """`src_AD[index_B]`, with 0 where the index is out of range; the backward pass is a gather too.
-
-    `readers_AF[a]` must list every b with `index_B[b] == a` (padded with out-of-range values), so the
-    gradient of row a is the sum of the cotangent rows it lists.
-    """
+def _take_rows(src_AD: jax.Array, index_B: jax.Array) -> jax.Array:
+    """src_AD[index_B], with 0 for out-of-range indices (the sentinels for empty rows and dropped copies)."""
     return jnp.take(src_AD, index_B, axis=0, mode="fill", fill_value=0)
 
 
-def _gather_rows_fwd(src_AD, index_B, readers_AF):
-    return gather_rows(src_AD, index_B, readers_AF), (readers_AF, src_AD.shape[0])
+def _sum_rows(src_AD: jax.Array, index_TK: jax.Array, weight_TK: jax.Array | None = None) -> jax.Array:
+    """Σ_k weight_TK[:, k] · src_AD[index_TK[:, k]] in fp32, as K row gathers that XLA fuses into one pass."""
+    total_TD = None
+    for k in range(index_TK.shape[1]):
+        rows_TD = _take_rows(src_AD, index_TK[:, k]).astype(jnp.float32)
+        if weight_TK is not None:
+            rows_TD = rows_TD * weight_TK[:, k, None].astype(jnp.float32)
+        total_TD = rows_TD if total_TD is None else total_TD + rows_TD
+    return total_TD
 
 
-def _gather_rows_bwd(residuals, g_BD):
-    readers_AF, a = residuals
-    g_AFD = jnp.take(g_BD, readers_AF.reshape(-1), axis=0, mode="fill", fill_value=0)
-    d_src = jnp.sum(g_AFD.reshape(a, readers_AF.shape[1], g_BD.shape[1]), axis=1)
-    return d_src, None, None
+@jax.custom_vjp
+def dispatch_rows(x_TD: jax.Array, copy_R: jax.Array, pos_TK: jax.Array) -> jax.Array:
+    """The expert-sorted buffer x_RD: row r holds the token of copy `copy_R[r]` (0 for an empty row).
+
+    `pos_TK` must be the inverse map (the row of copy t·K + k); the backward pass uses it to sum each
+    token's K row gradients with gathers instead of a scatter-add.
+    """
+    return _take_rows(x_TD, copy_R // pos_TK.shape[1])
 
 
-gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+def _dispatch_rows_fwd(x_TD, copy_R, pos_TK):
+    return dispatch_rows(x_TD, copy_R, pos_TK), pos_TK
 
 
-def dispatch_rows(x_TD: jax.Array, plan: Dispatch, top_k: int) -> jax.Array:
-    """The expert-sorted buffer `x_RD`: row r holds the token of copy `copy_R[r]` (0 for empty rows)."""
-    t = x_TD.shape[0]
-    return gather_rows(x_TD, plan.copy_R // top_k, plan.pos_N.reshape(t, top_k))
+def _dispatch_rows_bwd(pos_TK, g_RD):
+    return _sum_rows(g_RD, pos_TK).astype(g_RD.dtype), None, None
 
 
-def collect_rows(y_RD: jax.Array, plan: Dispatch, top_k: int) -> jax.Array:
-    """Undo `dispatch_rows`: `y_TKD[t, k]` = the buffer row of copy t·K + k (0 if it was dropped)."""
-    y_ND = gather_rows(y_RD, plan.pos_N, plan.copy_R[:, None])
-    return y_ND.reshape(-1, top_k, y_RD.shape[1])
+dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
 
 
-def combine(y_TKD: jax.Array, weight_TK: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Weighted sum of each token's K expert outputs, accumulated in fp32, returned in `dtype`."""
-    y_TD = jnp.einsum("tkd,tk->td", y_TKD.astype(jnp.float32), weight_TK.astype(jnp.float32))
-    return y_TD.astype(dtype)
+@jax.custom_vjp
+def combine_rows(y_RD: jax.Array, weight_TK: jax.Array, pos_TK: jax.Array, copy_R: jax.Array) -> jax.Array:
+    """y_TD[t] = Σ_k weight_TK[t, k] · y_RD[pos_TK[t, k]] in fp32 (a dropped copy, pos = R, adds 0).
+
+    Undoes the expert sort and applies the combine weights in one gather-and-reduce. The backward pass is
+    gathers too: d y_RD[r] = weight(copy_R[r]) · g_TD[token(copy_R[r])], d weight_TK = <y_RD[pos], g_TD>.
+    """
+    return _sum_rows(y_RD, pos_TK, weight_TK)
+
+
+def _combine_rows_fwd(y_RD, weight_TK, pos_TK, copy_R):
+    return combine_rows(y_RD, weight_TK, pos_TK, copy_R), (y_RD, weight_TK, pos_TK, copy_R)
+
+
+def _combine_rows_bwd(residuals, g_TD):
+    y_RD, weight_TK, pos_TK, copy_R = residuals
+    top_k = pos_TK.shape[1]
+    g_TD = g_TD.astype(jnp.float32)
+    weight_R = _take_rows(weight_TK.reshape(-1).astype(jnp.float32), copy_R)
+    d_y_RD = (_take_rows(g_TD, copy_R // top_k) * weight_R[:, None]).astype(y_RD.dtype)
+    d_weight_K = [
+        jnp.sum(_take_rows(y_RD, pos_TK[:, k]).astype(jnp.float32) * g_TD, axis=-1) for k in range(top_k)
+    ]
+    return d_y_RD, jnp.stack(d_weight_K, axis=1).astype(weight_TK.dtype), None, None
+
+
+combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
 
 
 # ------------------------------------------------------------------------------------------------ layers
@@ -189,11 +213,16 @@ def split_gate_up(w_gate_up_EDH: jax.Array) -> tuple[jax.Array, jax.Array]:
 def swiglu(h_RH: jax.Array) -> jax.Array:
     """silu(gate) * up for rows holding [gate | up] side by side: [..., 2F] -> [..., F].
 
-    The custom VJP keeps only `h_RH` for the backward pass and recomputes the sigmoid there, instead of
-    storing sigmoid and silu as extra [..., F] residuals (two fewer full passes over memory).
+    The custom VJP keeps only `h_RH` for the backward pass and recomputes the sigmoid there, so no
+    [..., F] sigmoid or silu is stored; forward and backward are each one pass over memory.
     """
-    gate, up = jnp.split(h_RH, 2, axis=-1)
+    gate, up = _halves(h_RH)
     return jax.nn.silu(gate) * up
+
+
+def _halves(h_RH: jax.Array) -> tuple[jax.Array, jax.Array]:
+    h_R2F = h_RH.reshape(*h_RH.shape[:-1], 2, h_RH.shape[-1] // 2)
+    return h_R2F[..., 0, :], h_R2F[..., 1, :]
 
 
 def _swiglu_fwd(h_RH):
@@ -201,11 +230,12 @@ def _swiglu_fwd(h_RH):
 
 
 def _swiglu_bwd(h_RH, g_RF):
-    gate, up = jnp.split(h_RH.astype(jnp.float32), 2, axis=-1)
+    gate, up = (half.astype(jnp.float32) for half in _halves(h_RH))
     g = g_RF.astype(jnp.float32)
-    sig = jax.nn.sigmoid(gate)
-    d_gate = g * up * sig * (1 + gate * (1 - sig))
-    return (jnp.concatenate([d_gate, g * gate * sig], axis=-1).astype(h_RH.dtype),)
+    # sigmoid written through tanh so XLA does not share it with the forward pass and store it
+    sig = 0.5 + 0.5 * jnp.tanh(0.5 * gate)
+    d_gate_up = jnp.stack([g * up * sig * (1 + gate * (1 - sig)), g * gate * sig], axis=-2)
+    return (d_gate_up.reshape(h_RH.shape).astype(h_RH.dtype),)
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
@@ -235,10 +265,12 @@ def dropless_moe(
     if capacity_factor is not None:
         capacity = expert_capacity(t, top_k, num_experts, capacity_factor)
     plan = plan_dispatch(routing.expert_TK, num_experts, capacity)
-    x_RD = dispatch_rows(x_TD, plan, top_k)
+    pos_TK = plan.pos_N.reshape(t, top_k)
+    x_RD = dispatch_rows(x_TD, plan.copy_R, pos_TK)
     h_RH = gmm(x_RD, w_gate_up_EDH, plan.group_sizes_E, backend=backend, tile_rows=tile_rows)
     y_RD = gmm(swiglu(h_RH), w_down_EFD, plan.group_sizes_E, backend=backend, tile_rows=tile_rows)
-    return combine(collect_rows(y_RD, plan, top_k), routing.weight_TK, x_TD.dtype)
+    y_TD = combine_rows(y_RD, routing.weight_TK, pos_TK, plan.copy_R)
+    return y_TD.astype(x_TD.dtype)
 
 
 def onehot_moe_reference(

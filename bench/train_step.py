@@ -1,0 +1,184 @@
+"""Benchmark one training step of a small MoE on this machine: tokens/s and MFU against a measured peak.
+
+    python bench/train_step.py            # 4 layers, d 512, 64 experts of width 256, top-8
+    python bench/train_step.py --small    # a seconds-long smoke run
+
+Each path (the dropless sort + grouped-matmul MoE, and the one-hot reference that runs every expert on
+every token) is compiled once through the trainer's own `compile_step` (same shardings, donation and
+optimiser) and timed over `--steps` steps after a warm-up step. The peak is measured in the same run, right
+before every timed step (the best of three large fp32 matmuls, `--peak-size`), so a machine shared with
+other work is compared with itself under the same load: `mfu` is the median over steps of
+(model FLOPs / step time) / that step's peak; `mfu_best_peak` divides the median step by the best peak
+seen. Model FLOPs are the trainer's analytical count (`upcycler.train.metrics.flops_per_token`: 6 × active
+matmul parameters plus causal attention), so the one-hot path's wasted expert FLOPs are not useful work.
+
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from upcycler.spec import ModelSpec, MoESpec
+from upcycler.train import model as model_lib
+from upcycler.train import sharding
+from upcycler.train.config import LossConfig, OptimizerConfig
+from upcycler.train.metrics import flops_per_token
+from upcycler.train.optim import make_optimizer, opt_state_shardings
+from upcycler.train.params import init_params
+from upcycler.train.train_step import TrainState, compile_step, global_batch, make_train_step
+
+
+def bench_spec(small: bool) -> ModelSpec:
+    """The benchmarked MoE: every layer routed, no shared expert, untied head."""
+    if small:
+        return ModelSpec(
+            family="qwen3_moe",
+            vocab_size=512,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=4,
+            head_dim=16,
+            intermediate_size=128,
+            qk_norm=True,
+            moe=MoESpec(num_experts=8, top_k=2, expert_width=32),
+        )
+    return ModelSpec(
+        family="qwen3_moe",
+        vocab_size=8192,
+        hidden_size=512,
+        num_layers=4,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=64,
+        intermediate_size=2048,
+        qk_norm=True,
+        moe=MoESpec(num_experts=64, top_k=8, expert_width=256),
+    )
+
+
+class MatmulPeak:
+    """FLOP/s of a jitted fp32 `size`×`size` matmul on the default device, measured on demand."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.a = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
+        self.b = jax.random.normal(jax.random.key(2), (size, size), jnp.float32)
+        self.mm = jax.jit(jnp.matmul)
+        self.mm(self.a, self.b).block_until_ready()
+        self.best = 0.0
+
+    def __call__(self, repeats: int = 3) -> float:
+        """The best of `repeats` matmuls now (and remember the best ever seen)."""
+        fastest = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.mm(self.a, self.b).block_until_ready()
+            fastest = min(fastest, time.perf_counter() - t0)
+        now = 2.0 * self.size**3 / fastest
+        self.best = max(self.best, now)
+        return now
+
+
+def bench_path(
+    spec: ModelSpec, moe_impl: str, batch: int, seq_len: int, steps: int, peak: MatmulPeak
+) -> dict:
+    """Compile and time the train step of one MoE implementation, probing the peak before every step."""
+    mesh = sharding.make_mesh()
+    cfg = model_lib.ModelConfig(moe_impl=moe_impl)
+    tx, schedule = make_optimizer(OptimizerConfig(lr=1e-4), spec)
+    p_shard = sharding.param_shardings(spec, mesh)
+    params = jax.jit(lambda k: init_params(spec, k), out_shardings=p_shard)(jax.random.key(0))
+    o_shard = opt_state_shardings(
+        tx, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params), p_shard, mesh
+    )
+    state = TrainState(jnp.asarray(0, jnp.int32), params, jax.jit(tx.init, out_shardings=o_shard)(params))
+    state_shard = TrainState(sharding.replicated(mesh), p_shard, o_shard)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, spec.vocab_size, size=(batch, seq_len + 1), dtype=np.int32)
+    local = {
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "mask": np.ones((batch, seq_len), np.float32),
+        "source_id": np.zeros(batch, np.int32),
+    }
+    data = global_batch(local, mesh)
+    step = make_train_step(spec, cfg, LossConfig(), tx, schedule, num_sources=1)
+    t0 = time.perf_counter()
+    compiled = compile_step(step, state_shard, mesh, state, data)
+    compile_s = time.perf_counter() - t0
+    state, metrics = compiled(state, data)
+    jax.block_until_ready(metrics)
+    flops = flops_per_token(spec, seq_len) * batch * seq_len
+    times, mfus = [], []
+    for _ in range(steps):
+        probe = peak() * jax.device_count()
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, data)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+        mfus.append(flops / times[-1] / probe)
+    step_s = statistics.median(times)
+    return {
+        "step_s": round(step_s, 4),
+        "tokens_per_s": round(batch * seq_len / step_s, 1),
+        "mfu": round(statistics.median(mfus), 4),
+        "compile_s": round(compile_s, 1),
+        "loss": round(float(metrics["loss"]), 4),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="a tiny model, for a quick smoke run")
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--peak-size", type=int, default=None, help="matmul size for the peak measurement")
+    parser.add_argument("--paths", default="dropless,onehot", help="comma-separated: dropless, onehot")
+    args = parser.parse_args()
+    spec = bench_spec(args.small)
+    batch = args.batch or (4 if args.small else 16)
+    seq_len = args.seq_len or (32 if args.small else 256)
+    steps = args.steps or (3 if args.small else 5)
+    peak_size = args.peak_size or (512 if args.small else 2048)
+    peak = MatmulPeak(peak_size)
+    flops_step = flops_per_token(spec, seq_len) * batch * seq_len
+    out: dict = {
+        "bench": "train_step",
+        "device": jax.devices()[0].platform,
+        "devices": jax.device_count(),
+        "model": {
+            "layers": spec.num_layers,
+            "d_model": spec.hidden_size,
+            "experts": spec.moe.num_experts,
+            "top_k": spec.moe.top_k,
+            "expert_width": spec.moe.expert_width,
+            "vocab": spec.vocab_size,
+            "active_params": spec.active_params(),
+            "total_params": spec.total_params(),
+        },
+        "batch": batch,
+        "seq_len": seq_len,
+        "model_flops_per_step": flops_step,
+    }
+    impl = {"dropless": "dropless", "onehot": "reference"}
+    for name in args.paths.split(","):
+        out[name] = bench_path(spec, impl[name], batch, seq_len, steps, peak)
+    out["peak_flops"] = round(peak.best / 1e9, 2) * 1e9
+    for name in args.paths.split(","):
+        best = flops_step / out[name]["step_s"] / (peak.best * jax.device_count())
+        out[name]["mfu_best_peak"] = round(best, 4)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

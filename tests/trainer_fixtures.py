@@ -1,0 +1,222 @@
+"""Fixtures for the trainer tests: a tokenizer trained on real text, prepared data, tiny checkpoints, configs.
+
+Everything is small enough that a training step of the tiny models takes milliseconds: the tokenizer has
+384 tokens, the sources are Python standard-library modules (real text), the models have width 32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import yaml
+
+VOCAB = 384
+EOS = "<|endoftext|>"
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+SOURCES = {
+    "json": sorted((STDLIB / "json").glob("*.py")),
+    "email": sorted((STDLIB / "email").glob("*.py"))[:8],
+}
+
+
+def train_tokenizer(path: Path) -> Path:
+    """A byte-level BPE tokenizer of VOCAB tokens trained on the test sources; returns tokenizer.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train([str(f) for files in SOURCES.values() for f in files], trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    return path / "tokenizer.json"
+
+
+def prepare_data(out: Path, tokenizer: Path) -> Path:
+    """Tokenise the test sources (`json`, `email`) into `out` with the project's prepare-data engine."""
+    from upcycler.train.data_prepare import prepare_sources
+    from upcycler.train.data_tokenizer import load_tokenizer
+
+    prepare_sources(load_tokenizer(tokenizer), SOURCES, out, fmt="text")
+    return out
+
+
+def tiny_spec(moe: bool = False, **changes: Any):
+    """A width-32 llama (or a qwen3_moe with 4 experts, top-2, the first layer dense) over VOCAB tokens."""
+    from upcycler.spec import ModelSpec, MoESpec
+
+    base = dict(
+        family="llama",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        max_position_embeddings=256,
+    )
+    if moe:
+        base.update(
+            family="qwen3_moe",
+            num_layers=3,
+            dense_layers=(0,),
+            qk_norm=True,
+            moe=MoESpec(num_experts=4, top_k=2, expert_width=16),
+        )
+    base.update(changes)
+    return ModelSpec(**base)
+
+
+def write_model(out: Path, spec, tokenizer: Path | None = None, seed: int = 0) -> Path:
+    """Random parameters of `spec` written as a Hugging Face checkpoint (with the tokenizer, if given)."""
+    from upcycler.io.checkpoint import Checkpoint, write_checkpoint
+    from upcycler.train.params import init_params, to_tensors
+
+    params = init_params(spec, jax.random.key(seed), std=0.05)
+    side = (tokenizer,) if tokenizer is not None else ()
+    ckpt = Checkpoint(spec=spec, tensors=to_tensors(spec, params), side_files=side)
+    return write_checkpoint(ckpt, out, to="hf", progress=False)
+
+
+def config_dict(tmp: Path, init: Path, data: Path, **changes: Any) -> dict[str, Any]:
+    """A complete small training config; `changes` override top-level keys or dotted sub-keys."""
+    cfg: dict[str, Any] = {
+        "run_dir": str(tmp / "run"),
+        "steps": 6,
+        "model": {"init": str(init)},
+        "data": {
+            "dir": str(data),
+            "seq_len": 32,
+            "global_batch_size": 8,
+            "seed": 0,
+            "phases": [
+                {"until_step": 3, "weights": {"json": 0.75, "email": 0.25}},
+                {"weights": {"json": 0.5, "email": 0.5}},
+            ],
+        },
+        "optimizer": {
+            "lr": 3e-3,
+            "weight_decay": 0.01,
+            "schedule": [
+                {"kind": "warmup", "until_step": 2},
+                {"kind": "cosine", "until_step": 40, "lr": 3e-4},
+            ],
+        },
+        "checkpoint": {"every": 2, "keep": 3, "async": True},
+        "metrics": {"progress": False, "peak_flops": 1e11},
+    }
+    for key, value in changes.items():
+        node = cfg
+        *parents, last = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return cfg
+
+
+def write_config(path: Path, cfg: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def run_cli(*args: Any, env: dict[str, str] | None = None, check: bool = True, timeout: int = 600):
+    """`upcycle ARGS…` in a subprocess with extra environment variables."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-m", "upcycler", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"upcycle {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
+    return proc
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_params(step_dir: Path) -> dict[str, np.ndarray]:
+    """Every canonical tensor of a checkpoint step, as numpy, read through the public checkpoint reader."""
+    from upcycler.io.checkpoint import read_checkpoint
+
+    ckpt = read_checkpoint(step_dir)
+    return {name: np.asarray(t.load()) for name, t in ckpt.tensors.items()}
+
+
+_WORKSPACE: dict[str, Path] = {}
+
+
+def workspace(root: Path) -> dict[str, Path]:
+    """Tokenizer, prepared data and tiny checkpoints (dense llama, qwen3_moe), built once per test session."""
+    if not _WORKSPACE:
+        tok = train_tokenizer(root / "tokenizer")
+        _WORKSPACE.update(
+            root=root,
+            tokenizer=tok,
+            data=prepare_data(root / "data", tok),
+            dense=write_model(root / "dense", tiny_spec(), tok),
+            moe=write_model(root / "moe", tiny_spec(moe=True), tok),
+        )
+    return _WORKSPACE
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+CACHE_FLAGS = (
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+    "jax_persistent_cache_min_entry_size_bytes",
+)
+
+
+def compile_cache(ws: dict[str, Path]):
+    """Share compiled train steps between the tests' runs (in this process and in subprocesses).
+
+    A generator for a pytest fixture: sets JAX's persistent compilation cache here and in the environment
+    subprocesses inherit, and restores both afterwards. Identical programs give identical executables, so
+    this only saves time; it changes no result.
+    """
+    from jax.experimental.compilation_cache import compilation_cache
+
+    root = ws["root"] / "jit_cache"
+    values = (str(root), 0, 0)
+    saved = {name: getattr(jax.config, name) for name in CACHE_FLAGS}
+    env_saved = {name.upper(): os.environ.get(name.upper()) for name in CACHE_FLAGS}
+    for name, value in zip(CACHE_FLAGS, values):
+        jax.config.update(name, value)
+        os.environ[name.upper()] = str(value)
+    compilation_cache.reset_cache()
+    try:
+        yield root
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        for name, value in env_saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        compilation_cache.reset_cache()

@@ -1,0 +1,249 @@
+"""Training checkpoints: an Orbax CheckpointManager over RUN_DIR, one directory per step, async, keep N.
+
+Layout of `RUN_DIR/<step>/`:
+
+    params/          the parameters in the canonical Orbax layout (leaf `layers.3.attn.q_proj`, …, one
+                     array per canonical tensor, float32), so the step is also a model checkpoint
+    opt_state/       the optax state (Adam moments laid out like the training parameters)
+    data/            the data iterator's state (JSON; the same on every process)
+    meta/            step, ModelSpec, lineage (JSON)
+    upcycler.json    the model manifest (spec + lineage, as `upcycler.io.orbax_io` writes it), added once
+                     the step is committed, with the tokenizer files beside it, so `read_checkpoint` and
+                     `upcycle convert RUN_DIR/<step> OUT --to hf` work on the step directory
+
+A step directory appears only when Orbax has committed every item (a run killed mid-save leaves a
+temporary directory that the next run ignores and removes). The manifest and tokenizer are added after
+the commit by the primary process; `export_committed` repairs any step that lacks them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from upcycler.errors import UpcyclerError
+from upcycler.io.checkpoint import MANIFEST
+from upcycler.spec import ModelSpec
+from upcycler.train.params import ParamInfo, Params, declare_tree
+
+ITEMS = ("params", "opt_state", "data", "meta")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+# --- trainer tree <-> canonical tree --------------------------------------------------------------------
+def to_canonical(params: Params, spec: ModelSpec) -> Params:
+    """The canonical nested tree (`{"layers": {"3": {"attn": {"q_proj": …}}}}`) of a stacked training tree."""
+    out: Params = {}
+
+    def add(info: ParamInfo, arr: jax.Array) -> None:
+        for i, name in enumerate(info.names):
+            _insert(out, name.split("."), arr[i] if info.stacked else arr)
+
+    jax.tree.map(add, declare_tree(spec), params, is_leaf=_is_info)
+    return out
+
+
+def from_canonical(tree: Params, spec: ModelSpec) -> Params:
+    """The stacked training tree of a canonical nested tree (inverse of `to_canonical`)."""
+
+    def leaf(info: ParamInfo) -> jax.Array:
+        parts = [_lookup(tree, name.split(".")) for name in info.names]
+        return jax.numpy.stack(parts) if info.stacked else parts[0]
+
+    return jax.tree.map(leaf, declare_tree(spec), is_leaf=_is_info)
+
+
+def canonical_shardings(spec: ModelSpec, param_shardings: Params) -> Params:
+    """Shardings of the canonical tree: each layer's tensor split like its stack, minus the layer axis."""
+    out: Params = {}
+
+    def add(info: ParamInfo, sharding: NamedSharding) -> None:
+        spec_ = tuple(sharding.spec)[1:] if info.stacked else tuple(sharding.spec)
+        for name in info.names:
+            _insert(out, name.split("."), NamedSharding(sharding.mesh, PartitionSpec(*spec_)))
+
+    jax.tree.map(add, declare_tree(spec), param_shardings, is_leaf=_is_info)
+    return out
+
+
+# --- the manager -------------------------------------------------------------------------------------------
+class RunCheckpoints:
+    """Save and restore training state under `run_dir`; saves are collective (every process calls them)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        spec: ModelSpec,
+        *,
+        keep: int,
+        async_save: bool = True,
+        lineage: Sequence[Mapping[str, Any]] = (),
+        tokenizer: Path | None = None,
+    ):
+        self.run_dir = Path(run_dir).absolute()
+        self.spec = spec
+        self.lineage = [dict(x) for x in lineage]
+        self.tokenizer = tokenizer
+        self._async = async_save
+        callback = self.export_committed if async_save else None
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            create=True,
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=callback) if async_save else None,
+        )
+        self._manager = ocp.CheckpointManager(self.run_dir, options=options, item_names=ITEMS)
+        self._canonical = jax.jit(to_canonical, static_argnums=1)
+        self.export_committed()
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def step_dir(self, step: int) -> Path:
+        return self.run_dir / str(step)
+
+    def save(
+        self,
+        step: int,
+        params: Params,
+        opt_state: Any,
+        data_state: Mapping[str, Any],
+        lineage_step: Mapping[str, Any],
+    ) -> None:
+        """Start saving `step` (returns once the arrays are copied off the devices when async)."""
+        canonical = self._canonical(params, self.spec)
+        meta = {
+            "step": step,
+            "spec": json.loads(self.spec.to_json()),
+            "lineage": [*self.lineage, dict(lineage_step)],
+        }
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(canonical),
+                opt_state=ocp.args.StandardSave(opt_state),
+                data=ocp.args.JsonSave(dict(data_state)),
+                meta=ocp.args.JsonSave(meta),
+            ),
+            force=True,
+        )
+        if not self._async:
+            self.export_committed()
+
+    def restore(
+        self, step: int, abstract_params: Params, abstract_opt_state: Any
+    ) -> tuple[Params, Any, dict, dict]:
+        """(params, opt_state, data state, meta) of `step`, placed like the abstract trees say."""
+        shardings = jax.tree.map(lambda a: a.sharding, abstract_params)
+        canonical_abstract = _canonical_abstract(self.spec, abstract_params, shardings)
+        try:
+            out = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    params=ocp.args.StandardRestore(canonical_abstract),
+                    opt_state=ocp.args.StandardRestore(abstract_opt_state),
+                    data=ocp.args.JsonRestore(),
+                    meta=ocp.args.JsonRestore(),
+                ),
+            )
+        except (ValueError, KeyError, FileNotFoundError) as err:
+            raise UpcyclerError(
+                f"{self.step_dir(step)}: cannot restore ({str(err).splitlines()[0]}); the checkpoint "
+                "does not match this model and optimiser; resume with the config it was written with"
+            ) from None
+        params = jax.jit(from_canonical, static_argnums=1, out_shardings=shardings)(out["params"], self.spec)
+        return params, out["opt_state"], dict(out["data"]), dict(out["meta"])
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+        self.export_committed()
+
+    def export_committed(self) -> None:
+        """On the primary process: add the manifest and tokenizer files to committed steps that lack them."""
+        if jax.process_index() != 0:
+            return
+        for step_dir in committed_steps(self.run_dir).values():
+            try:
+                self._export(step_dir)
+            except FileNotFoundError:
+                continue  # removed by keep-N while we looked
+
+    def _export(self, step_dir: Path) -> None:
+        if (step_dir / MANIFEST).exists() or not (step_dir / "meta").is_dir():
+            return
+        meta = json.loads(_meta_file(step_dir).read_text(encoding="utf-8"))
+        if self.tokenizer is not None:
+            for name in TOKENIZER_FILES:
+                src = self.tokenizer.parent / name
+                if src.is_file():
+                    shutil.copyfile(src, step_dir / name)
+        write_manifest(step_dir, ModelSpec.from_json(json.dumps(meta["spec"])), meta["lineage"])
+
+
+def committed_steps(run_dir: Path) -> dict[int, Path]:
+    """Step number -> directory of every committed step under `run_dir` (Orbax renames a step into place)."""
+    if not run_dir.is_dir():
+        return {}
+    return {
+        int(p.name): p
+        for p in sorted(run_dir.iterdir(), key=lambda p: p.name)
+        if p.name.isdigit() and p.is_dir()
+    }
+
+
+def write_manifest(step_dir: Path, spec: ModelSpec, lineage: Sequence[Mapping[str, Any]]) -> None:
+    """Write `step_dir/upcycler.json` atomically: the spec and lineage of the params beside it.
+
+    The format is `upcycler.io.orbax_io`'s manifest without the `files` table (hashing every parameter
+    byte at every checkpoint would cost more than the save); `read_checkpoint` does not need it.
+    """
+    manifest = {"format": 1, "spec": json.loads(spec.to_json()), "lineage": [dict(x) for x in lineage]}
+    tmp = step_dir / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(step_dir / MANIFEST)
+
+
+def _canonical_abstract(spec: ModelSpec, abstract_params: Params, shardings: Params) -> Params:
+    shard_tree = canonical_shardings(spec, shardings)
+    out: Params = {}
+
+    def add(info: ParamInfo, a: jax.ShapeDtypeStruct) -> None:
+        shape = info.shape[1:] if info.stacked else info.shape
+        for name in info.names:
+            keys = name.split(".")
+            _insert(out, keys, jax.ShapeDtypeStruct(shape, a.dtype, sharding=_lookup(shard_tree, keys)))
+
+    jax.tree.map(add, declare_tree(spec), abstract_params, is_leaf=_is_info)
+    return out
+
+
+def _meta_file(step_dir: Path) -> Path:
+    files = [p for p in (step_dir / "meta").iterdir() if p.is_file()]
+    if not files:
+        raise FileNotFoundError(step_dir / "meta")
+    return files[0]
+
+
+def _insert(tree: Params, keys: Sequence[str], value: Any) -> None:
+    for key in keys[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[keys[-1]] = value
+
+
+def _lookup(tree: Params, keys: Sequence[str]) -> Any:
+    for key in keys:
+        tree = tree[key]
+    return tree
+
+
+def _is_info(x: Any) -> bool:
+    return isinstance(x, ParamInfo)

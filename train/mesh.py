@@ -1,0 +1,90 @@
+"""Start JAX's multi-process runtime when configured, and build the (data, fsdp, expert) device mesh.
+
+Every host runs the same command. `distributed.coordinator` (host:port) turns on `jax.distributed`; the
+process count and this process's id come from the config, else from `JAX_NUM_PROCESSES` /
+`JAX_PROCESS_ID`, else from JAX's cluster detection (SLURM, Cloud TPU, MPI), which is also what
+`coordinator: auto` asks for. CPU processes exchange data over JAX's default CPU collectives (gloo).
+
+The mesh spans every device of every process with `AxisType.Auto` axes (GSPMD-style FSDP); which array
+dimension goes to which mesh axis is decided only by `upcycler.train.sharding`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+from jax.sharding import Mesh
+
+from upcycler.errors import UpcyclerError
+from upcycler.spec import ModelSpec
+from upcycler.train import sharding
+from upcycler.train.config import DistributedConfig, MeshConfig
+
+_initialised = False
+
+
+def init_distributed(d: DistributedConfig) -> None:
+    """Call `jax.distributed.initialize` once if `d` asks for several processes; before any other JAX call."""
+    global _initialised
+    if d.coordinator is None or _initialised:
+        return
+    num = d.num_processes if d.num_processes is not None else _env_int("JAX_NUM_PROCESSES")
+    pid = d.process_id if d.process_id is not None else _env_int("JAX_PROCESS_ID")
+    address = None if d.coordinator == "auto" else d.coordinator
+    try:
+        jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+    except (ValueError, TypeError, RuntimeError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UpcyclerError(
+            f"distributed start-up failed ({first}); set distributed.coordinator, num_processes and "
+            "process_id (or JAX_NUM_PROCESSES / JAX_PROCESS_ID) identically on every host but the id"
+        ) from None
+    _initialised = True
+
+
+def build_mesh(m: MeshConfig, global_batch_size: int, spec: ModelSpec | None = None) -> Mesh:
+    """The mesh over all devices; raises `UpcyclerError` if it does not fit the devices, batch or experts."""
+    count = jax.device_count()
+    try:
+        mesh = sharding.make_mesh(m.data, m.fsdp, m.expert)
+    except ValueError as err:
+        raise UpcyclerError(
+            f"mesh {m.data}×{m.fsdp}×{m.expert} does not fit {count} devices ({err}); "
+            "make the sizes multiply to the device count or set one to -1"
+        ) from None
+    size = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
+    if global_batch_size % size:
+        raise UpcyclerError(
+            f"data.global_batch_size {global_batch_size} is not divisible by the mesh's {size} devices "
+            f"({dict(mesh.shape)}); make it a multiple of {size}"
+        )
+    per_process = global_batch_size // jax.process_count()
+    if per_process % jax.local_device_count():
+        raise UpcyclerError(
+            f"data.global_batch_size {global_batch_size} gives {per_process} rows per process, not divisible "
+            f"by its {jax.local_device_count()} devices; make it a multiple of {size}"
+        )
+    if spec is not None and spec.moe is not None and spec.moe.num_experts % mesh.shape["expert"]:
+        raise UpcyclerError(
+            f"{spec.moe.num_experts} experts do not split over mesh.expert = {mesh.shape['expert']}; "
+            "pick an expert axis size that divides the expert count"
+        )
+    return mesh
+
+
+def describe(mesh: Mesh) -> str:
+    """One line: the mesh shape and the process layout."""
+    shape = " × ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    devices = f"{jax.device_count()} {jax.devices()[0].platform} devices"
+    return f"mesh {shape} over {devices} in {jax.process_count()} processes"
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UpcyclerError(f"environment variable {name}={value!r} is not an integer") from None

@@ -1,0 +1,146 @@
+"""Plots of a training run from RUN_DIR/metrics.jsonl: loss curves, optimisation and throughput, expert load.
+
+`make_report(run_dir, out)` writes PNGs (matplotlib's Agg backend, so no display is needed):
+
+    loss.png                 cross-entropy overall and per source; load-balancing and z losses for MoE runs
+    training.png             learning rate, gradient norm, tokens/s (and MFU when it was measured)
+    expert_load_layer{i}.png for MoE runs: per MoE layer i (0-based among MoE layers), a heatmap of the
+                             fraction of token copies each expert received, step by step; a perfectly
+                             balanced layer is flat at 1/E
+
+The report reads only the metrics log, so it works on a run in progress and on a copy of the log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from upcycler.errors import UpcyclerError
+from upcycler.train.metrics import METRICS_FILE, read_metrics
+
+
+def make_report(run_dir: Path, out: Path | None = None) -> list[Path]:
+    """Write the report's PNGs into `out` (default RUN_DIR/report) and return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    run_dir = Path(run_dir)
+    if not (run_dir / METRICS_FILE).is_file():
+        raise UpcyclerError(
+            f"{run_dir / METRICS_FILE}: missing; pass the run_dir of a continued-pretrain run"
+        )
+    records = read_metrics(run_dir)
+    if not records:
+        raise UpcyclerError(f"{run_dir / METRICS_FILE}: no complete step yet; run at least one step first")
+    out = Path(out) if out is not None else run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [_loss(records, out / "loss.png"), _training(records, out / "training.png")]
+    paths += _expert_load(records, out)
+    return paths
+
+
+def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    pairs = [(r["step"], r[key]) for r in records if key in r]
+    if not pairs:
+        return np.zeros(0), np.zeros(0)
+    steps, values = zip(*pairs)
+    return np.asarray(steps), np.asarray(values, dtype=np.float64)
+
+
+def _smooth(values: np.ndarray, window: int) -> np.ndarray:
+    if window <= 1 or values.size < window:
+        return values
+    kernel = np.ones(window) / window
+    head = np.cumsum(values[: window - 1]) / np.arange(1, window)
+    return np.concatenate([head, np.convolve(values, kernel, mode="valid")])
+
+
+def _loss(records: Sequence[dict[str, Any]], path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    window = max(1, len(records) // 50)
+    router = any("lb_loss" in r for r in records)
+    fig, axes = plt.subplots(1, 2 if router else 1, figsize=(12 if router else 7, 4.5), squeeze=False)
+    ax = axes[0, 0]
+    steps, loss = _series(records, "loss")
+    ax.plot(steps, loss, color="black", alpha=0.25, lw=0.8)
+    ax.plot(steps, _smooth(loss, window), color="black", lw=1.6, label="all sources")
+    sources = sorted({k[5:] for r in records for k in r if k.startswith("loss/")})
+    for name in sources:
+        s, v = _series(records, f"loss/{name}")
+        ax.plot(s, _smooth(v, window), lw=1.0, label=name)
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="training loss")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    if router:
+        ax = axes[0, 1]
+        for key, label in (("lb_loss", "load balancing (1 = balanced)"), ("z_loss", "router z-loss")):
+            s, v = _series(records, key)
+            ax.plot(s, _smooth(v, window), label=label)
+        ax.set(xlabel="step", title="router losses")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _training(records: Sequence[dict[str, Any]], path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, key, title in zip(
+        axes,
+        ("lr", "grad_norm", "tokens_per_s"),
+        ("learning rate", "gradient norm (before clipping)", "throughput"),
+    ):
+        s, v = _series(records, key)
+        ax.plot(s, v, lw=1.0)
+        ax.set(xlabel="step", title=title)
+        ax.grid(alpha=0.3)
+    s, mfu = _series(records, "mfu")
+    if mfu.size:
+        twin = axes[2].twinx()
+        twin.plot(s, 100 * mfu, color="tab:red", lw=0.8, ls="--")
+        twin.set_ylabel("MFU (%)", color="tab:red")
+    axes[2].set_ylabel("tokens/s")
+    return _save(fig, path)
+
+
+def _expert_load(records: Sequence[dict[str, Any]], out: Path) -> list[Path]:
+    import matplotlib.pyplot as plt
+
+    loads = [
+        (r["step"], np.asarray(r["expert_load"], dtype=np.float64)) for r in records if "expert_load" in r
+    ]
+    if not loads:
+        return []
+    steps = np.asarray([s for s, _ in loads])
+    stacked = np.stack([x for _, x in loads])  # [T, M, E]
+    paths = []
+    for layer in range(stacked.shape[1]):
+        grid = stacked[:, layer, :].T  # [E, T]
+        fig, ax = plt.subplots(figsize=(10, max(3.0, 0.12 * grid.shape[0] + 1.5)))
+        image = ax.imshow(
+            grid,
+            aspect="auto",
+            origin="lower",
+            interpolation="nearest",
+            cmap="viridis",
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, grid.shape[0] - 0.5),
+        )
+        fig.colorbar(image, ax=ax, label=f"share of token copies (balanced = {1 / grid.shape[0]:.3g})")
+        ax.set(xlabel="step", ylabel="expert", title=f"expert load, MoE layer {layer}")
+        paths.append(_save(fig, out / f"expert_load_layer{layer}.png"))
+    return paths
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,267 @@
+"""The continued-pretraining run: check everything, build the state, loop, checkpoint, stop cleanly.
+
+`train(config, resume=...)` is what `upcycle continued-pretrain` runs, identically on every process.
+Guarantees:
+- every check of the config, the files it names, the tokenizer and the device layout happens before a
+  parameter is loaded or a step compiled, and fails with one `UpcyclerError` line;
+- a resumed run (`resume=True`) restores parameters, optimiser state, step and data position from the
+  latest committed checkpoint and then follows bit for bit the trajectory of an uninterrupted run;
+- a step whose loss or gradient norm is NaN or infinite stops the run with an error naming the step and
+  the last good checkpoint; nothing computed from it is saved;
+- SIGTERM finishes the current step, saves a checkpoint and exits normally.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+from jax.sharding import Mesh
+
+from upcycler.errors import UpcyclerError
+from upcycler.io.checkpoint import read_checkpoint
+from upcycler.io.hashing import sha256_file
+from upcycler.spec import ModelSpec
+from upcycler.train import mesh as mesh_lib
+from upcycler.train import model as model_lib
+from upcycler.train import sharding
+from upcycler.train.checkpointing import RunCheckpoints, committed_steps
+from upcycler.train.config import TrainConfig
+from upcycler.train.data_mix import DataIterator, make_data_iterator
+from upcycler.train.data_sources import open_source
+from upcycler.train.metrics import MetricsLog, Progress, flops_per_token, step_record
+from upcycler.train.optim import make_optimizer, opt_state_shardings
+from upcycler.train.params import abstract_params, from_tensors
+from upcycler.train.train_step import TrainState, compile_step, global_batch, make_train_step
+
+
+@dataclass
+class RunResult:
+    """How a run ended: the step reached, the last checkpoint written, and whether SIGTERM stopped it."""
+
+    step: int
+    last_checkpoint: Path | None
+    preempted: bool = False
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What `prepare` learnt while checking: the model's spec and lineage, the tokenizer, the init path."""
+
+    spec: ModelSpec
+    lineage: tuple[dict[str, Any], ...]
+    tokenizer: Path
+    init: Path
+
+
+def prepare(config: TrainConfig, resume: bool) -> Checked:
+    """All file checks of a run (no devices, no tensor bytes): raises `UpcyclerError` on the first problem."""
+    init = read_checkpoint(config.model.init)
+    tokenizer = config.model.tokenizer or config.model.init
+    tokenizer = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
+    if not tokenizer.is_file():
+        raise UpcyclerError(
+            f"{tokenizer}: no tokenizer; set model.tokenizer to the tokenizer.json the data was prepared with"
+        )
+    digest = sha256_file(tokenizer)
+    for name in config.data.source_names:
+        source = open_source(config.data.dir, name)
+        if source.tokenizer_sha256 != digest:
+            raise UpcyclerError(
+                f"{config.data.dir}: source {name!r} was prepared with another tokenizer than {tokenizer}; "
+                "prepare the data with the model's tokenizer or point model.tokenizer at the right one"
+            )
+        if int(source.meta["vocab_size"]) > init.spec.vocab_size:
+            raise UpcyclerError(
+                f"{tokenizer}: vocabulary of {source.meta['vocab_size']} tokens exceeds the model's "
+                f"{init.spec.vocab_size}; use the model's own tokenizer"
+            )
+    has_steps = bool(committed_steps(config.run_dir))
+    if has_steps and not resume:
+        raise UpcyclerError(
+            f"{config.run_dir}: holds checkpoints of an earlier run; pass --resume or use a new run_dir"
+        )
+    if resume and not has_steps:
+        raise UpcyclerError(
+            f"{config.run_dir}: no checkpoint to resume from; drop --resume to start a new run"
+        )
+    return Checked(init.spec, tuple(init.lineage), tokenizer.absolute(), config.model.init)
+
+
+def train(config: TrainConfig, *, resume: bool = False) -> RunResult:
+    """Run (or resume) continued pretraining to `config.steps`; see the module docstring for guarantees."""
+    mesh_lib.init_distributed(config.distributed)
+    checked = prepare(config, resume)
+    mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, checked.spec)
+    data = make_data_iterator(config.data, jax.process_index(), jax.process_count())
+    run = None
+    try:
+        run = _Run(config, checked, mesh, data)
+        if jax.process_index() == 0:
+            config.run_dir.mkdir(parents=True, exist_ok=True)
+            (config.run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        state = run.resumed_state() if resume else run.initial_state()
+        return run.loop(state)
+    finally:
+        if run is not None:
+            run.ckpts.close()
+        data.close()
+
+
+class _Run:
+    """The pieces of one run: mesh, shardings, optimiser, data, checkpoints, compiled step."""
+
+    def __init__(self, config: TrainConfig, checked: Checked, mesh: Mesh, data: DataIterator):
+        self.config, self.checked, self.mesh, self.data = config, checked, mesh, data
+        self.spec = spec = checked.spec
+        m = config.model
+        self.model_cfg = model_lib.ModelConfig(
+            compute_dtype=m.compute_dtype, attention=m.attention, moe_impl=m.moe_impl, remat=m.remat
+        )
+        self.tx, self.schedule = make_optimizer(config.optimizer, spec)
+        self.param_shardings = sharding.param_shardings(spec, mesh)
+        self.abstract = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=s),
+            abstract_params(spec),
+            self.param_shardings,
+        )
+        self.opt_shardings = opt_state_shardings(self.tx, self.abstract, self.param_shardings, mesh)
+        self.state_shardings = TrainState(sharding.replicated(mesh), self.param_shardings, self.opt_shardings)
+        self.ckpts = RunCheckpoints(
+            config.run_dir,
+            spec,
+            keep=config.checkpoint.keep,
+            async_save=config.checkpoint.async_save,
+            lineage=checked.lineage,
+            tokenizer=checked.tokenizer,
+        )
+
+    def initial_state(self) -> TrainState:
+        """Step 0: the init checkpoint's tensors as float32, each device reading only its shards."""
+        tensors = read_checkpoint(self.checked.init).tensors
+        params = from_tensors(self.spec, tensors, dtype=np.float32, shardings=self.param_shardings)
+        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
+        return TrainState(jnp.asarray(0, jnp.int32), params, opt_state)
+
+    def resumed_state(self) -> TrainState:
+        """The latest committed checkpoint, placed with the run's shardings; the data iterator follows it."""
+        step = self.ckpts.latest_step()
+        abstract_opt = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            jax.eval_shape(self.tx.init, self.abstract),
+            self.opt_shardings,
+        )
+        params, opt_state, data_state, meta = self.ckpts.restore(step, self.abstract, abstract_opt)
+        if ModelSpec.from_json(json.dumps(meta["spec"])) != self.spec:
+            raise UpcyclerError(
+                f"{self.ckpts.step_dir(step)}: was trained from another model than {self.checked.init}"
+            )
+        self.data.set_state(data_state)
+        return TrainState(jnp.asarray(step, jnp.int32), params, opt_state)
+
+    def loop(self, state: TrainState) -> RunResult:
+        """Train from `state` to `config.steps`, logging every step and checkpointing as configured."""
+        config, primary = self.config, jax.process_index() == 0
+        start = step = int(state.step)
+        sources = self.data.source_names
+        step_fn = make_train_step(
+            self.spec, self.model_cfg, config.loss, self.tx, self.schedule, len(sources)
+        )
+        batch_tokens = config.data.global_batch_size * config.data.seq_len
+        flops = flops_per_token(self.spec, config.data.seq_len) * batch_tokens
+        log = MetricsLog(config.run_dir, enabled=primary, start_step=start)
+        progress = Progress(enabled=primary and config.metrics.progress, start=start, total=config.steps)
+        progress.note(f"{mesh_lib.describe(self.mesh)}; starting at step {start}")
+        stop = _SigtermFlag()
+        last = self.ckpts.step_dir(start) if start else None
+        compiled = None
+        try:
+            while step < config.steps:
+                batch = global_batch(next(self.data), self.mesh)
+                if compiled is None:
+                    compiled = compile_step(step_fn, self.state_shardings, self.mesh, state, batch)
+                t0 = time.perf_counter()
+                state, raw = compiled(state, batch)
+                raw = jax.device_get(raw)
+                elapsed = time.perf_counter() - t0
+                if not (np.isfinite(raw["total_loss"]) and np.isfinite(raw["grad_norm"])):
+                    where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+                    raise UpcyclerError(
+                        f"loss is {float(raw['total_loss'])} (grad norm {float(raw['grad_norm'])}) at step "
+                        f"{step}; stopped without saving it; {where}; lower optimizer.lr or check the data, "
+                        "then resume"
+                    )
+                record = step_record(
+                    step,
+                    raw,
+                    sources=sources,
+                    step_time=elapsed,
+                    batch_tokens=batch_tokens,
+                    flops_per_step=flops,
+                    peak_flops=config.metrics.peak_flops,
+                    num_devices=jax.device_count(),
+                    with_load=step % config.metrics.expert_load_every == 0,
+                )
+                log.write(record)
+                progress.update(record)
+                step += 1
+                preempted = stop.agreed()
+                if step % config.checkpoint.every == 0 or step == config.steps or preempted:
+                    self.ckpts.save(
+                        step,
+                        state.params,
+                        state.opt_state,
+                        self.data.get_state(),
+                        _lineage_step(config, step),
+                    )
+                    last = self.ckpts.step_dir(step)
+                    progress.note(f"checkpoint {last}")
+                if preempted:
+                    return RunResult(step, last, preempted=True)
+            return RunResult(step, last)
+        finally:
+            stop.restore()
+            progress.close()
+            log.close()
+
+
+def _lineage_step(config: TrainConfig, step: int) -> dict[str, Any]:
+    return {
+        "step": "continued-pretrain",
+        "trained_steps": step,
+        "tokens": step * config.data.global_batch_size * config.data.seq_len,
+        "data": {
+            "sources": list(config.data.source_names),
+            "phases": [{"until_step": p.until_step, "weights": dict(p.weights)} for p in config.data.phases],
+        },
+        "optimizer": {"lr": config.optimizer.lr, "schedule": [vars(p) for p in config.optimizer.schedule]},
+    }
+
+
+class _SigtermFlag:
+    """Records SIGTERM; `agreed()` is True on every process as soon as any process got one."""
+
+    def __init__(self):
+        self.hit = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.hit = True
+
+    def agreed(self) -> bool:
+        if jax.process_count() == 1:
+            return self.hit
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.asarray(self.hit))))
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
