@@ -164,7 +164,7 @@ _WORKSPACE: dict[str, Path] = {}
 
 
 def workspace(root: Path) -> dict[str, Path]:
-    """Tokenizer, prepared data and tiny checkpoints (dense llama, qwen3_moe), built once per test session."""
+    """Tokenizer, prepared data and tiny checkpoints (dense llama, qwen3_moe), built once per pytest run."""
     if not _WORKSPACE:
         tok = train_tokenizer(root / "tokenizer")
         _WORKSPACE.update(
