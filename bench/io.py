@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from common import evict
 from typing import Any
 
 import numpy as np
@@ -101,17 +103,6 @@ def write_synthetic(src: Path, config: dict[str, Any], shard_size: int, seed: in
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
     (src / "config.json").write_text(json.dumps(config, indent=2))
     return total
-
-
-def evict(root: Path) -> None:
-    """Drop `root`'s files from the page cache (they are clean), so the next run reads them from disk."""
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def fsync_tree(root: Path) -> None:

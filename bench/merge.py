@@ -32,16 +32,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import evict, write_synthetic
+
 import numpy as np
 
-from upcycler.io.checkpoint import Checkpoint
-from upcycler.io.hf_write import write_hf
 from upcycler.layout import declare_params
 from upcycler.spec import ModelSpec
-from upcycler.tensors import BF16, LazyTensor, TensorMap
 
 TARGET_RATIO = 1.5
-_POOL = 32 * 1024 * 1024  # bf16 values per random pool (64 MiB), rotated to fill each tensor
 _CHILD = """
 import json, sys, time
 from upcycler.cli import main
@@ -61,40 +59,6 @@ def llama_1b(scale: float) -> ModelSpec:
                      num_layers=16, num_heads=heads, num_kv_heads=kv, head_dim=64,
                      intermediate_size=64 * max(1, round(8192 * scale / 64)), rope_theta=500000.0,
                      rms_norm_eps=1e-5, max_position_embeddings=8192, tie_embeddings=True)
-
-
-def write_synthetic(spec: ModelSpec, out: Path, seed: int) -> None:
-    """A bf16 HF checkpoint of `spec` with random values |x| in [2^-7, 2^-6) (no NaN, no subnormals)."""
-    bits = np.random.default_rng(seed).integers(0, 1 << 16, size=_POOL, dtype=np.uint16)
-    pool = ((bits & 0x807F) | 0x3C00).view(BF16)
-
-    def filled(shape: tuple[int, ...], offset: int) -> LazyTensor:
-        def load() -> np.ndarray:
-            n = int(np.prod(shape))
-            flat = np.empty(n, BF16)
-            done = 0
-            while done < n:
-                start = (offset + done) % _POOL
-                take = min(n - done, _POOL - start)
-                flat[done:done + take] = pool[start:start + take]
-                done += take
-            return flat.reshape(shape)
-
-        return LazyTensor(shape, BF16, load)
-
-    tensors = TensorMap({d.name: filled(d.shape, 7919 * k) for k, d in enumerate(declare_params(spec))})
-    write_hf(Checkpoint(spec, tensors), out, progress=False)
-
-
-def evict(root: Path) -> None:
-    """Drop the (clean) files under `root` from the page cache, so the next reader goes to disk."""
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def copy_baseline(inputs: list[Path], out: Path) -> dict[str, float]:

@@ -24,15 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+from common import write_synthetic
 
-from upcycler.io.checkpoint import Checkpoint
-from upcycler.io.hf_write import write_hf
-from upcycler.layout import declare_params
+
 from upcycler.spec import ModelSpec
-from upcycler.tensors import BF16, LazyTensor, TensorMap
 
-_POOL_ELEMENTS = 32 * 1024 * 1024  # 64 MiB of bf16 values, reused (rotated) to fill every tensor
 
 
 def llama_spec(*, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
@@ -45,29 +41,6 @@ def llama_spec(*, layers: int, hidden: int, intermediate: int, heads: int, kv_he
                      num_layers=layers, num_heads=h, num_kv_heads=kv, head_dim=head_dim,
                      intermediate_size=64 * max(1, round(intermediate * scale / 64)), rope_theta=500000.0,
                      rms_norm_eps=1e-5, max_position_embeddings=8192, tie_embeddings=tied)
-
-
-def synthetic(spec: ModelSpec, out: Path) -> None:
-    """Write a bf16 HF checkpoint of `spec` filled with small random values (fast: one pool, rotated)."""
-    bits = np.random.default_rng(0).integers(0, 1 << 16, size=_POOL_ELEMENTS, dtype=np.uint16)
-    pool = ((bits & 0x807F) | 0x3C00).view(BF16)  # sign and mantissa random, |x| in [2^-7, 2^-6)
-
-    def filled(shape: tuple[int, ...], offset: int) -> LazyTensor:
-        def load() -> np.ndarray:
-            n = int(np.prod(shape))
-            flat = np.empty(n, BF16)
-            done = 0
-            while done < n:
-                start = (offset + done) % _POOL_ELEMENTS
-                take = min(n - done, _POOL_ELEMENTS - start)
-                flat[done:done + take] = pool[start:start + take]
-                done += take
-            return flat.reshape(shape)
-
-        return LazyTensor(shape, BF16, load)
-
-    tensors = TensorMap({d.name: filled(d.shape, 7919 * k) for k, d in enumerate(declare_params(spec))})
-    write_hf(Checkpoint(spec, tensors), out, progress=False)
 
 
 def run_child(args: list[str]) -> dict:
@@ -159,13 +132,13 @@ def main() -> None:
         scale = {"scale": a.scale}
         if a.only in (None, "depth"):
             src = work / "llama-3-8b"
-            synthetic(big, src)
+            write_synthetic(big, src)
             print(json.dumps(measure("depth 32->48 solar, Llama-3-8B shapes", src, work / "out",
                                      ["depth", "--layers", "48", "--method", "solar"], a.repeats, scale)), flush=True)
             shutil.rmtree(src)
         if a.only in (None, "moe"):
             src = work / "llama-3.2-1b"
-            synthetic(small, src)
+            write_synthetic(small, src)
             for experts in (8, 64):
                 args = ["dense-to-moe", "--experts", str(experts), "--topk", "8", "--granularity", "8"]
                 print(json.dumps(measure(f"dense-to-moe {experts} experts top-8 G=8, Llama-3.2-1B shapes", src,
