@@ -34,11 +34,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-from common import evict
 from typing import Any
 
 import numpy as np
+from common import evict
 
 from upcycler.families import family_for_config
 from upcycler.io.safetensors_file import encode_header

@@ -32,9 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import evict, write_synthetic
-
 import numpy as np
+from common import evict, write_synthetic
 
 from upcycler.layout import declare_params
 from upcycler.spec import ModelSpec

@@ -26,9 +26,7 @@ from pathlib import Path
 
 from common import write_synthetic
 
-
 from upcycler.spec import ModelSpec
-
 
 
 def llama_spec(*, layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, vocab: int,

@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tiny_models import make_tiny  # noqa: E402
+from tiny_models import make_tiny
 
 
 @pytest.fixture(scope="session")

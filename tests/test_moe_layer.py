@@ -7,6 +7,7 @@ layer, or numpy written here. Sizes are tiny and fp32 so the whole file runs in 
 from __future__ import annotations
 
 import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,7 +137,7 @@ def _routing(params: dict[str, jax.Array], kind: str, k: int, bias_E: jax.Array)
     return moe.route(logits, k, kind, 1.5 if kind == "sigmoid" else 1.0, bias_E)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layer_with_grads(kind: str, k: int, backend: str | None):
     """One compiled function per (router, top-k, implementation): y and the gradients of sum(y * cotangent).
 
@@ -157,7 +158,7 @@ def _layer_with_grads(kind: str, k: int, backend: str | None):
     return jax.jit(run)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layer_case(name: str, backend: str | None):
     kind, k, bias = ROUTINGS[name]
     cotangent = _normal(np.random.default_rng(3), (T, D))

@@ -17,9 +17,9 @@ from cli_helpers import assert_clean_failure, run_cli
 from click.testing import CliRunner
 
 from upcycler.cli import main
-from upcycler.verify import probe_ids
 from upcycler.io.checkpoint import read_checkpoint, write_checkpoint
 from upcycler.tensors import constant
+from upcycler.verify import probe_ids
 
 
 def verify(*args) -> tuple[int, str]:

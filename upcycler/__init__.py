@@ -4,4 +4,4 @@ from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec, MoESpec
 from upcycler.tensors import LazyTensor, TensorMap
 
-__all__ = ["LazyTensor", "ModelSpec", "MoESpec", "TensorMap", "UpcyclerError"]
+__all__ = ["LazyTensor", "MoESpec", "ModelSpec", "TensorMap", "UpcyclerError"]

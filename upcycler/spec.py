@@ -94,7 +94,7 @@ class ModelSpec:
     def extras_dict(self) -> dict[str, Any]:
         return dict(self.extras)
 
-    def replace(self, **changes: Any) -> "ModelSpec":
+    def replace(self, **changes: Any) -> ModelSpec:
         return dataclasses.replace(self, **changes)
 
     # --- parameter counts --------------------------------------------------------------------------
@@ -123,7 +123,7 @@ class ModelSpec:
         return json.dumps(_to_plain(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "ModelSpec":
+    def from_json(cls, text: str) -> ModelSpec:
         data = json.loads(text)
         moe = data.pop("moe", None)
         if data.get("rope_scaling") is not None:

@@ -74,7 +74,7 @@ class LazyTensor:
         _check(arr, self.shape[1:], self.dtype, "part")
         return arr
 
-    def astype(self, dtype: np.dtype) -> "LazyTensor":
+    def astype(self, dtype: np.dtype) -> LazyTensor:
         """The same tensor cast to `dtype` (a no-op when it already has it)."""
         dtype = np.dtype(dtype)
         if dtype == self.dtype:
@@ -147,15 +147,15 @@ class TensorMap(Mapping[str, LazyTensor]):
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self._tensors.values())
 
-    def updated(self, changes: Mapping[str, LazyTensor]) -> "TensorMap":
+    def updated(self, changes: Mapping[str, LazyTensor]) -> TensorMap:
         """A copy with `changes` added or replaced (new names go at the end)."""
         return TensorMap({**self._tensors, **changes})
 
-    def without(self, names: Sequence[str]) -> "TensorMap":
+    def without(self, names: Sequence[str]) -> TensorMap:
         drop = set(names)
         return TensorMap({k: v for k, v in self._tensors.items() if k not in drop})
 
-    def astype(self, dtype: np.dtype) -> "TensorMap":
+    def astype(self, dtype: np.dtype) -> TensorMap:
         """Every floating tensor cast to `dtype`."""
         return TensorMap(
             {k: v.astype(dtype) if np.issubdtype(v.dtype, np.floating) or v.dtype == BF16 else v

@@ -121,7 +121,7 @@ def common_spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def common_config_fields(spec: ModelSpec, family: "Family | str", model_type: str | None = None) -> dict[str, Any]:
+def common_config_fields(spec: ModelSpec, family: Family | str, model_type: str | None = None) -> dict[str, Any]:
     """config.json fields shared by every family; legacy rope keys so transformers v4 reads them too."""
     arch = family.architecture if isinstance(family, Family) else family
     cfg: dict[str, Any] = {

@@ -14,7 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from upcycler.families.base import Family, common_config_fields, common_spec_fields, read_layer_types, sliding_fields
+from upcycler.families.base import (
+    Family,
+    common_config_fields,
+    common_spec_fields,
+    read_layer_types,
+    sliding_fields,
+)
 from upcycler.spec import ModelSpec, MoESpec
 
 _QWEN_MOE_NAMES = {

@@ -33,10 +33,10 @@ class Checkpoint:
     lineage: tuple[dict[str, Any], ...] = ()
     side_files: tuple[Path, ...] = ()
 
-    def replace(self, **changes: Any) -> "Checkpoint":
+    def replace(self, **changes: Any) -> Checkpoint:
         return dataclasses.replace(self, **changes)
 
-    def with_step(self, step: dict[str, Any], spec: ModelSpec, tensors: TensorMap) -> "Checkpoint":
+    def with_step(self, step: dict[str, Any], spec: ModelSpec, tensors: TensorMap) -> Checkpoint:
         """The checkpoint after one more lineage step that produced `spec` and `tensors`."""
         return self.replace(spec=spec, tensors=tensors, lineage=(*self.lineage, step))
 
