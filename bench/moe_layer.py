@@ -122,13 +122,39 @@ def time_round_robin(calls: dict[str, tuple], repeats: int) -> dict[str, dict[st
     }
 
 
+def summarise(times: dict, compiled: dict, small_name: str, small: tuple) -> dict:
+    """Seconds, ratios, speedup, temp memory and target checks from the medians in `times`."""
+    phases = ("fwd", "fwd_bwd")
+
+    def seconds(name: str, clock: str) -> dict[str, float]:
+        return {p: round(times[f"{name}/{p}"][clock], 4) for p in phases}
+
+    def ratio(a: str, b: str) -> dict[str, float]:
+        return {p: round(times[f"{a}/{p}"]["wall"] / times[f"{b}/{p}"]["wall"], 3) for p in phases}
+
+    memory = {name: dict(zip(phases, map(temp_bytes, pair), strict=True)) for name, pair in compiled.items()}
+    memory[small_name] = dict(zip(phases, map(temp_bytes, small), strict=True))
+    to_dense = {name: ratio(name, "dense") for name in ("dropless", "onehot")}
+    speedup = ratio("onehot", "dropless")
+    return {
+        "seconds": {name: seconds(name, "wall") for name in compiled},
+        "cpu_seconds": {name: seconds(name, "cpu") for name in compiled},
+        "ratio_to_dense": to_dense,
+        "onehot_over_dropless": speedup,
+        "temp_bytes": memory,
+        "targets": {
+            f"dropless_fwd_bwd_le_{FB_TARGET}x_dense": to_dense["dropless"]["fwd_bwd"] <= FB_TARGET,
+            f"onehot_over_dropless_ge_{ONEHOT_SPEEDUP_TARGET}x": speedup["fwd_bwd"] >= ONEHOT_SPEEDUP_TARGET,
+        },
+    }
+
+
 def main() -> None:
     args = parse_args()
     key = jax.random.key(0)
     T, D, F, E, K = args.tokens, args.d_model, args.width, args.experts, args.topk
     backend = resolve_backend(args.backend)
-    moe_args = moe_params(key, T, D, F, E)
-    dense_args = dense_params(key, T, D, K * F)
+    moe_args, dense_args = moe_params(key, T, D, F, E), dense_params(key, T, D, K * F)
     compiled = {
         "dropless": compiled_pair(moe_layer("dropless", K, args.router, backend), moe_args),
         "onehot": compiled_pair(moe_layer("onehot", K, args.router, backend), moe_args),
@@ -144,32 +170,11 @@ def main() -> None:
         calls[f"{name}/fwd_bwd"] = (fwd_bwd, params[name])
     times = time_round_robin(calls, args.repeats)
 
-    def seconds(name: str, clock: str) -> dict[str, float]:
-        return {p: round(times[f"{name}/{p}"][clock], 4) for p in ("fwd", "fwd_bwd")}
-
-    def ratio(a: str, b: str) -> dict[str, float]:
-        return {p: round(times[f"{a}/{p}"]["wall"] / times[f"{b}/{p}"]["wall"], 3) for p in ("fwd", "fwd_bwd")}
-
-    to_dense = {name: ratio(name, "dense") for name in ("dropless", "onehot")}
-    speedup = ratio("onehot", "dropless")
-    memory = {name: {p: temp_bytes(c) for p, c in zip(("fwd", "fwd_bwd"), pair)} for name, pair in compiled.items()}
-    memory[f"dropless_E{args.small_experts}"] = {p: temp_bytes(c) for p, c in zip(("fwd", "fwd_bwd"), small)}
-    result = {
-        "bench": "moe_layer",
-        "config": {
-            "tokens": T, "d_model": D, "width": F, "experts": E, "topk": K, "router": args.router,
-            "backend": backend, "dtype": "float32", "repeats": args.repeats, "devices": jax.device_count(),
-        },
-        "seconds": {name: seconds(name, "wall") for name in compiled},
-        "cpu_seconds": {name: seconds(name, "cpu") for name in compiled},
-        "ratio_to_dense": to_dense,
-        "onehot_over_dropless": speedup,
-        "temp_bytes": memory,
-        "targets": {
-            f"dropless_fwd_bwd_le_{FB_TARGET}x_dense": to_dense["dropless"]["fwd_bwd"] <= FB_TARGET,
-            f"onehot_over_dropless_ge_{ONEHOT_SPEEDUP_TARGET}x": speedup["fwd_bwd"] >= ONEHOT_SPEEDUP_TARGET,
-        },
-    }
+    shape_args = ("tokens", "d_model", "width", "experts", "topk", "router")
+    config = {name: getattr(args, name) for name in shape_args}
+    config.update(backend=backend, dtype="float32", repeats=args.repeats, devices=jax.device_count())
+    result = {"bench": "moe_layer", "config": config}
+    result.update(summarise(times, compiled, f"dropless_E{args.small_experts}", small))
     print(json.dumps(result))
 
 

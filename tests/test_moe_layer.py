@@ -18,7 +18,7 @@ from upcycler.train.gmm import gmm, resolve_backend
 
 T, D, F, E = 40, 8, 6, 6
 SMALL_TILES = (16, 4)  # several tile sizes and masked tails even at these sizes
-TOL = dict(rtol=2e-5, atol=2e-5)
+TOL = {"rtol": 2e-5, "atol": 2e-5}
 
 
 def _normal(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> jax.Array:
@@ -65,10 +65,11 @@ def test_tiled_gmm_matches_ragged_dot(tile_rows: tuple[int, ...]) -> None:
     tiled, ragged = _gmm_with_grads("tiled", tile_rows), _gmm_with_grads("ragged_dot", tile_rows)
     for name, sizes in GROUP_SIZES.items():
         group_sizes = jnp.asarray(sizes, jnp.int32)
-        (out, grads), (want_out, want_grads) = tiled(x, w, group_sizes, cotangent), ragged(x, w, group_sizes, cotangent)
+        out, grads = tiled(x, w, group_sizes, cotangent)
+        want_out, want_grads = ragged(x, w, group_sizes, cotangent)
         np.testing.assert_allclose(out, want_out, err_msg=name, **TOL)
         np.testing.assert_array_equal(out[sum(sizes) :], 0.0, err_msg=name)
-        for got, want in zip(grads, want_grads):
+        for got, want in zip(grads, want_grads, strict=True):
             np.testing.assert_allclose(got, want, err_msg=name, **TOL)
 
 
@@ -76,7 +77,7 @@ def test_gmm_backend_choice_and_shape_errors() -> None:
     assert resolve_backend("auto") == ("tiled" if jax.default_backend() == "cpu" else "ragged_dot")
     with pytest.raises(ValueError, match="backend"):
         resolve_backend("cuda")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="G, in, out"):
+    with pytest.raises(ValueError, match=r"w is \[G, in, out\]"):
         gmm(jnp.zeros((4, 3)), jnp.zeros((2, 5, 3)), jnp.array([2, 2]))
 
 
@@ -209,11 +210,45 @@ def test_capacity_drops_the_latest_copies(capacity_factor: float) -> None:
     reference_routing = moe.Routing(routing.expert_TK, jnp.where(kept, routing.weight_TK, 0.0))
     want = _jit_reference(params["x_TD"], *weights, reference_routing)
     layer = jax.jit(moe.dropless_moe, static_argnames=("backend", "capacity_factor", "tile_rows"))
+    options = {"capacity_factor": capacity_factor, "tile_rows": SMALL_TILES}
     for backend in ("tiled", "ragged_dot"):
-        got = layer(
-            params["x_TD"], *weights, routing, backend=backend, capacity_factor=capacity_factor, tile_rows=SMALL_TILES
-        )
+        got = layer(params["x_TD"], *weights, routing, backend=backend, **options)
         np.testing.assert_allclose(got, want, err_msg=backend, **TOL)
+
+
+def test_gate_up_layout_and_swiglu_gradient() -> None:
+    rng = np.random.default_rng(9)
+    w_gate, w_up = _normal(rng, (E, D, F)), _normal(rng, (E, D, F))
+    fused = moe.fuse_gate_up(w_gate, w_up)
+    assert fused.shape == (E, D, 2 * F)
+    for got, want in zip(moe.split_gate_up(fused), (w_gate, w_up), strict=True):
+        np.testing.assert_array_equal(got, want)
+    h, cotangent = _normal(rng, (T, 2 * F), 3.0), _normal(rng, (T, F))
+
+    def plain(h):
+        return jax.nn.silu(h[:, :F]) * h[:, F:]
+
+    np.testing.assert_allclose(moe.swiglu(h), plain(h), **TOL)
+    got = jax.vjp(moe.swiglu, h)[1](cotangent)[0]
+    np.testing.assert_allclose(got, jax.vjp(plain, h)[1](cotangent)[0], **TOL)
+
+
+def test_dropless_bfloat16_close_to_fp32_reference() -> None:
+    params = _layer_params()
+    weights = (params["w_gate_up_EDH"], params["w_down_EFD"])
+    routing = _routing(params, "renormalized", 2, jnp.zeros(E))
+    want = _jit_reference(params["x_TD"], *weights, routing)
+    bf16 = [a.astype(jnp.bfloat16) for a in (params["x_TD"], *weights)]
+    got = jax.jit(moe.dropless_moe, static_argnames="tile_rows")(*bf16, routing, tile_rows=SMALL_TILES)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=5e-2, atol=5e-2)
+
+
+def test_layer_rejects_mismatched_weights() -> None:
+    params = _layer_params()
+    routing = _routing(params, "renormalized", 2, jnp.zeros(E))
+    with pytest.raises(ValueError, match=r"w_down_EFD \[E, F, D\]"):
+        moe.dropless_moe(params["x_TD"], params["w_gate_up_EDH"], jnp.zeros((E, F + 1, D)), routing)
 
 
 # ---------------------------------------------------------------------------------------- losses, stats

@@ -135,7 +135,7 @@ def _take_rows(src_AD: jax.Array, index_B: jax.Array) -> jax.Array:
 
 
 def _sum_rows(src_AD: jax.Array, index_TK: jax.Array, weight_TK: jax.Array | None = None) -> jax.Array:
-    """Σ_k weight_TK[:, k] · src_AD[index_TK[:, k]] in fp32, as K row gathers that XLA fuses into one pass."""
+    """Σ_k weight_TK[:, k] · src_AD[index_TK[:, k]] in fp32, one k at a time (no [T, K, D] intermediate)."""
     total_TD = None
     for k in range(index_TK.shape[1]):
         rows_TD = _take_rows(src_AD, index_TK[:, k]).astype(jnp.float32)
