@@ -102,13 +102,13 @@ def test_unsupported_architecture(src, tmp_path):
 
 def test_output_exists_is_refused_unless_overwrite(src, tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    run_cli("convert", src, out)
+    (out / "stale.txt").write_text("from the earlier write")
     proc = run_cli("convert", src, out, check=False)
     assert_clean_failure(proc, mentions="--overwrite")
-    assert (out / "keep.txt").read_text() == "mine"
-    run_cli("convert", src, out, "--overwrite")
-    assert not (out / "keep.txt").exists() and (out / "config.json").exists()
+    assert (out / "stale.txt").exists()
+    run_cli("convert", src, out, "--overwrite")  # an earlier upcycler output (it has upcycler.json) is replaced
+    assert not (out / "stale.txt").exists() and (out / "config.json").exists()
     assert leftovers(tmp_path, "out") == ["out"]
 
 

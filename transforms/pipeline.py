@@ -28,6 +28,7 @@ from upcycler.summary import format_summary, human_bytes, spec_summary
 from upcycler.tensors import LazyTensor, TensorMap, dtype_name, parse_dtype
 from upcycler.transforms.recipe import Recipe
 from upcycler.transforms.registry import Note, config_dict
+from upcycler.untrusted import describe, shown_path
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,10 @@ def plan(recipe: Recipe, *, allow_config_only: bool = False) -> Plan:
     ckpt, config_only = read_source(recipe.source, allow_config_only=allow_config_only)
     results = []
     for step in recipe.steps:
-        applied = step.transform.apply(step.config, ckpt.spec, ckpt.tensors)
+        try:
+            applied = step.transform.apply(step.config, ckpt.spec, ckpt.tensors)
+        except UpcyclerError as err:  # transforms know the model, not where it came from
+            raise UpcyclerError(f"{shown_path(recipe.source)}: {step.transform.name}: {err}") from None
         result = StepResult(step.transform.name, config_dict(step.config), applied.notes)
         results.append(result)
         record = {"step": result.name, "config": result.config, "function_preserving": result.exact,
@@ -177,6 +181,9 @@ def _shard_size(text: str) -> int:
     from upcycler.cli.options import parse_size
 
     try:
-        return parse_size(str(text))
+        size = parse_size(str(text))
     except click.ClickException:
-        raise UpcyclerError(f"shard size {text!r} is not a size; use e.g. 5GB or 500MB") from None
+        raise UpcyclerError(f"shard size {describe(str(text))} is not a size; use e.g. 5GB or 500MB") from None
+    if size < 1:
+        raise UpcyclerError(f"shard size {describe(str(text))} must be at least 1 byte; use e.g. 5GB or 500MB")
+    return size

@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from upcycler.errors import UpcyclerError
 from upcycler.io.hf_write import DEFAULT_SHARD_SIZE
 from upcycler.transforms.registry import Transform, config_dict, transform_named
+from upcycler.untrusted import describe, load_yaml, shown_path
 
 FORMATS = ("hf", "orbax")
 DTYPES = ("bf16", "fp16", "fp32")
@@ -87,23 +86,19 @@ def single(transform: str, values: dict[str, Any], source: Path, output: Output)
 def load_recipe(path: str | Path) -> Recipe:
     """Parse and check a recipe file (no model is read)."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise UpcyclerError(f"{path}: no such recipe file; check the path") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise UpcyclerError(f"{path}: not valid YAML ({first}); fix the recipe") from None
-    return recipe_from_dict(data, path.parent, str(path))
+    if not path.exists() and not path.is_symlink():
+        raise UpcyclerError(f"{shown_path(path)}: no such recipe file; check the path")
+    data = load_yaml(path, what="recipe (YAML)", fix="fix the recipe")
+    return recipe_from_dict(data, path.parent, shown_path(path))
 
 
 def recipe_from_dict(data: Any, base: Path, where: str) -> Recipe:
     """A recipe from its parsed YAML; relative paths are taken from `base`."""
     if not isinstance(data, dict):
         raise UpcyclerError(f"{where}: a recipe is a mapping with source, transforms and output")
-    unknown = set(data) - {"source", "transforms", "output"}
+    unknown = [k for k in data if k not in ("source", "transforms", "output")]
     if unknown:
-        raise UpcyclerError(f"{where}: unknown key {min(unknown)!r}; a recipe has source, transforms, output")
+        raise UpcyclerError(f"{where}: unknown key {describe(unknown[0])}; a recipe has source, transforms, output")
     if not isinstance(data.get("source"), str) or not data["source"]:
         raise UpcyclerError(f"{where}: source must be the path of a checkpoint directory")
     items = data.get("transforms") or []
@@ -114,9 +109,11 @@ def recipe_from_dict(data: Any, base: Path, where: str) -> Recipe:
         if not isinstance(item, dict) or len(item) != 1:
             raise UpcyclerError(f"{where}: transforms[{k}] must be one `name: {{options}}` mapping")
         (name, values), = item.items()
-        t = transform_named(str(name))
+        if not isinstance(name, str):
+            raise UpcyclerError(f"{where}: transforms[{k}] must be named by a string, not {describe(name)}")
+        t = transform_named(name)
         if values is not None and not isinstance(values, dict):
-            raise UpcyclerError(f"{where}: the options of {name} must be a mapping")
+            raise UpcyclerError(f"{where}: the options of {name} must be a mapping, not {describe(values)}")
         steps.append(Step(t, t.make_config(values or {}, f"{where}: transforms[{k}] {name}")))
     return Recipe(_path(base, data["source"]), tuple(steps), _output(data.get("output"), base, where))
 
@@ -124,16 +121,25 @@ def recipe_from_dict(data: Any, base: Path, where: str) -> Recipe:
 def _output(data: Any, base: Path, where: str) -> Output:
     if not isinstance(data, dict):
         raise UpcyclerError(f"{where}: output must be a mapping with at least a path")
-    unknown = set(data) - {"path", "format", "family", "dtype", "shard_size"}
+    unknown = [k for k in data if k not in ("path", "format", "family", "dtype", "shard_size")]
     if unknown:
-        raise UpcyclerError(f"{where}: unknown output key {min(unknown)!r}; "
+        raise UpcyclerError(f"{where}: unknown output key {describe(unknown[0])}; "
                             "use path, format, family, dtype, shard_size")
     if not isinstance(data.get("path"), str) or not data["path"]:
         raise UpcyclerError(f"{where}: output.path must be the directory to write")
-    return Output(_path(base, data["path"]), str(data.get("format", "hf")), data.get("family"), data.get("dtype"),
-                  str(data.get("shard_size", DEFAULT_SHARD_SIZE)))
+    for key in ("format", "family", "dtype"):
+        if data.get(key) is not None and not isinstance(data[key], str):
+            raise UpcyclerError(f"{where}: output.{key} must be a string, not {describe(data[key])}")
+    shard_size = data.get("shard_size", DEFAULT_SHARD_SIZE)
+    if not isinstance(shard_size, (str, int)) or isinstance(shard_size, bool):
+        raise UpcyclerError(f"{where}: output.shard_size must be a size such as 5GB, not {describe(shard_size)}")
+    return Output(_path(base, data["path"]), data.get("format") or "hf", data.get("family"), data.get("dtype"),
+                  str(shard_size) if isinstance(shard_size, str) or shard_size.bit_length() < 64
+                  else describe(shard_size))
 
 
 def _path(base: Path, text: str) -> Path:
+    if "\0" in text:
+        raise UpcyclerError(f"path {describe(text)} contains a NUL byte; fix the recipe")
     path = Path(text).expanduser()
     return path if path.is_absolute() else base / path

@@ -112,11 +112,11 @@ def parse_json(text: str | bytes, where: str, fix: str = "fix the file") -> Any:
     try:
         value = json.loads(text, parse_constant=_refuse_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UpcyclerError(f"{where}: not valid JSON ({escape(str(err))[:120]}); {fix}") from None
+        raise UpcyclerError(f"{where}: unreadable JSON ({escape(str(err))[:120]}); {fix}") from None
     except RecursionError:
         raise UpcyclerError(f"{where}: JSON nested too deeply; {fix}") from None
     except ValueError as err:  # a number with too many digits, or a NaN/Infinity literal
-        raise UpcyclerError(f"{where}: not valid JSON ({escape(str(err))[:120]}); {fix}") from None
+        raise UpcyclerError(f"{where}: unreadable JSON ({escape(str(err))[:120]}); {fix}") from None
     _check_depth(value, where, fix)
     return value
 

@@ -2,7 +2,11 @@
 
 Each module in `upcycler/cli/` (other than this one) defines `command`, a `click.Command` (or
 `commands`, a list of them, when the commands are generated); adding a command means adding a file.
-Heavy imports (jax, torch) happen inside the commands, so `upcycle inspect` starts fast. Every `UpcyclerError` becomes one line on stderr and exit status 2, with no traceback.
+Heavy imports (jax, torch) happen inside the commands, so `upcycle inspect` starts fast.
+
+Every `UpcyclerError` and every usage error (a bad option value, a missing argument) becomes one line
+on stderr, `error: …`, with control characters escaped and the length bounded, and exit status 2, with
+no traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +18,18 @@ import sys
 import click
 
 from upcycler.errors import UpcyclerError
+from upcycler.untrusted import escape
+
+_MAX_MESSAGE = 2000
+
+
+def fail(message: str, status: int = 2) -> None:
+    """Print `message` as the one `error:` line on stderr and exit with `status`."""
+    line = escape(message)
+    if len(line) > _MAX_MESSAGE:
+        line = line[: _MAX_MESSAGE - 1] + "…"
+    click.echo(f"error: {line}", err=True)
+    sys.exit(status)
 
 
 class _Group(click.Group):
@@ -38,15 +54,24 @@ class _Group(click.Group):
         self._load()
         return self.commands.get(name)
 
-    def invoke(self, ctx: click.Context):
+    def main(self, *args, **kwargs):
+        kwargs.pop("standalone_mode", None)
         try:
-            return super().invoke(ctx)
+            super().main(*args, standalone_mode=False, **kwargs)
+            return None
+        except click.exceptions.Exit as done:
+            sys.exit(done.exit_code)
+        except click.UsageError as err:
+            where = f"; see `{err.ctx.command_path} --help`" if err.ctx is not None else ""
+            fail(f"{err.format_message().rstrip('.')}{where}", err.exit_code)
+        except click.ClickException as err:
+            fail(err.format_message(), err.exit_code)
+        except click.Abort:
+            fail("aborted; no output was finished", 130)
         except UpcyclerError as err:
-            click.echo(f"error: {err}", err=True)
-            sys.exit(2)
+            fail(str(err))
         except KeyboardInterrupt:
-            click.echo("error: interrupted; no output was finished", err=True)
-            sys.exit(130)
+            fail("interrupted; no output was finished", 130)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})

@@ -18,6 +18,7 @@ import click
 from upcycler.cli.options import output_options, write_output
 from upcycler.errors import UpcyclerError
 from upcycler.io.checkpoint import read_checkpoint
+from upcycler.io.staging import check_output
 from upcycler.merge import METHODS, Arg, MergeInput, describe_plan, find_checkpoints, merge, plan_merge
 
 
@@ -103,9 +104,5 @@ def _parse_weights(text: str | None) -> list[float] | None:
 
 
 def _check_output(out: Path, inputs: list[Path], overwrite: bool) -> None:
-    if out.exists() and not overwrite:
-        raise UpcyclerError(f"{out}: already exists; choose another output or pass --overwrite")
-    target = out.resolve()
-    for path in inputs:
-        if path.resolve() == target or target in path.resolve().parents:
-            raise UpcyclerError(f"{out}: is the input {path}; write the merge somewhere else")
+    """Refuse OUT before reading anything (the writer checks again before it writes)."""
+    check_output(out, overwrite=overwrite, sources=inputs)

@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from upcycler.cli.options import output_options
+from upcycler.io.staging import check_output
 from upcycler.transforms import TRANSFORMS
 from upcycler.transforms.registry import OptionInfo, Transform
 
@@ -42,18 +43,23 @@ def _option(info: OptionInfo) -> Callable:
 
 
 def finish(p, *, dry_run: bool, as_json: bool, overwrite: bool) -> None:
-    """Print the plan (dry run), or print the notes, write, and print what was written."""
+    """Print the plan (dry run), or write, then print the notes and what was written.
+
+    The notes follow the write so that a failed write says one thing only: its error.
+    """
     from upcycler.summary import human_bytes, human_count
     from upcycler.transforms.pipeline import execute
 
     if dry_run:
         click.echo(json.dumps(p.to_json(), indent=2) if as_json else p.describe())
         return
+    if p.recipe.output.path is not None:  # refuse a bad OUT before anything is read
+        check_output(p.recipe.output.path, overwrite=overwrite, sources=p.ckpt.inputs)
+    out = execute(p, overwrite=overwrite)
     if not as_json:
         for step in p.steps:
             for note in step.notes:
                 click.echo(f"{'note' if note.exact else 'warning'}: {step.name}: {note.text}", err=True)
-    out = execute(p, overwrite=overwrite)
     if as_json:
         click.echo(json.dumps({**p.to_json(), "written": str(out)}, indent=2))
         return

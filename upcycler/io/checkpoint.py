@@ -1,7 +1,9 @@
 """`Checkpoint`: a model in flight between a reader and a writer, and the files that travel with it.
 
 A checkpoint is a `ModelSpec`, a lazy `TensorMap`, the lineage so far (what it was read from, what was
-done to it) and the side files (tokenizer, generation config) that a writer copies. `read_checkpoint`
+done to it), the side files (tokenizer, generation config) that a writer copies, and its inputs: the
+directories its tensors are read from (an output may never overlap them) with the digest watches that
+check those reads against the inputs' manifests (`upcycler.io.integrity`). `read_checkpoint`
 detects the format of a directory; `write_checkpoint` dispatches on the requested output format.
 """
 
@@ -13,10 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from upcycler.errors import UpcyclerError
+from upcycler.io.integrity import DigestWatch
+from upcycler.io.staging import MANIFEST
 from upcycler.spec import ModelSpec
 from upcycler.tensors import TensorMap
+from upcycler.untrusted import shown_path
 
-MANIFEST = "upcycler.json"
+__all__ = ["MANIFEST", "SIDE_FILES", "Checkpoint", "detect_format", "read_checkpoint", "write_checkpoint"]
 SIDE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
     "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
@@ -32,6 +37,13 @@ class Checkpoint:
     source: Path | None = None
     lineage: tuple[dict[str, Any], ...] = ()
     side_files: tuple[Path, ...] = ()
+    inputs: tuple[Path, ...] = ()  # directories whose bytes the tensors read
+    watches: tuple[DigestWatch, ...] = ()  # manifest digests of what is read from them
+
+    def check_inputs(self) -> None:
+        """Compare everything read from the inputs with their manifests; raise naming what differs."""
+        for watch in self.watches:
+            watch.check()
 
     def replace(self, **changes: Any) -> Checkpoint:
         return dataclasses.replace(self, **changes)
@@ -44,15 +56,16 @@ class Checkpoint:
 def detect_format(path: Path) -> str:
     """"hf" for a directory with config.json, "orbax" for one written by our Orbax writer."""
     if not path.exists():
-        raise UpcyclerError(f"{path}: no such directory; check the path")
+        raise UpcyclerError(f"{shown_path(path)}: no such directory; check the path")
     if not path.is_dir():
-        raise UpcyclerError(f"{path}: not a directory; pass the checkpoint directory, not a file inside it")
+        raise UpcyclerError(f"{shown_path(path)}: not a directory; pass the checkpoint directory, not a file "
+                            "inside it")
     if (path / "config.json").exists():
         return "hf"
     if (path / "params").is_dir() and (path / MANIFEST).exists():
         return "orbax"
     raise UpcyclerError(
-        f"{path}: no config.json (Hugging Face) or params/ + {MANIFEST} (Orbax) found; "
+        f"{shown_path(path)}: no config.json (Hugging Face) or params/ + {MANIFEST} (Orbax) found; "
         "point at a checkpoint directory"
     )
 

@@ -3,21 +3,26 @@
 Everything is validated before a tensor byte is read: the config parses and names a supported family,
 the index names only shards inside the directory that exist, every shard header is whole, every
 tensor the config implies is present with the right shape, and no unexpected tensor is left over.
-Nothing untrusted is unpickled (only safetensors is read).
+Nothing untrusted is unpickled (only safetensors is read); JSON is read through `upcycler.untrusted`.
+When the directory is an upcycler output, every byte read is checked against the sha256 its manifest
+records (`upcycler.io.integrity`), before a writer renames its output into place.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.families import family_for_config
 from upcycler.io.checkpoint import MANIFEST, SIDE_FILES, Checkpoint
+from upcycler.io.integrity import DigestWatch, file_watch, recorded_digests
 from upcycler.io.safetensors_file import TensorEntry, lazy_tensor, read_header
 from upcycler.layout import declare_params
 from upcycler.spec import ModelSpec
 from upcycler.tensors import LazyTensor, TensorMap, stack
+from upcycler.untrusted import describe, load_json_object, shown_path
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -25,17 +30,9 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def read_json(path: Path, fix: str | None = None) -> dict:
-    """The JSON object in `path`, else a one-line error naming the file and ending in `fix` (by default,
-    advice for a downloaded Hugging Face checkpoint)."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UpcyclerError(f"{path}: missing; {fix or 'a Hugging Face checkpoint needs it'}") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UpcyclerError(f"{path}: unreadable JSON ({err}); {fix or 'fix or re-download it'}") from None
-    if not isinstance(data, dict):
-        raise UpcyclerError(f"{path}: expected a JSON object; {fix or 'fix or re-download it'}")
-    return data
+    """The JSON object in the regular file `path`, else a one-line error naming the file and ending in
+    `fix` (by default, advice for a downloaded Hugging Face checkpoint)."""
+    return load_json_object(path, fix=fix or "fix or re-download it")
 
 
 def read_spec(path: Path) -> ModelSpec:
@@ -64,7 +61,7 @@ def shard_files(path: Path) -> list[Path]:
         if not isinstance(weight_map, dict) or not weight_map:
             raise UpcyclerError(f"{index}: no weight_map; fix or re-download the index")
         files = []
-        for name in dict.fromkeys(weight_map.values()):
+        for name in dict.fromkeys(v if isinstance(v, str) else describe(v) for v in weight_map.values()):
             shard = plain_member(path, name, index)
             if not shard.is_file():
                 raise UpcyclerError(f"{index}: names shard {name!r}, which is missing; download every shard")
@@ -101,8 +98,10 @@ def read_hf(path: Path) -> Checkpoint:
     from upcycler.families import FAMILIES
 
     family = FAMILIES[spec.family]
+    shards = shard_files(path)
+    watches = _manifest_watches(path, shards)
     entries: dict[str, TensorEntry] = {}
-    for shard in shard_files(path):
+    for shard in shards:
         header, _ = read_header(shard)
         for name, entry in header.items():
             if name in entries:
@@ -116,10 +115,10 @@ def read_hf(path: Path) -> Checkpoint:
             _check_entry(path, entries, name, decl.shape[1:] if decl.expert_stacked else decl.shape)
         used.update(names)
         if decl.expert_stacked:
-            parts = [lambda e=entries[n]: lazy_tensor(e).load() for n in names]
+            parts = [_watched(entries[n], watches).load for n in names]
             tensors[decl.name] = stack(parts, decl.shape, entries[names[0]].dtype)
         else:
-            tensors[decl.name] = lazy_tensor(entries[names[0]])
+            tensors[decl.name] = _watched(entries[names[0]], watches)
     if spec.tie_embeddings:
         used.add("lm_head.weight")  # some writers store the tied head anyway
     extra = [n for n in entries if n not in used and not n.endswith(_IGNORED_SUFFIXES)]
@@ -130,9 +129,53 @@ def read_hf(path: Path) -> Checkpoint:
         )
     lineage = _previous_lineage(path)
     step = {"step": "read", "source": str(path), "format": "hf", "revision": _hub_revision(path),
-            "files": {f.name: f.stat().st_size for f in shard_files(path)}}
+            "files": {f.name: f.stat().st_size for f in shards}}
     side = tuple(path / n for n in SIDE_FILES if (path / n).is_file())
-    return Checkpoint(spec, TensorMap(tensors), path, (*lineage, step), side)
+    for name in ("config.json", INDEX, *(f.name for f in side)):
+        if name in watches:
+            watches[name].touch()  # read or copied whole
+    return Checkpoint(spec, TensorMap(tensors), path, (*lineage, step), side, inputs=(path,),
+                      watches=tuple(watches.values()))
+
+
+def _manifest_watches(path: Path, shards: list[Path]) -> dict[str, DigestWatch]:
+    """A digest watch per file the manifest records (none when the directory has no manifest)."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return {}
+    records = recorded_digests(read_json(manifest).get("files"), manifest, "files")
+    watches = {}
+    for name, (size, sha) in records.items():
+        file = path / name
+        if "/" in name or not file.is_file():
+            continue  # a file the manifest lists but the directory no longer has is never read
+        actual = file.stat().st_size
+        if size is not None and actual != size:
+            raise UpcyclerError(f"{shown_path(file)}: {actual:,} bytes but {MANIFEST} records {size:,} "
+                                "(truncated, or modified after it was written); re-copy or re-download it")
+        watches[name] = file_watch(file, actual, sha)
+    return watches
+
+
+def _watched(entry: TensorEntry, watches: dict[str, DigestWatch]) -> LazyTensor:
+    """`lazy_tensor(entry)`, telling the watch of its file (if any) about every byte range it reads."""
+    tensor = lazy_tensor(entry)
+    watch = watches.get(entry.path.name)
+    if watch is None:
+        return tensor
+    row = int(np.prod(entry.shape[1:], dtype=np.int64)) * entry.dtype.itemsize
+
+    def load() -> np.ndarray:
+        array = tensor.load()
+        watch.saw(entry.start, array.reshape(-1).view(np.uint8))
+        return array
+
+    def part(i: int) -> np.ndarray:
+        array = tensor.part(i)
+        watch.saw(entry.start + i * row, array.reshape(-1).view(np.uint8))
+        return array
+
+    return LazyTensor(tensor.shape, tensor.dtype, load, part if entry.shape else None)
 
 
 def _check_entry(root: Path, entries: dict[str, TensorEntry], name: str, shape: tuple[int, ...]) -> None:
@@ -151,9 +194,12 @@ def _check_entry(root: Path, entries: dict[str, TensorEntry], name: str, shape: 
 
 def _previous_lineage(path: Path) -> tuple[dict, ...]:
     manifest = path / MANIFEST
-    if manifest.is_file():
-        return tuple(read_json(manifest).get("lineage", ()))
-    return ()
+    if not manifest.is_file():
+        return ()
+    lineage = read_json(manifest).get("lineage", [])
+    if not isinstance(lineage, list) or not all(isinstance(step, dict) for step in lineage):
+        raise UpcyclerError(f"{shown_path(manifest)}: 'lineage' must be a list of steps; fix the manifest")
+    return tuple(lineage)
 
 
 def _hub_revision(path: Path) -> str | None:

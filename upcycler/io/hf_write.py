@@ -6,20 +6,18 @@
   or a single `model.safetensors` when everything fits.
 - `config.json` is written for the target family; tokenizer and generation files are copied.
 - `upcycler.json` records the spec, the lineage and the sha256 of every file written.
-- Everything goes to a hidden temporary sibling that is renamed to `out` only when complete; on any
-  error (a full disk included) it is removed, so no finished-looking output is left behind.
+- Everything goes to a hidden temporary sibling that is renamed to `out` only when complete
+  (`upcycler.io.staging`: never over a source, never over a directory upcycler did not write); on any
+  error (a full disk, a source that differs from its manifest) it is removed, so no finished-looking
+  output is left behind.
 """
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import shutil
-import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -27,12 +25,12 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from upcycler.errors import UpcyclerError
 from upcycler.families import Family, conform, family_named
 from upcycler.io.checkpoint import MANIFEST, Checkpoint
 from upcycler.io.hashing import sha256_file
 from upcycler.io.hf_read import INDEX, SINGLE
 from upcycler.io.safetensors_file import ShardWriter
+from upcycler.io.staging import staged_directory
 from upcycler.layout import declare_params
 from upcycler.tensors import dtype_name
 
@@ -84,53 +82,6 @@ def split_shards(items: list[_Item], shard_size: int) -> list[list[_Item]]:
     return shards
 
 
-def prepare_output(out: Path, *, overwrite: bool) -> None:
-    """Refuse an existing output (unless `overwrite`) or an unwritable parent, before any work.
-
-    Missing parent directories are created (like `mkdir -p`); a parent that is a file is refused.
-    """
-    if out.exists() and not overwrite:
-        raise UpcyclerError(f"{out}: already exists; choose another output or pass --overwrite")
-    parent = out.parent if str(out.parent) else Path(".")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise UpcyclerError(f"{parent}: is a file, not a directory; choose another output path") from None
-    except OSError as err:
-        raise UpcyclerError(f"{parent}: cannot create the output's directory ({err.strerror}); "
-                            "choose an output directory you can write to") from None
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UpcyclerError(f"{parent}: not writable; choose an output directory you can write to")
-
-
-@contextmanager
-def staged_directory(out: Path, *, overwrite: bool) -> Iterator[Path]:
-    """A temporary sibling of `out` that becomes `out` only if the block finishes without error."""
-    prepare_output(out, overwrite=overwrite)
-    tmp = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
-    try:
-        tmp.mkdir()
-    except OSError as err:
-        raise UpcyclerError(f"{out.parent}: not writable ({err.strerror}); choose an output directory you can write to") from None
-    try:
-        yield tmp
-        if out.exists():
-            trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            out.rename(trash)
-            tmp.rename(out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if err.errno == errno.ENOSPC:
-            raise UpcyclerError(f"{out}: disk full while writing; free space or write elsewhere") from None
-        raise UpcyclerError(f"{out}: cannot write ({err.strerror}); check the output location") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def write_hf(
     ckpt: Checkpoint,
     out: Path,
@@ -152,7 +103,7 @@ def write_hf(
     items = plan_items(ckpt, target)
     shards = split_shards(items, shard_size)
     total = sum(i.nbytes for i in items)
-    with staged_directory(out, overwrite=overwrite) as tmp:
+    with staged_directory(out, overwrite=overwrite, sources=ckpt.inputs) as tmp:
         files: dict[str, str | None] = dict(_write_shards(tmp, shards, total, progress))
         config = {**target.write_config(spec), "torch_dtype": dtype_name(tensors["embed"].dtype)}
         _write_json(tmp / "config.json", config)
@@ -170,6 +121,7 @@ def write_hf(
                     **(extra_manifest or {})}
         manifest["files"] = {name: _file_record(tmp / name, sha) for name, sha in files.items()}
         _write_json(tmp / MANIFEST, manifest)
+        ckpt.check_inputs()
     return out
 
 

@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import shutil
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
@@ -41,7 +42,7 @@ from tqdm import tqdm
 from upcycler.errors import UpcyclerError
 from upcycler.io.checkpoint import MANIFEST, Checkpoint
 from upcycler.io.hashing import sha256_file
-from upcycler.io.hf_write import staged_directory
+from upcycler.io.staging import staged_directory
 from upcycler.layout import ParamDecl, declare_params
 from upcycler.tensors import LazyTensor, TensorMap, dtype_name
 
@@ -69,7 +70,7 @@ def write_orbax(
     out = Path(out).absolute()  # Orbax requires absolute destinations
     decls = _checked_decls(ckpt)
     groups = _groups(decls, ckpt.tensors, group_bytes)
-    with staged_directory(out, overwrite=overwrite) as tmp:
+    with staged_directory(out, overwrite=overwrite, sources=ckpt.inputs) as tmp:
         try:
             digests = _save_params(tmp / PARAMS, ckpt.tensors, groups, 2 * group_bytes, progress)
         except ValueError as err:  # tensorstore reports I/O failures as ValueError
@@ -84,6 +85,7 @@ def write_orbax(
         manifest = {"format": 1, "spec": json.loads(ckpt.spec.to_json()), "lineage": list(ckpt.lineage),
                     **(extra_manifest or {}), "files": files, "tensors": tensors}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        ckpt.check_inputs()
     return out
 
 
@@ -139,7 +141,9 @@ def _context() -> Any:
     import jax
     import orbax.checkpoint.experimental.v1 as ocp
 
-    logging.getLogger("absl").setLevel(logging.ERROR)
+    # Orbax's background threads log every failure (a full disk: dozens of tracebacks) before the
+    # saving thread re-raises it to us; we report it once, as one line.
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
     storage = ocp.options.ArrayOptions.Saving.StorageOptions
 
     def per_leaf(keypath: Any, value: Any) -> Any:
@@ -206,10 +210,31 @@ def _sha256_arrays(arrays: dict[str, np.ndarray]) -> dict[str, str]:
 
 
 def _write_error(path: Path, err: Exception) -> UpcyclerError:
+    """The one-line report of a failed save; the save's other background tasks are silenced first."""
+    _silence_failed_save()
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     if "No space left" in str(err):
         return UpcyclerError(f"{path}: disk full while writing; free space or write elsewhere")
     return UpcyclerError(f"{path}: writing the Orbax checkpoint failed ({text}); check the output location")
+
+
+def _silence_failed_save() -> None:
+    """Drop the duplicate reports a failed save's remaining background tasks make after it failed.
+
+    When one write fails (a full disk), the other writes of that save fail the same way on threads
+    whose event loop is already closed: tensorstore reports each through `sys.excepthook`
+    ("Event loop is closed") and asyncio logs each task's exception when it is collected. The failure
+    itself is reported once, by the caller.
+    """
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    previous = sys.excepthook
+
+    def hook(kind, value, tb) -> None:
+        if isinstance(value, RuntimeError) and "Event loop is closed" in str(value):
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 def read_orbax(path: str | Path) -> Checkpoint:

@@ -6,12 +6,14 @@ declared shapes (and the dtypes the manifest records). Each leaf is opened with 
 checkpoint's key-value store (OCDBT or plain files; zarr3 or zarr, as `_METADATA` says), which reads only
 the array's metadata; `load()` reads the leaf and `part(e)` only the chunks of row `e` (one expert of a
 stacked expert tensor). Any Orbax checkpoint of the canonical tree is accepted: the v1 layout
-(`params/state/`) or the v0 one (`params/`).
+(`params/state/`) or the v0 one (`params/`). Every tensor read is checked against the sha256 the
+manifest records for it (`upcycler.io.integrity`), before a writer renames its output into place.
 """
 
 from __future__ import annotations
 
 import json
+from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +21,12 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.checkpoint import MANIFEST, SIDE_FILES, Checkpoint
+from upcycler.io.integrity import DigestWatch, file_watch, recorded_digests
 from upcycler.io.orbax_io import PARAMS, REWRITE, TREE
 from upcycler.layout import declare_params
 from upcycler.spec import ModelSpec
 from upcycler.tensors import LazyTensor, TensorMap, dtype_name
+from upcycler.untrusted import describe, load_json_object, shown_path
 
 
 def read_orbax(path: str | Path) -> Checkpoint:
@@ -46,6 +50,9 @@ def read_orbax(path: str | Path) -> Checkpoint:
                             f"({len(extra)} unexpected); the params do not match the spec; {REWRITE}")
     stores = _open_leaves(tree_dir, metadata, [d.name for d in decls])
     recorded = manifest.get("tensors") if isinstance(manifest.get("tensors"), dict) else {}
+    digests = recorded_digests({n: {"sha256": r.get("sha256"), "bytes": None} for n, r in recorded.items()
+                                if isinstance(r, dict) and "sha256" in r}, path / MANIFEST, "tensors")
+    watches: list[DigestWatch] = []
     tensors = {}
     for decl in decls:
         store = stores[decl.name]
@@ -54,6 +61,10 @@ def read_orbax(path: str | Path) -> Checkpoint:
                                 f"spec in {MANIFEST} implies {list(decl.shape)}; the params do not match; "
                                 f"{REWRITE}")
         tensor = _lazy(store, decl.name, tree_dir)
+        if decl.name in digests:
+            tensor, watch = _watched(tensor, store, f"{shown_path(tree_dir)}: tensor {decl.name!r}",
+                                     digests[decl.name][1])
+            watches.append(watch)
         record = recorded.get(decl.name)
         if isinstance(record, dict) and record.get("dtype") not in (None, dtype_name(tensor.dtype)):
             raise UpcyclerError(f"{tree_dir}: tensor {decl.name!r} is stored as {dtype_name(tensor.dtype)} "
@@ -62,27 +73,54 @@ def read_orbax(path: str | Path) -> Checkpoint:
         tensors[decl.name] = tensor
     step = {"step": "read", "source": str(path), "format": "orbax"}
     side = tuple(path / n for n in SIDE_FILES if (path / n).is_file())
-    return Checkpoint(spec, TensorMap(tensors), path, (*manifest.get("lineage", ()), step), side)
+    for name, (_, sha) in recorded_digests(manifest.get("files"), path / MANIFEST, "files").items():
+        if path / name in side:
+            watch = file_watch(path / name, (path / name).stat().st_size, sha)
+            watch.touch()  # copied whole by the writer
+            watches.append(watch)
+    return Checkpoint(spec, TensorMap(tensors), path, (*manifest["lineage"], step), side, inputs=(path,),
+                      watches=tuple(watches))
+
+
+def _watched(tensor: LazyTensor, store: Any, label: str, sha: str) -> tuple[LazyTensor, DigestWatch]:
+    """`tensor`, telling a new watch over its C-order bytes about everything it reads."""
+    row = prod(tensor.shape[1:]) * np.dtype(tensor.dtype).itemsize if tensor.shape else tensor.nbytes
+
+    def read_range(offset: int, length: int) -> bytes:
+        if not tensor.shape or row == 0:
+            return tensor.load().tobytes()[offset:offset + length]
+        first, last = offset // row, -(-(offset + length) // row)
+        rows = np.concatenate([tensor.part(i).reshape(-1).view(np.uint8) for i in range(first, last)])
+        return rows[offset - first * row: offset - first * row + length].tobytes()
+
+    watch = DigestWatch(label, tensor.nbytes, sha, read_range, chunk=max(row, 1))
+
+    def load() -> np.ndarray:
+        array = tensor.load()
+        watch.saw(0, array.reshape(-1).view(np.uint8))
+        return array
+
+    def part(i: int) -> np.ndarray:
+        array = tensor.part(i)
+        watch.saw(i * row, array.reshape(-1).view(np.uint8))
+        return array
+
+    return LazyTensor(tensor.shape, tensor.dtype, load, part if tensor.shape else None), watch
 
 
 def _read_json(path: Path, fix: str) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UpcyclerError(f"{path}: missing; {fix}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UpcyclerError(f"{path}: unreadable JSON ({err}); {fix}") from None
-    if not isinstance(data, dict):
-        raise UpcyclerError(f"{path}: expected a JSON object; {fix}")
-    return data
+    return load_json_object(path, fix=fix)
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
     manifest = _read_json(path, f"an Orbax output needs the manifest written with it; {REWRITE}")
     if manifest.get("format") != 1:
-        raise UpcyclerError(f"{path}: unknown manifest format {manifest.get('format')!r}; upgrade upcycler")
-    if not isinstance(manifest.get("lineage", []), list):
-        raise UpcyclerError(f"{path}: 'lineage' must be a list; fix the manifest or {REWRITE}")
+        raise UpcyclerError(f"{shown_path(path)}: unknown manifest format {describe(manifest.get('format'))}; "
+                            "upgrade upcycler")
+    lineage = manifest.setdefault("lineage", [])
+    if not isinstance(lineage, list) or not all(isinstance(step, dict) for step in lineage):
+        raise UpcyclerError(f"{shown_path(path)}: 'lineage' must be a list of steps; fix the manifest or "
+                            f"{REWRITE}")
     return manifest
 
 
@@ -91,9 +129,12 @@ def _spec(manifest: dict[str, Any], path: Path) -> ModelSpec:
         raise UpcyclerError(f"{path}: no 'spec' object; fix the manifest or {REWRITE}")
     try:
         return ModelSpec.from_json(json.dumps(manifest["spec"]))
-    except (TypeError, ValueError, KeyError, AttributeError) as err:
-        raise UpcyclerError(f"{path}: 'spec' is not a valid model spec ({err}); "
+    except UpcyclerError as err:
+        raise UpcyclerError(f"{shown_path(path)}: 'spec' is not a valid model spec ({err}); "
                             f"fix the manifest or {REWRITE}") from None
+    except (TypeError, ValueError, KeyError, AttributeError) as err:
+        raise UpcyclerError(f"{shown_path(path)}: 'spec' is not a valid model spec "
+                            f"({describe(str(err), 160)}); fix the manifest or {REWRITE}") from None
 
 
 def _tree_dir(params: Path) -> Path:

@@ -34,7 +34,10 @@ def merge(plan: MergePlan) -> Checkpoint:
     stacked = stacked_names(first.spec)
     tensors = TensorMap({name: _merged(plan, name, t, name in stacked) for name, t in first.tensors.items()})
     side = (plan.base or first).side_files
-    start = Checkpoint(first.spec, TensorMap(), None, (), side)
+    read = [i.checkpoint for i in plan.inputs] + ([plan.base] if plan.base else [])
+    start = Checkpoint(first.spec, TensorMap(), None, (), side,
+                       inputs=tuple(dict.fromkeys(p for c in read for p in c.inputs)),
+                       watches=tuple(w for c in read for w in c.watches))
     return start.with_step(lineage_step(plan), first.spec, tensors)
 
 

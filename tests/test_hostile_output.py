@@ -1,0 +1,261 @@
+"""Outputs never destroy inputs or unrelated files, corrupted sources are caught, leftovers are reclaimed.
+
+Every case runs the real CLI in a subprocess against directories that also hold unrelated files, and
+checks the contract: exit ≠ 0, one `error:` line naming the path, no traceback, every input byte and
+mtime unchanged, nothing finished-looking left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cli_helpers import assert_clean_failure, leftovers, run_cli, snapshot
+from tiny_models import make_tiny
+
+
+def state(directory: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under `directory` with its bytes and mtime (an input must keep both)."""
+    return {name: (data, (directory / name).stat().st_mtime_ns) for name, data in snapshot(directory).items()}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A tiny HF model written by transformers, and the same model as an upcycler HF and Orbax output."""
+    root = tmp_path_factory.mktemp("hostile-output")
+    hf = make_tiny("llama", root / "hf", max_shard_size="60KB")
+    run_cli("convert", hf, root / "ours")
+    run_cli("convert", hf, root / "orbax", "--to", "orbax")
+    return root
+
+
+@pytest.fixture
+def work(built, tmp_path):
+    """A fresh copy of the fixtures, inside a directory that also holds a file of the user's."""
+    for name in ("hf", "ours", "orbax"):
+        shutil.copytree(built / name, tmp_path / name)
+    (tmp_path / "notes.txt").write_text("the user's own file, not an output")
+    return tmp_path
+
+
+def fails_cleanly(proc, *, mentions: str, inputs: dict[Path, dict], parent: Path, out_name: str | None = None):
+    line = assert_clean_failure(proc, mentions=mentions)
+    for directory, before in inputs.items():
+        assert state(directory) == before, f"{directory} was modified"
+    assert (parent / "notes.txt").read_text() == "the user's own file, not an output"
+    if out_name is not None:
+        assert leftovers(parent, out_name) == [], "something that looks like an output was left behind"
+    return line
+
+
+# --- OUT overlapping a source --------------------------------------------------------------------
+
+def test_convert_into_the_parent_of_the_source_is_refused(work):
+    before = state(work / "hf")
+    proc = run_cli("convert", work / "hf", work, "--overwrite", check=False)
+    fails_cleanly(proc, mentions="contains the source", inputs={work / "hf": before}, parent=work)
+
+
+@pytest.mark.parametrize("command", [
+    ["depth", "--layers", "4"],
+    ["dense-to-moe", "--experts", "2", "--topk", "2"],
+    ["convert"],
+])
+def test_writing_over_the_source_itself_is_refused(work, command):
+    before = state(work / "ours")
+    proc = run_cli(command[0], work / "ours", work / "ours", *command[1:], "--overwrite", check=False)
+    fails_cleanly(proc, mentions="is the source", inputs={work / "ours": before}, parent=work)
+
+
+def test_output_inside_the_source_is_refused(work):
+    before = state(work / "hf")
+    proc = run_cli("depth", work / "hf", work / "hf" / "grown", "--layers", "4", check=False)
+    fails_cleanly(proc, mentions="lies inside the source", inputs={work / "hf": before}, parent=work)
+    assert not (work / "hf" / "grown").exists()
+
+
+def test_output_through_a_symlink_to_the_source_is_refused(work):
+    (work / "alias").symlink_to(work / "orbax", target_is_directory=True)
+    before = state(work / "orbax")
+    proc = run_cli("convert", work / "orbax", work / "alias", "--overwrite", check=False)
+    fails_cleanly(proc, mentions="alias", inputs={work / "orbax": before}, parent=work)
+    assert (work / "alias").is_symlink()
+
+
+def test_recipe_writing_into_its_source_is_refused(work):
+    recipe = work / "grow.yaml"
+    recipe.write_text("source: ours\ntransforms:\n  - depth: {layers: 4}\noutput: {path: ours}\n")
+    before = state(work / "ours")
+    proc = run_cli("run", recipe, "--overwrite", check=False)
+    fails_cleanly(proc, mentions="is the source", inputs={work / "ours": before}, parent=work)
+
+
+def test_merge_into_the_parent_of_an_input_is_refused(work):
+    before = {work / "ours": state(work / "ours"), work / "hf": state(work / "hf")}
+    proc = run_cli("merge", work / "ours", work / "hf", work, "--method", "sma", "--overwrite", check=False)
+    fails_cleanly(proc, mentions="contains the source", inputs=before, parent=work)
+
+
+# --- --overwrite replaces only what upcycler wrote ---------------------------------------------
+
+def test_overwrite_refuses_a_directory_of_other_files(work):
+    out = work / "photos"
+    out.mkdir()
+    (out / "cat.jpg").write_bytes(b"\xff\xd8 not a checkpoint")
+    before = {work / "hf": state(work / "hf"), out: state(out)}
+    proc = run_cli("convert", work / "hf", out, "--overwrite", check=False)
+    fails_cleanly(proc, mentions="did not write", inputs=before, parent=work)
+    assert [p.name for p in work.iterdir() if p.name.startswith(".photos.")] == []
+
+
+def test_overwrite_refuses_a_file(work):
+    out = work / "notes.txt"
+    proc = run_cli("convert", work / "hf", out, "--overwrite", check=False)
+    fails_cleanly(proc, mentions="not an upcycler output", inputs={work / "hf": state(work / "hf")}, parent=work)
+
+
+def test_overwrite_replaces_an_empty_directory_and_an_earlier_output_leaving_nothing_behind(work):
+    out = work / "out"
+    out.mkdir()
+    run_cli("convert", work / "hf", out, "--overwrite")
+    (out / "extra.bin").write_bytes(b"x")
+    run_cli("convert", work / "ours", out, "--to", "orbax", "--overwrite")
+    assert (out / "params").is_dir() and not (out / "extra.bin").exists()
+    assert leftovers(work, "out") == ["out"]
+
+
+# --- leftovers of killed writes are reclaimed ----------------------------------------------------
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_leftovers_of_dead_writers_are_reclaimed_and_live_ones_kept(work):
+    dead, alive = _dead_pid(), os.getpid()
+    names = {f".out.partial-{dead}-deadbeef": False, f".out.old-{dead}-deadbeef": False,
+             ".out.partial-0a1b2c3d": False,  # written before leftovers carried a pid
+             f".out.partial-{alive}-0badcafe": True}  # a writer that still runs
+    for name in names:
+        (work / name).mkdir()
+        (work / name / "model.safetensors").write_bytes(b"\0" * 1024)
+    run_cli("convert", work / "hf", work / "out")
+    remaining = set(leftovers(work, "out"))
+    assert remaining == {"out", f".out.partial-{alive}-0badcafe"}, remaining
+
+
+def test_a_killed_write_leaves_a_partial_that_the_next_write_reclaims(work):
+    big = make_tiny("llama", work / "big", hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
+                    vocab_size=8192)
+    proc = subprocess.Popen([sys.executable, "-m", "upcycler", "convert", big, work / "out", "--shard-size", "1MB"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not any(p.name.startswith(".out.partial-") for p in work.iterdir()):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = [p.name for p in work.iterdir() if p.name.startswith(".out.partial-")]
+    assert partial and not (work / "out").exists(), "the write was not interrupted while staging"
+    run_cli("convert", big, work / "out")
+    assert leftovers(work, "out") == ["out"]
+
+
+# --- corrupted sources are caught before the output appears -------------------------------------
+
+def _flip(path: Path, offset: int, count: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    for k in range(offset, offset + count):
+        data[k] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def _largest(directory: Path, pattern: str) -> Path:
+    return max(directory.rglob(pattern), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("to", ["hf", "orbax"])
+def test_flipped_bytes_in_an_orbax_checkpoint_are_caught(work, to):
+    chunk = _largest(work / "orbax" / "params", "*")
+    _flip(chunk, chunk.stat().st_size // 2)
+    before = state(work / "orbax")
+    proc = run_cli("convert", work / "orbax", work / "out", "--to", to, check=False)
+    fails_cleanly(proc, mentions="differ from the sha256", inputs={work / "orbax": before}, parent=work,
+                  out_name="out")
+
+
+def test_flipped_bytes_in_an_upcycler_hf_output_are_caught_naming_the_shard(work):
+    shard = _largest(work / "ours", "*.safetensors")
+    _flip(shard, shard.stat().st_size - 200)
+    before = state(work / "ours")
+    proc = run_cli("dense-to-moe", work / "ours", work / "out", "--experts", "2", "--topk", "2", check=False)
+    line = fails_cleanly(proc, mentions="differ from the sha256", inputs={work / "ours": before}, parent=work,
+                         out_name="out")
+    assert shard.name in line
+
+
+def test_a_modified_side_file_is_caught(work):
+    side = work / "ours" / "generation_config.json"
+    assert side.is_file(), "the fixture model has no generation_config.json to modify"
+    side.write_text(side.read_text().replace("}", " }", 1))
+    proc = run_cli("convert", work / "ours", work / "out", check=False)
+    fails_cleanly(proc, mentions="generation_config.json", inputs={}, parent=work, out_name="out")
+
+
+def test_a_truncated_shard_is_caught_by_its_recorded_size(work):
+    shard = _largest(work / "ours", "*.safetensors")
+    with open(shard, "ab") as f:
+        f.write(b"\0" * 8)
+    proc = run_cli("convert", work / "ours", work / "out", check=False)
+    fails_cleanly(proc, mentions=shard.name, inputs={}, parent=work, out_name="out")
+
+
+def test_corruption_in_a_merge_input_is_caught(work):
+    chunk = _largest(work / "orbax" / "params", "*")
+    _flip(chunk, 4096)
+    proc = run_cli("merge", work / "ours", work / "orbax", work / "out", "--method", "sma", check=False)
+    fails_cleanly(proc, mentions="differ from the sha256", inputs={}, parent=work, out_name="out")
+
+
+def test_malformed_digest_records_are_refused(work):
+    manifest = work / "ours" / "upcycler.json"
+    data = json.loads(manifest.read_text())
+    first = next(iter(data["files"]))
+    data["files"][first] = {"bytes": "many", "sha256": 7}
+    manifest.write_text(json.dumps(data))
+    proc = run_cli("convert", work / "ours", work / "out", check=False)
+    fails_cleanly(proc, mentions="malformed", inputs={}, parent=work, out_name="out")
+
+
+def test_clean_sources_with_manifests_still_convert_and_verify(work):
+    run_cli("convert", work / "orbax", work / "back")
+    run_cli("dense-to-moe", work / "ours", work / "moe", "--experts", "2", "--topk", "2")
+    assert (work / "back" / "upcycler.json").is_file() and (work / "moe" / "upcycler.json").is_file()
+
+
+# --- a full disk ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 200 KB tmpfs (root only: the CI machine runs as root); unmounted afterwards."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("to", ["hf", "orbax"])
+def test_a_full_disk_gives_one_line_and_leaves_nothing(work, tiny_disk, to):
+    proc = run_cli("convert", work / "hf", tiny_disk / "out", "--to", to, check=False)
+    assert_clean_failure(proc, mentions="disk full")
+    assert list(tiny_disk.iterdir()) == []

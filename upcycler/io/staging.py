@@ -1,0 +1,185 @@
+"""Where outputs are born: a hidden temporary sibling, renamed into place only when complete.
+
+The rules every writing command obeys (HF and Orbax checkpoints, merges, recipes, prepared data):
+
+- OUT is never a source: it may not be, contain, or lie inside a directory the write reads from
+  (compared after resolving symlinks).
+- An existing OUT is replaced only with `--overwrite`, and only when it is an empty directory or a
+  directory a previous upcycler write produced (it holds `upcycler.json`). Anything else is refused,
+  naming it, so `--overwrite` can never delete a directory of unrelated files.
+- The work happens in `.OUT.partial-<pid>-<random>` beside OUT; a replaced OUT is first renamed to
+  `.OUT.old-<pid>-<random>` and then removed. A write that is killed leaves such directories behind;
+  the next write to the same OUT removes those whose writer process is gone (`reclaim_leftovers`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from upcycler.errors import UpcyclerError
+from upcycler.untrusted import shown_path
+
+MANIFEST = "upcycler.json"
+_PARTIAL = "partial"
+_OLD = "old"
+
+
+def refuse_overlap(out: Path, sources: Iterable[Path], *, option: str = "OUT") -> None:
+    """Refuse an output that is a source, contains one, or lies inside one (after resolving symlinks)."""
+    target = Path(os.path.realpath(out))
+    for source in sources:
+        real = Path(os.path.realpath(source))
+        if real == target:
+            why = "is the source"
+        elif target in real.parents:
+            why = "contains the source"
+        elif real in target.parents:
+            why = "lies inside the source"
+        else:
+            continue
+        raise UpcyclerError(f"{shown_path(out)}: {why} {shown_path(source)}; choose an {option} outside "
+                            "every input")
+
+
+def check_replaceable(out: Path) -> None:
+    """Refuse to replace `out` unless it is an empty directory or an earlier upcycler output."""
+    if out.is_symlink() or not out.is_dir():
+        kind = "a symlink" if out.is_symlink() else "a file"
+        raise UpcyclerError(f"{shown_path(out)}: is {kind}, not an upcycler output; --overwrite only replaces "
+                            "directories upcycler wrote; remove it yourself or choose another output")
+    try:
+        empty = next(os.scandir(out), None) is None
+    except OSError as err:
+        raise UpcyclerError(f"{shown_path(out)}: cannot list it ({err.strerror}); choose another output") from None
+    if not empty and not (out / MANIFEST).is_file():
+        raise UpcyclerError(f"{shown_path(out)}: holds files upcycler did not write (no {MANIFEST}); "
+                            "--overwrite only replaces earlier upcycler outputs; remove it yourself or "
+                            "choose another output")
+
+
+def check_output(out: Path, *, overwrite: bool, sources: Iterable[Path] = ()) -> None:
+    """Refuse `out` if it overlaps a source or exists and may not be replaced; changes nothing."""
+    refuse_overlap(out, sources)
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise UpcyclerError(f"{shown_path(out)}: already exists; choose another output or pass --overwrite")
+        check_replaceable(out)
+
+
+def prepare_output(out: Path, *, overwrite: bool, sources: Iterable[Path] = ()) -> None:
+    """Every check that can refuse `out`, made before any work: overlap, existence, parent writable.
+
+    Missing parent directories are created (like `mkdir -p`); a parent that is a file is refused.
+    """
+    check_output(out, overwrite=overwrite, sources=sources)
+    parent = out.parent if str(out.parent) else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UpcyclerError(f"{shown_path(parent)}: is a file, not a directory; choose another output path") from None
+    except OSError as err:
+        raise UpcyclerError(f"{shown_path(parent)}: cannot create the output's directory ({err.strerror}); "
+                            "choose an output directory you can write to") from None
+    if not parent.is_dir():
+        raise UpcyclerError(f"{shown_path(parent)}: is a file, not a directory; choose another output path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UpcyclerError(f"{shown_path(parent)}: not writable; choose an output directory you can write to")
+
+
+def _sibling(out: Path, kind: str) -> Path:
+    return out.parent / f".{out.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _writer_alive(name: str, prefix: str) -> bool:
+    """Whether the process that named a leftover `prefix<pid>-<random>` still runs (unknown: assume yes)."""
+    pid_text = name[len(prefix):].split("-", 1)[0]
+    if not pid_text.isdigit():
+        return False  # written before leftovers carried their writer's pid: nobody can still own it
+    pid = int(pid_text)
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def reclaim_leftovers(out: Path) -> list[Path]:
+    """Remove the temporary siblings of `out` left by writes whose process is gone; return them."""
+    removed = []
+    try:
+        entries = list(os.scandir(out.parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        for kind in (_PARTIAL, _OLD):
+            prefix = f".{out.name}.{kind}-"
+            if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False) \
+                    and not _writer_alive(entry.name, prefix):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(Path(entry.path))
+    return removed
+
+
+@contextmanager
+def staged_directory(out: Path, *, overwrite: bool, sources: Iterable[Path] = ()) -> Iterator[Path]:
+    """A temporary sibling of `out` that becomes `out` only if the block finishes without error.
+
+    On any error (a full disk included) the sibling is removed; an existing `out` is untouched until
+    the new one is complete, and with `overwrite` nothing of the old one is left behind.
+    """
+    prepare_output(out, overwrite=overwrite, sources=sources)
+    reclaim_leftovers(out)
+    tmp = _sibling(out, _PARTIAL)
+    try:
+        tmp.mkdir()
+    except OSError as err:
+        raise UpcyclerError(f"{shown_path(out.parent)}: not writable ({err.strerror}); "
+                            "choose an output directory you can write to") from None
+    try:
+        yield tmp
+        if out.exists() or out.is_symlink():
+            check_replaceable(out)  # it may have changed while we were writing
+            trash = _sibling(out, _OLD)
+            out.rename(trash)
+            tmp.rename(out)
+            _remove(trash)
+        else:
+            tmp.rename(out)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if err.errno == errno.ENOSPC:
+            raise UpcyclerError(f"{shown_path(out)}: disk full while writing; free space or write elsewhere") from None
+        raise UpcyclerError(f"{shown_path(out)}: cannot write ({err.strerror}); check the output location") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _remove(path: Path) -> None:
+    """Delete a replaced output completely (read-only files and directories included)."""
+
+    def make_writable_and_retry(function, name, _exc) -> None:
+        parent = os.path.dirname(name)
+        for target in (parent, name):
+            try:
+                os.chmod(target, 0o700)
+            except OSError:
+                pass
+        try:
+            function(name)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=make_writable_and_retry)
+    if path.exists():
+        shutil.rmtree(path, ignore_errors=True)
