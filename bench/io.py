@@ -8,6 +8,10 @@ its own process and each reading a source evicted from the page cache:
     hf_to_hf      upcycle convert SRC OUT --to hf --shard-size 2GB
     hf_to_orbax   upcycle convert SRC OUT --to orbax
     orbax_to_hf   upcycle convert ORBAX OUT --to hf --shard-size 2GB
+    hf_checked    upcycle convert HF OUT, where HF is hf_to_hf's output: every byte read is checked against
+                  the sha256 in its upcycler.json; `digest_cost_hf` = hf_checked / hf_to_hf
+    orbax_unchecked  orbax_to_hf with the tensor digests removed from the manifest (nothing to check);
+                  `digest_cost_orbax` = orbax_to_hf / orbax_unchecked
 
 Every timing includes an fsync of every output file, so all runs pay for reaching the disk. Peak RSS is
 the child's VmHWM, polled every 50 ms. Prints one JSON line: bytes, and per run the seconds, ratio to the
@@ -168,6 +172,15 @@ def convert(src: Path, out: Path, to: str) -> list[str]:
     return [*cli, "convert", str(src), str(out), "--to", to, *(["--shard-size", "2GB"] if to == "hf" else [])]
 
 
+def drop_tensor_digests(orbax: Path) -> None:
+    """Remove the per-tensor sha256 from an Orbax output's manifest: reading it then checks nothing."""
+    manifest = orbax / "upcycler.json"
+    data = json.loads(manifest.read_text())
+    for record in data["tensors"].values():
+        record.pop("sha256", None)
+    manifest.write_text(json.dumps(data))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     config = llama3_8b_config(args.scale)
     work = Path(tempfile.mkdtemp(prefix="upcycler-bench-io-", dir=args.workdir))
@@ -183,19 +196,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         generate_s = time.perf_counter() - t0
         log = work / "child.log"
         load_before = os.getloadavg()[0]
-        names = ("copy", "hf_to_hf", "hf_to_orbax", "orbax_to_hf")
+        names = ("copy", "hf_to_hf", "hf_checked", "hf_to_orbax", "orbax_to_hf", "orbax_unchecked")
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
-        copy, hf, orbax = work / "copy", work / "hf", work / "orbax"
+        copy, hf, again, orbax = work / "copy", work / "hf", work / "again", work / "orbax"
         for rep in range(args.repeat):
             copy_cmd = [sys.executable, __file__, "--copy", str(src), str(copy)]
             runs["copy"].append(measure(copy_cmd, src, copy, log))
             shutil.rmtree(copy)
             runs["hf_to_hf"].append(measure(convert(src, hf, "hf"), src, hf, log))
+            runs["hf_checked"].append(measure(convert(hf, again, "hf"), hf, again, log))
             shutil.rmtree(hf)
+            shutil.rmtree(again)
             runs["hf_to_orbax"].append(measure(convert(src, orbax, "orbax"), src, orbax, log))
             if rep == args.repeat - 1:
                 shutil.rmtree(src)  # not needed any more: at most two checkpoints are on disk at a time
             runs["orbax_to_hf"].append(measure(convert(orbax, hf, "hf"), orbax, hf, log))
+            shutil.rmtree(hf)
+            drop_tensor_digests(orbax)
+            runs["orbax_unchecked"].append(measure(convert(orbax, hf, "hf"), orbax, hf, log))
             shutil.rmtree(hf)
             shutil.rmtree(orbax)
         load_after = os.getloadavg()[0]
@@ -216,6 +234,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             entry["ratio"] = round(seconds / copy_s, 2)
             ok = ok and entry["ratio"] <= TARGET_RATIO and rss < TARGET_RSS_MB
         result[name] = entry
+    result["digest_cost_hf"] = round(result["hf_checked"]["seconds"] / result["hf_to_hf"]["seconds"], 3)
+    result["digest_cost_orbax"] = round(result["orbax_to_hf"]["seconds"] / result["orbax_unchecked"]["seconds"], 3)
     result["targets"] = {"ratio": TARGET_RATIO, "peak_rss_mb": TARGET_RSS_MB, "met": ok}
     result["load_avg"] = [round(load_before, 1), round(load_after, 1)]
     return result
