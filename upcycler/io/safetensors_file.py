@@ -1,11 +1,30 @@
 """The safetensors file format, read and written by us so that both stream and both are validated.
 
-Format: an 8-byte little-endian header length, a JSON header `{name: {dtype, shape, data_offsets}, …,
-"__metadata__": {…}}` padded with spaces, then the raw little-endian bytes (offsets are relative to the
-end of the header).
+Format: an 8-byte little-endian header length N, N bytes of UTF-8 JSON `{name: {dtype, shape, data_offsets},
+…, "__metadata__": {…}}` (our writer pads it with spaces), then the raw little-endian tensor bytes, whose
+offsets are relative to the end of the header.
 
-- `read_header` validates a file completely before any tensor is read: header length, JSON, dtypes,
-  offsets consistent with the shapes and inside the file (a truncated shard is caught here).
+- `read_header` validates a file completely before any tensor is read (a truncated shard is caught here).
+  It accepts exactly the files the official `safetensors` library (0.8) accepts, by the same rules:
+  1. the file is a regular file of at least 8 bytes; N <= 100,000,000 and 8 + N <= the file size;
+  2. the header is valid UTF-8 and strict JSON: no NaN/Infinity, no unpaired `\\u` surrogate escape, no
+     number beyond the float range, no nesting deeper than 127 arrays/objects (serde_json's limit);
+  3. the header is an object; `__metadata__` appears at most once and is null or an object of string
+     values (a repeated metadata key keeps its last value);
+  4. every other key names a tensor whose value is an object with `dtype`, `shape` and `data_offsets`,
+     each at most once (other keys are ignored), or the array `[dtype, shape, data_offsets]`;
+     `dtype` is a dtype name the format defines, as a string or as `{"NAME": null}`; `shape` is an array
+     and `data_offsets` an array of two, all non-negative JSON integers below 2**64 (`1.0`, `-0`, `true`
+     are not integers);
+  5. sorted by `data_offsets`, the first tensor begins at 0 and each next one where the previous ended
+     (no overlap, no gap), and each is exactly as long as its shape needs: the element count and the bit
+     count must not overflow 64 bits and the bit count must be whole bytes;
+  6. the last tensor ends exactly at the end of the file: no truncation, no trailing bytes.
+  Two deliberate differences, both refusals: a tensor name listed twice (the official reader silently
+  keeps the last entry; which one the writer meant is unknowable), and a tensor we cannot hold is "not
+  supported" rather than read: a dtype the format defines but numpy lacks (F8_*, F4, F6_*, U16, U32, U64,
+  C64), more than 32 dimensions, or (possible only when the tensor is empty) non-zero dimensions whose
+  product is 2**63 bytes or more.
 - `lazy_tensor` reads one tensor (or one row of it, for `LazyTensor.part`) with `os.preadv` into a fresh
   array: no mmap, so resident memory stays one tensor whatever the file size.
 - `ShardWriter` writes a shard whose header is known up front, tensor by tensor, hashing as it goes.
@@ -15,18 +34,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import struct
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.tensors import BF16, LazyTensor
+from upcycler.untrusted import describe, escape, open_regular, shown_path
 
 _DTYPES: dict[str, np.dtype] = {
     "BF16": BF16, "F16": np.dtype("<f2"), "F32": np.dtype("<f4"), "F64": np.dtype("<f8"),
@@ -34,7 +57,16 @@ _DTYPES: dict[str, np.dtype] = {
     "I64": np.dtype("<i8"), "BOOL": np.dtype("?"),
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
-MAX_HEADER = 100 * 1024 * 1024
+# Every dtype the format defines, with its size in bits (we hold only those in _DTYPES).
+_BITS = {"BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
+         "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+         "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64}
+_FIELDS = ("dtype", "shape", "data_offsets")
+MAX_HEADER = 100_000_000  # the official reader's limit
+_MAX_NESTING = 127  # arrays/objects inside each other, the header object included (serde_json's limit)
+_MAX_DIMS = 32  # numpy 1 holds at most 32 dimensions, numpy 2 at most 64
+_U64 = 2**64 - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _OVERLAP_MIN = 1 << 20  # writes at least this large are hashed concurrently with the write
 _HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
 
@@ -52,59 +84,222 @@ class TensorEntry:
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
-    """All tensor entries and the metadata of one safetensors file, after checking it is whole."""
+    """All tensor entries (in header order) and the metadata of one safetensors file, after checking it is
+    whole and well-formed by the rules in the module docstring; anything else is one `UpcyclerError`
+    naming the file. Reads only the 8-byte length and the header; the file is never modified."""
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path, "safetensors file"), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(8)
             if len(raw) < 8:
-                raise _corrupt(path, "shorter than a safetensors header")
+                raise _corrupt(path, f"{len(raw)} bytes, shorter than the 8-byte header length")
             (n,) = struct.unpack("<Q", raw)
-            if n > MAX_HEADER or 8 + n > size:
-                raise _corrupt(path, "header length is larger than the file")
-            header = json.loads(f.read(n))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise _corrupt(path, "header is not valid JSON") from None
+            if n > MAX_HEADER:
+                raise _corrupt(path, f"header length {n:,} is over the {MAX_HEADER:,}-byte limit")
+            if 8 + n > size:
+                raise _corrupt(path, f"header length {n:,} is larger than the file")
+            raw = f.read(n)
     except OSError as err:
-        raise UpcyclerError(f"{path}: cannot read ({err.strerror}); check the file and its permissions") from None
-    if not isinstance(header, dict):
-        raise _corrupt(path, "header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    base = 8 + n
+        raise UpcyclerError(f"{shown_path(path)}: cannot read ({err.strerror}); "
+                            "check the file and its permissions") from None
+    if len(raw) < n:
+        raise _corrupt(path, "the file shrank while its header was read")
+    tensors, metadata = _tensor_infos(path, _parse(path, raw))
+    base, end = 8 + n, _check_layout(path, tensors)
+    if base + end > size:
+        raise UpcyclerError(f"{shown_path(path)}: file is truncated ({size:,} bytes, its tensors end at byte "
+                            f"{base + end:,}); re-download or re-copy this shard")
+    if base + end < size:
+        raise _corrupt(path, f"{size - base - end:,} stray bytes after the last tensor")
     entries = {}
-    for name, info in header.items():
-        try:
-            dtype = _DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise _corrupt(path, f"entry {name!r} has an unknown dtype or malformed shape/offsets") from None
-        nbytes = prod(shape) * dtype.itemsize
-        if end - begin != nbytes or begin < 0:
-            raise _corrupt(path, f"tensor {name!r} offsets do not match its shape")
-        if base + end > size:
+    for name, (dtype, shape, (begin, stop)) in tensors.items():
+        if dtype not in _DTYPES:
             raise UpcyclerError(
-                f"{path}: file is truncated ({size} bytes, tensor {name!r} ends at {base + end}); "
-                "re-download or re-copy this shard"
-            )
-        entries[name] = TensorEntry(path, name, shape, dtype, base + begin, nbytes)
-    return entries, metadata
+                f"{shown_path(path)}: tensor {describe(name)} has dtype {dtype}, which is not supported "
+                f"(supported: {', '.join(_DTYPES)}); convert the checkpoint to one of these first")
+        if len(shape) > _MAX_DIMS or prod(d for d in shape if d) * _DTYPES[dtype].itemsize >= 2**63:
+            raise UpcyclerError(
+                f"{shown_path(path)}: tensor {describe(name)} has shape {_kind(list(shape))}, which is not "
+                f"supported (at most {_MAX_DIMS} dimensions, whose non-zero product is below 2**63 bytes); "
+                "re-export the checkpoint without it")
+        entries[name] = TensorEntry(path, name, shape, _DTYPES[dtype], base + begin, stop - begin)
+    return entries, metadata or {}
+
+
+class _Pairs(list):
+    """A JSON object as its (key, value) pairs in file order, so repeated keys stay visible."""
+
+
+def _parse(path: Path, raw: bytes) -> Any:
+    """The header's JSON, objects as `_Pairs`, numbers read as the official reader reads them."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise _corrupt(path, f"header is not UTF-8 (byte {err.start})") from None
+    try:
+        value = json.loads(text, object_pairs_hook=_Pairs, parse_int=_json_int, parse_float=_json_float,
+                           parse_constant=_json_constant)
+    except RecursionError:
+        raise _corrupt(path, "header JSON is nested too deeply") from None
+    except (ValueError, OverflowError) as err:  # JSONDecodeError is a ValueError
+        raise _corrupt(path, f"header is not valid JSON: {escape(str(err))[:120]}") from None
+    stack = [(value, 1)]  # iteratively: nesting depth and unpaired surrogates, everywhere
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, str) and _SURROGATE.search(item):
+            raise _corrupt(path, "header has an unpaired \\u surrogate escape")
+        if isinstance(item, list):
+            if depth > _MAX_NESTING:
+                raise _corrupt(path, f"header JSON is nested more than {_MAX_NESTING} levels deep")
+            children = (x for pair in item for x in pair) if isinstance(item, _Pairs) else item
+            stack.extend((child, depth + 1) for child in children)
+    return value
+
+
+def _json_int(literal: str) -> int | float:
+    """A JSON integer as serde_json reads it: exact within 64 bits, else a float (`-0` is a float too)."""
+    if len(literal) > 320:
+        raise ValueError("number out of range")
+    value = int(literal)
+    if literal == "-0":
+        return -0.0
+    return value if -(2**63) <= value <= _U64 else float(value)  # OverflowError beyond the float range
+
+
+def _json_float(literal: str) -> float:
+    value = float(literal)
+    if math.isinf(value):
+        raise ValueError("number out of range")
+    return value
+
+
+def _json_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _tensor_infos(path: Path, header: Any) -> tuple[dict[str, tuple[str, tuple[int, ...], tuple[int, int]]],
+                                                    dict[str, str] | None]:
+    """Each tensor's (dtype name, shape, data_offsets) in header order, and the metadata (rules 3 and 4)."""
+    if not isinstance(header, _Pairs):
+        raise _corrupt(path, f"header is {_kind(header)}, not a JSON object")
+    tensors: dict[str, tuple[str, tuple[int, ...], tuple[int, int]]] = {}
+    metadata, seen = None, False
+    for key, value in header:
+        if key == "__metadata__":
+            if seen:
+                raise _corrupt(path, "__metadata__ is listed twice")
+            metadata, seen = _metadata(path, value), True
+        elif key in tensors:
+            raise _corrupt(path, f"tensor {describe(key)} is listed twice")
+        else:
+            tensors[key] = _tensor_info(path, key, value)
+    return tensors, metadata
+
+
+def _metadata(path: Path, value: Any) -> dict[str, str] | None:
+    """`__metadata__` as a dict (a repeated key keeps its last value), None when it is null."""
+    if value is None:
+        return None
+    if not isinstance(value, _Pairs):
+        raise _corrupt(path, f"__metadata__ is {_kind(value)}, not an object of strings")
+    for key, item in value:
+        if not isinstance(item, str):
+            raise _corrupt(path, f"__metadata__ {describe(key)} is {_kind(item)}, not a string")
+    return dict(value)
+
+
+def _tensor_info(path: Path, name: str, value: Any) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """One tensor's (dtype name, shape, data_offsets), typed as rule 4 says (its layout is checked later)."""
+    where = f"tensor {describe(name)}"
+    if isinstance(value, _Pairs):
+        fields: dict[str, Any] = {}
+        for key, item in value:
+            if key in _FIELDS:
+                if key in fields:
+                    raise _corrupt(path, f"{where} lists {key} twice")
+                fields[key] = item
+        for key in _FIELDS:
+            if key not in fields:
+                raise _corrupt(path, f"{where} has no {key}")
+        dtype, shape, offsets = (fields[key] for key in _FIELDS)
+    elif type(value) is list and len(value) == 3:  # serde also reads a struct from a positional array
+        dtype, shape, offsets = value
+    else:
+        raise _corrupt(path, f"{where} is {_kind(value)}, not an object with dtype, shape and data_offsets")
+    if isinstance(dtype, _Pairs) and len(dtype) == 1 and dtype[0][1] is None:  # serde's {"F32": null}
+        dtype = dtype[0][0]
+    if not isinstance(dtype, str) or dtype not in _BITS:
+        raise _corrupt(path, f"{where} has unknown dtype {describe(dtype)}")
+    if type(shape) is not list:
+        raise _corrupt(path, f"{where} shape is {_kind(shape)}, not a list of non-negative integers")
+    for d in shape:
+        if not _is_u64(d):
+            raise _corrupt(path, f"{where} shape must hold non-negative integers, not {describe(d)}")
+    if type(offsets) is not list or len(offsets) != 2 or not all(_is_u64(o) for o in offsets):
+        raise _corrupt(path, f"{where} data_offsets must be two non-negative integers, not {_kind(offsets)}")
+    return dtype, tuple(shape), (offsets[0], offsets[1])
+
+
+def _is_u64(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= _U64
+
+
+def _kind(value: Any) -> str:
+    """A value from the header for a message: short lists shown whole, anything else described."""
+    if type(value) is list and len(value) <= 8 and all(type(v) is int for v in value):
+        return escape(str(value))[:200]
+    return "an object" if isinstance(value, _Pairs) else describe(value)
+
+
+def _check_layout(path: Path, tensors: dict[str, tuple[str, tuple[int, ...], tuple[int, int]]]) -> int:
+    """Rule 5: tensors sorted by offsets tile the data from byte 0 without overlap or gap; returns its end."""
+    start, previous = 0, None
+    for name, (dtype, shape, (begin, end)) in sorted(tensors.items(), key=lambda item: item[1][2]):
+        where = f"tensor {describe(name)} data_offsets [{begin}, {end}]"
+        if begin < start:
+            raise _corrupt(path, f"{where} overlap tensor {describe(previous)}, which ends at {start}")
+        if begin > start:
+            raise _corrupt(path, f"{where} leave a gap of {begin - start:,} bytes after byte {start}")
+        if end < begin:
+            raise _corrupt(path, f"{where} end before they begin")
+        count = 1
+        for d in shape:
+            count *= d
+            if count > _U64:
+                raise _corrupt(path, f"tensor {describe(name)} shape has 2**64 elements or more")
+        bits = count * _BITS[dtype]
+        if bits > _U64:
+            raise _corrupt(path, f"tensor {describe(name)} of {count:,} {dtype} values is 2**64 bits or more")
+        if bits % 8:
+            raise _corrupt(path, f"tensor {describe(name)} of {count:,} {dtype} values is not whole bytes")
+        if end - begin != bits // 8:
+            raise _corrupt(path, f"{where} span {end - begin:,} bytes but shape {_kind(list(shape))} "
+                                 f"of {dtype} needs {bits // 8:,}")
+        start, previous = end, name
+    return start
 
 
 def _corrupt(path: Path, why: str) -> UpcyclerError:
-    return UpcyclerError(f"{path}: not a valid safetensors file ({why}); re-download or re-copy it")
+    """The error for a file that breaks the format: names the file, says why, says how to fix it."""
+    return UpcyclerError(f"{shown_path(path)}: not a valid safetensors file ({why}); "
+                         "re-download or re-copy it")
 
 
 def _pread_into(path: Path, offset: int, out: np.ndarray) -> np.ndarray:
+    """Fill `out` with the bytes at `offset` of `path`, which must still be a regular file."""
     view = memoryview(out.reshape(-1).view(np.uint8))
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path, "safetensors file")  # not os.open: the file may have been swapped since
     try:
         done = 0
         while done < len(view):
             got = os.preadv(fd, [view[done:]], offset + done)
             if got == 0:
-                raise UpcyclerError(f"{path}: file ended early while reading; re-download or re-copy this shard")
+                raise UpcyclerError(f"{shown_path(path)}: file ended early while reading; "
+                                    "re-download or re-copy this shard")
             done += got
+    except OSError as err:
+        raise UpcyclerError(f"{shown_path(path)}: cannot read ({err.strerror}); "
+                            "check the file and re-copy it if needed") from None
     finally:
         os.close(fd)
     return out
