@@ -1,8 +1,13 @@
 """Publishing an output directory to the Hugging Face Hub: check it, then upload it with a model card.
 
-- `validate_for_upload` proves a directory is complete before anything touches the network: `config.json`
-  parses, the shard index names only shards that are there, and every file the manifest `upcycler.json`
-  lists has the recorded size and sha256 (hashed in a stream).
+- `validate_for_upload` proves a directory is complete and safe to publish before anything touches the
+  network. Every file to upload must be a regular file inside the directory: a symlink whose target
+  leaves it (to `/etc/passwd`, to a sibling directory), a dangling symlink, a symlinked subdirectory,
+  a pipe, device or socket is refused, naming the entry. A symlink to a regular file that stays inside
+  the directory is uploaded with that file's bytes. Hidden entries (but `.gitattributes`) are skipped and
+  never read. Then `config.json` parses, the shard index names only shards that are there, and every file
+  the manifest `upcycler.json` lists has the recorded size and sha256 (hashed in a stream). The manifest
+  and the index are read through `upcycler.untrusted` (size-capped, nesting bounded).
 - `push` creates the repo (and branch), then uploads the checked files plus the model card of
   `upcycler.model_card` (only when the directory has no README.md) from a temporary staging directory of
   links, so the user's directory is never changed. Weight files of an earlier push that this one does not
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -25,11 +31,13 @@ from upcycler.io.checkpoint import MANIFEST
 from upcycler.io.hashing import sha256_file
 from upcycler.io.hf_read import INDEX, SINGLE, plain_member, read_json
 from upcycler.summary import human_bytes
+from upcycler.untrusted import describe, load_json_object, shown_path
 
 Echo = Callable[[str], None]
 
 CONFIG = "config.json"
 SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
+SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 STALE_WEIGHTS = [SINGLE, "model-*-of-*.safetensors", INDEX]
 REWRITE = "re-write the directory with upcycler"
 RETRY = "run the same command again: a retry resumes and skips files already uploaded"
@@ -42,9 +50,12 @@ def validate_for_upload(directory: str | os.PathLike[str], *, echo: Echo | None 
     """Check `directory` is a complete, uncorrupted upcycler output; return the files to upload (sorted)."""
     root = Path(directory)
     if not root.is_dir():
-        raise UpcyclerError(f"{root}: not a directory; pass the output directory upcycler wrote")
-    read_json(root / CONFIG, REWRITE)
+        raise UpcyclerError(f"{shown_path(root)}: not a directory; pass the output directory upcycler wrote")
     files = _list_files(root)
+    for name in (CONFIG, MANIFEST):
+        if name not in files:
+            raise UpcyclerError(f"{shown_path(root / name)}: missing; {REWRITE}")
+    read_json(root / CONFIG, REWRITE)
     manifest = read_manifest(root)
     _check_weights(root, files)
     _check_manifest_files(root, manifest, files, echo or (lambda _: None))
@@ -52,78 +63,137 @@ def validate_for_upload(directory: str | os.PathLike[str], *, echo: Echo | None 
 
 
 def read_manifest(root: Path) -> dict[str, Any]:
-    """The manifest `upcycler.json`, with its `files` table checked for shape."""
-    manifest = read_json(root / MANIFEST, REWRITE)
+    """The manifest `upcycler.json` (read bounded), with its `files` table checked for shape."""
+    path = root / MANIFEST
+    manifest = load_json_object(path, fix=REWRITE, what="manifest")
     if manifest.get("format") != 1:
-        raise UpcyclerError(f"{root / MANIFEST}: unknown format {manifest.get('format')!r}; upgrade upcycler")
+        raise UpcyclerError(f"{shown_path(path)}: unknown format {describe(manifest.get('format'))}; "
+                            "upgrade upcycler")
     files = manifest.get("files")
     ok = isinstance(files, dict) and all(
-        isinstance(e, dict) and isinstance(e.get("sha256"), str) and isinstance(e.get("bytes"), int)
+        isinstance(e, dict)
+        and isinstance(e.get("sha256"), str) and SHA256.fullmatch(e["sha256"]) is not None
+        and isinstance(e.get("bytes"), int) and not isinstance(e["bytes"], bool) and 0 <= e["bytes"] < 2**63
         for e in files.values()
     )
     if not ok:
-        raise UpcyclerError(f"{root / MANIFEST}: 'files' must map names to {{sha256, bytes}}; {REWRITE}")
+        raise UpcyclerError(f"{shown_path(path)}: 'files' must map names to {{sha256, bytes}}; {REWRITE}")
     return manifest
 
 
+def upload_source(root: Path, name: str) -> Path:
+    """The real path of the regular file `root/name`, which must not leave `root` through a symlink.
+
+    Refused, naming the entry: a symlink whose target is outside `root` or missing, a directory, and a
+    pipe, device or socket (checked with `stat`, never opened, so nothing blocks). A symlink that stays
+    inside `root` is allowed (its target's bytes are what gets uploaded).
+    """
+    path = root / name
+    top = Path(os.path.realpath(root))
+    real = Path(os.path.realpath(path))
+    copy = f"copy the file into {shown_path(root)}"
+    try:
+        mode = os.stat(real).st_mode
+    except FileNotFoundError:
+        if not path.is_symlink():
+            raise UpcyclerError(f"{shown_path(path)}: missing; {REWRITE}") from None
+        raise UpcyclerError(f"{shown_path(path)}: a symlink to {shown_path(real)}, which does not exist; "
+                            f"delete the link or {copy}") from None
+    except OSError as err:
+        raise UpcyclerError(f"{shown_path(path)}: cannot read ({err.strerror}); "
+                            "check its permissions") from None
+    if not real.is_relative_to(top):
+        raise UpcyclerError(f"{shown_path(path)}: a symlink to {shown_path(real)}, outside the directory; "
+                            f"only files inside it are uploaded: {copy}")
+    if stat.S_ISDIR(mode):
+        raise UpcyclerError(f"{shown_path(path)}: a directory where a file is expected; {REWRITE}")
+    if not stat.S_ISREG(mode):
+        raise UpcyclerError(f"{shown_path(path)}: not a regular file (a pipe, device or socket); "
+                            f"delete it or {copy}")
+    return real
+
+
 def _list_files(root: Path) -> list[str]:
-    """Every file under `root` as a POSIX relative path, skipping hidden ones (but not `.gitattributes`)."""
+    """Every file to upload under `root` as a POSIX relative path, each checked by `upload_source`.
+
+    Hidden entries are skipped (but not `.gitattributes`); a symlinked subdirectory is refused, wherever
+    it points (its files would otherwise be silently left out, or read from outside `root`).
+    """
+
+    def unlistable(err: OSError) -> None:
+        raise UpcyclerError(f"{shown_path(err.filename or root)}: cannot list ({err.strerror}); "
+                            "check its permissions")
+
     out = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unlistable):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in dirnames:
+            link = Path(dirpath, name)
+            if link.is_symlink():
+                raise UpcyclerError(
+                    f"{shown_path(link)}: a symlink to the directory {shown_path(os.path.realpath(link))}; "
+                    "only real directories are uploaded: replace the link with a copy of the directory"
+                )
         for name in filenames:
             if not name.startswith(".") or name == ".gitattributes":
-                out.append(Path(dirpath, name).relative_to(root).as_posix())
+                rel = Path(dirpath, name).relative_to(root).as_posix()
+                upload_source(root, rel)
+                out.append(rel)
     return sorted(out)
 
 
 def _check_weights(root: Path, files: list[str]) -> None:
     shards = [f for f in files if SHARD.fullmatch(f)]
     if INDEX in files and SINGLE in files:
-        raise UpcyclerError(
-            f"{root / SINGLE}: present next to {INDEX}, so loaders would pick one; delete the stale one"
-        )
+        raise UpcyclerError(f"{shown_path(root / SINGLE)}: present next to {INDEX}, so loaders would pick "
+                            "one; delete the stale one")
     if INDEX in files:
         _check_index(root, shards)
     elif shards:
-        raise UpcyclerError(f"{root / INDEX}: missing, but {shards[0]} is a shard; {REWRITE}")
+        raise UpcyclerError(f"{shown_path(root / INDEX)}: missing, but {shards[0]} is a shard; {REWRITE}")
     elif SINGLE not in files:
-        raise UpcyclerError(f"{root}: no {SINGLE} and no {INDEX}; push a directory written by upcycler")
+        raise UpcyclerError(f"{shown_path(root)}: no {SINGLE} and no {INDEX}; "
+                            "push a directory written by upcycler")
 
 
 def _check_index(root: Path, shards: list[str]) -> None:
-    weight_map = read_json(root / INDEX, REWRITE).get("weight_map")
+    weight_map = load_json_object(root / INDEX, fix=REWRITE, what="shard index").get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-        raise UpcyclerError(f"{root / INDEX}: no 'weight_map'; {REWRITE}")
-    named = sorted(set(weight_map.values()))
+        raise UpcyclerError(f"{shown_path(root / INDEX)}: no 'weight_map'; {REWRITE}")
+    named = sorted({plain_member(root, name, root / INDEX, REWRITE).name for name in weight_map.values()})
     for name in named:
-        if not plain_member(root, name, root / INDEX, REWRITE).is_file():
-            raise UpcyclerError(f"{root / name}: missing, but {INDEX} names it; copy it back or {REWRITE}")
+        if not (root / name).is_file():
+            raise UpcyclerError(f"{shown_path(root / name)}: missing, but {INDEX} names it; "
+                                f"copy it back or {REWRITE}")
     stray = sorted(set(shards) - set(named))
     if stray:
-        raise UpcyclerError(f"{root / stray[0]}: a shard {INDEX} does not name; delete it or {REWRITE}")
+        raise UpcyclerError(f"{shown_path(root / stray[0])}: a shard {INDEX} does not name; "
+                            f"delete it or {REWRITE}")
 
 
 def _check_manifest_files(root: Path, manifest: dict[str, Any], files: list[str], echo: Echo) -> None:
     entries: dict[str, dict[str, Any]] = manifest["files"]
     unlisted = [f for f in files if f.endswith(".safetensors") and f not in entries]
     if unlisted:
-        raise UpcyclerError(
-            f"{root / unlisted[0]}: not listed in {MANIFEST}, so it cannot be checked; {REWRITE}"
-        )
-    paths = {name: plain_member(root, name, root / MANIFEST, REWRITE) for name in sorted(entries)}
-    for name, path in paths.items():
-        if not path.is_file():
-            raise UpcyclerError(f"{path}: missing, but {MANIFEST} lists it; copy it back or {REWRITE}")
-        size, expected = path.stat().st_size, entries[name]["bytes"]
+        raise UpcyclerError(f"{shown_path(root / unlisted[0])}: not listed in {MANIFEST}, "
+                            f"so it cannot be checked; {REWRITE}")
+    real = {}
+    for name in sorted(entries):
+        path = plain_member(root, name, root / MANIFEST, REWRITE)
+        if not os.path.lexists(path):
+            raise UpcyclerError(f"{shown_path(path)}: missing, but {MANIFEST} lists it; "
+                                f"copy it back or {REWRITE}")
+        real[name] = upload_source(root, name)
+    for name, source in real.items():
+        size, expected = source.stat().st_size, entries[name]["bytes"]
         if size != expected:
-            raise UpcyclerError(
-                f"{path}: {size} bytes but {MANIFEST} records {expected} (truncated?); {REWRITE}"
-            )
-    for name, path in paths.items():
+            raise UpcyclerError(f"{shown_path(root / name)}: {size} bytes but {MANIFEST} records {expected} "
+                                f"(truncated?); {REWRITE}")
+    for name, source in real.items():
         echo(f"checking sha256 of {name} ({human_bytes(entries[name]['bytes'])})")
-        if sha256_file(path) != entries[name]["sha256"].lower():
-            raise UpcyclerError(f"{path}: sha256 differs from {MANIFEST} (corrupted or modified); {REWRITE}")
+        if sha256_file(source) != entries[name]["sha256"].lower():
+            raise UpcyclerError(f"{shown_path(root / name)}: sha256 differs from {MANIFEST} "
+                                f"(corrupted or modified); {REWRITE}")
 
 
 # --- push --------------------------------------------------------------------------------------------
@@ -152,7 +222,7 @@ def push(
     try:
         validate_repo_id(repo_id)
     except HFValidationError:
-        raise UpcyclerError(f"{repo_id!r}: not a Hub repo id; use NAMESPACE/NAME") from None
+        raise UpcyclerError(f"{describe(repo_id)}: not a Hub repo id; use NAMESPACE/NAME") from None
     files = validate_for_upload(root, echo=say)
     card = None if "README.md" in files else render_model_card(root, repo_id=repo_id)
     token = token or get_token()
@@ -180,7 +250,7 @@ def _staged(root: Path, files: list[str], card: str | None) -> Iterator[Path]:
         stage = Path(tmp)
         for name in files:
             (stage / name).parent.mkdir(parents=True, exist_ok=True)
-            (stage / name).symlink_to((root / name).resolve())
+            (stage / name).symlink_to(upload_source(root, name))  # checked again: nothing escapes
         if card is not None:
             (stage / "README.md").write_text(card, encoding="utf-8")
         yield stage

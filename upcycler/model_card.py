@@ -4,6 +4,11 @@ YAML front matter gives the licence (when every source agrees on one), the base 
 the tags; the Markdown body gives the lineage step by step, the architecture with total and active
 parameter counts, how function preservation was checked, how to load the model, and each file's size and
 sha256. A local source is named by its directory name only, never by its path.
+
+The manifest is untrusted input: it is read bounded (`upcycler.hub.read_manifest`), its spec is validated
+by `ModelSpec` before any parameter is counted, and a value of an unexpected type is rendered as is or
+skipped, never a crash. Looking up a source's licence (its README front matter or config.json, read
+size-capped through `upcycler.untrusted`) is best effort: an unreadable or hostile file gives no licence.
 """
 
 from __future__ import annotations
@@ -22,6 +27,11 @@ from upcycler.io.checkpoint import MANIFEST
 from upcycler.io.hf_read import read_json
 from upcycler.spec import ModelSpec
 from upcycler.summary import human_bytes, human_count
+from upcycler.untrusted import escape, parse_yaml, read_text, shown_path
+
+MAX_README_BYTES = 4 * 1024**2
+MAX_SOURCE = 4096  # characters of a source name that are treated as a path or repo id (PATH_MAX)
+_FRONT_MATTER = re.compile(r"\s*---[ \t]*\r?\n(.*?)\r?\n---[ \t]*(?:\r?\n|$)", re.S)
 
 
 def render_model_card(directory: str | os.PathLike[str], *, repo_id: str | None = None) -> str:
@@ -29,7 +39,8 @@ def render_model_card(directory: str | os.PathLike[str], *, repo_id: str | None 
     root = Path(directory)
     manifest = read_manifest(root)
     spec = _spec_of(root, manifest)
-    lineage = [e for e in manifest.get("lineage") or [] if isinstance(e, dict)]
+    raw_lineage = manifest.get("lineage")
+    lineage = [e for e in raw_lineage if isinstance(e, dict)] if isinstance(raw_lineage, list) else []
     licenses = _source_licenses(lineage, read_json(root / CONFIG, REWRITE))
     title = repo_id.split("/")[-1] if repo_id else root.resolve().name
     sections = [
@@ -46,11 +57,13 @@ def render_model_card(directory: str | os.PathLike[str], *, repo_id: str | None 
 
 
 def _spec_of(root: Path, manifest: dict[str, Any]) -> ModelSpec:
+    """The manifest's model spec, validated (types, ranges, size limits) by `ModelSpec` itself."""
     raw = manifest.get("spec")
     try:
         return ModelSpec.from_json(raw if isinstance(raw, str) else json.dumps(raw))
-    except (TypeError, ValueError, AttributeError) as err:
-        raise UpcyclerError(f"{root / MANIFEST}: 'spec' is not a model spec ({err}); {REWRITE}") from None
+    except (UpcyclerError, TypeError, ValueError, KeyError, AttributeError) as err:
+        raise UpcyclerError(f"{shown_path(root / MANIFEST)}: 'spec' is not a model spec "
+                            f"({escape(str(err))[:160]}); {REWRITE}") from None
 
 
 def _front_matter(spec: ModelSpec, lineage: list[dict], licenses: dict[str, str]) -> dict[str, Any]:
@@ -79,7 +92,8 @@ def _sources(lineage: list[dict]) -> list[str]:
 
 def _merge_inputs(entry: dict[str, Any]) -> list[tuple[str, Any]]:
     """(source, weight) of each input of a merge step; inputs are names or dicts, weights inline or a list."""
-    inputs = next((entry[k] for k in ("inputs", "sources", "models") if k in entry), None) or []
+    inputs = next((entry[k] for k in ("inputs", "sources", "models") if k in entry), None)
+    inputs = inputs if isinstance(inputs, list) else []
     weights = entry.get("weights") if isinstance(entry.get("weights"), list) else []
     out = []
     for i, item in enumerate(inputs):
@@ -95,12 +109,23 @@ def _merge_inputs(entry: dict[str, Any]) -> list[tuple[str, Any]]:
 
 def _hub_id(source: str) -> str | None:
     """The Hub repo of a source: a repo id, or a Hub cache snapshot `…/models--ORG--NAME/snapshots/REV`."""
+    if len(source) > MAX_SOURCE:
+        return None
     cached = re.search(r"models--([\w.-]+?)--([\w.-]+)/snapshots/[^/]+/?$", source)
     if cached:
         return f"{cached[1]}/{cached[2]}"
-    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", source) and not Path(source).exists():
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", source) and _local(source) is None:
         return source
     return None
+
+
+def _local(source: str) -> Path | None:
+    """`source` as an existing local path, else None (an odd string from a manifest never raises)."""
+    try:
+        path = Path(source)
+        return path if len(source) <= MAX_SOURCE and path.exists() else None
+    except (OSError, ValueError):
+        return None
 
 
 def _source_licenses(lineage: list[dict], config: dict[str, Any]) -> dict[str, str]:
@@ -116,27 +141,36 @@ def _source_licenses(lineage: list[dict], config: dict[str, Any]) -> dict[str, s
     return found
 
 
-def _license_of(source: str, revision: str | None) -> str | None:
+def _license_of(source: str, revision: Any) -> str | None:
     """The licence in a source's README front matter (local, or in the Hub cache), else in its config."""
     from huggingface_hub import try_to_load_from_cache
-    from huggingface_hub.repocard import metadata_load
 
-    local = Path(source)
-    readme: Any = local / "README.md"
-    if not local.is_dir() and _hub_id(source):
-        readme = try_to_load_from_cache(source, "README.md", revision=revision)
-    if isinstance(readme, (str, Path)) and Path(readme).is_file():
+    local = _local(source)
+    folder = local if local is not None and local.is_dir() else None
+    readme: Any = folder / "README.md" if folder else None
+    if folder is None and _hub_id(source):
         try:
-            found = (metadata_load(readme) or {}).get("license")
-        except (yaml.YAMLError, UnicodeDecodeError, ValueError):
+            readme = try_to_load_from_cache(source, "README.md",
+                                            revision=revision if isinstance(revision, str) else None)
+        except (ValueError, OSError):
+            readme = None
+    found = _readme_license(Path(readme)) if isinstance(readme, (str, Path)) else None
+    if not found and folder is not None:
+        try:
+            found = read_json(folder / CONFIG).get("license")
+        except UpcyclerError:
             found = None
-        if found:
-            return str(found)
-    try:
-        found = read_json(local / CONFIG).get("license")
-    except UpcyclerError:
-        found = None
     return str(found) if found else None
+
+
+def _readme_license(readme: Path) -> Any:
+    """The `license` of a README's YAML front matter; None when there is none or it cannot be read."""
+    try:
+        match = _FRONT_MATTER.match(read_text(readme, max_bytes=MAX_README_BYTES, what="README.md"))
+        meta = parse_yaml(match[1], shown_path(readme)) if match else None
+    except (UpcyclerError, yaml.YAMLError):  # best effort: a source's bad README is not our output's fault
+        return None
+    return meta.get("license") if isinstance(meta, dict) else None
 
 
 def _intro(lineage: list[dict]) -> str:
@@ -168,7 +202,8 @@ def _render_step(entry: dict[str, Any], licenses: dict[str, str]) -> str:
     if step == "transform":
         name = rest.pop("name", "?")
         config = rest.pop("config", None) or {}
-        return f"**Transform** `{name}`" + (f": {_kv(config)}" if config else "") + _extra(rest)
+        shown = _kv(config) if isinstance(config, dict) else json.dumps(config)
+        return f"**Transform** `{name}`" + (f": {shown}" if config else "") + _extra(rest)
     if step == "merge":
         return _render_merge(rest)
     if step == "train":
@@ -273,7 +308,8 @@ def _verification_section(verification: Any) -> str:
     diff, against = rest.pop("max_abs_logit_diff", None), rest.pop("against", None)
     parent = _source_link(str(against)) if against else "the parent"
     text = f"Logits were compared with those of {parent}"
-    text += f": max \\|Δlogits\\| = {diff:.3g}." if isinstance(diff, (int, float)) else "."
+    finite = isinstance(diff, (int, float)) and abs(diff) < 1e300
+    text += f": max \\|Δlogits\\| = {diff:.3g}." if finite else "."
     return "## Verification\n\n" + text + (f" Details: {_kv(rest)}." if rest else "")
 
 

@@ -140,8 +140,9 @@ class _BoundedLoader(yaml.SafeLoader):
 
 def parse_yaml(text: str, where: str, fix: str = "fix the file") -> Any:
     """The value of a YAML document, like `yaml.safe_load`, with aliases and nesting bounded."""
-    loader = _BoundedLoader(text)
+    loader = None
     try:
+        loader = _BoundedLoader(text)  # the reader already refuses some characters
         node = loader.get_single_node()
         if node is None:
             return None
@@ -158,7 +159,8 @@ def parse_yaml(text: str, where: str, fix: str = "fix the file") -> Any:
     except ValueError as err:  # e.g. an integer with too many digits
         raise UpcyclerError(f"{where}: not valid YAML ({escape(str(err))[:120]}); {fix}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     return value
 
 

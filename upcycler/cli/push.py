@@ -3,6 +3,11 @@
 The token comes from the usual places (`HF_TOKEN`, `hf auth login`); the endpoint from `--endpoint`
 (default: `HF_ENDPOINT`, else the Hub). The commit URL goes to stdout. Progress (ours and the Hub
 client's) goes to stderr only on a terminal, so a failure in a log is exactly one `error:` line.
+
+Only regular files inside DIR are uploaded: a symlink leaving DIR, a dangling symlink, a symlinked
+subdirectory, a pipe, device or socket is refused, naming the entry, before any request is made (copy the
+file into DIR instead). A symlink to a file inside DIR uploads that file's bytes; hidden entries are
+skipped (see `upcycler.hub`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,10 @@ def command(
     commit_message: str | None,
     endpoint: str | None,
 ) -> None:
-    """Verify DIR against its manifest and upload it to REPO_ID, with a model card if DIR has no README.md."""
+    """Verify DIR against its manifest and upload it to REPO_ID, with a model card if DIR has no README.md.
+
+    Only regular files inside DIR are uploaded; symlinks that leave DIR are refused.
+    """
     from huggingface_hub.utils import disable_progress_bars, logging
 
     from upcycler.hub import push

@@ -2,6 +2,9 @@
 
 Runs both with the JAX model on the same probe tokens (`upcycler.verify`) and prints max and mean
 |Δlogits| and KL(A‖B). Exit 0 when max |Δlogits| ≤ `--tolerance`, else exit 1 with a one-line verdict.
+Bad options (a NaN, infinite or negative tolerance, a probe beyond its limits) and a model with NaN/inf
+weights are errors: one `error:` line naming the option or the model, exit 2, before or instead of a
+verdict.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from upcycler.verify import compare, format_stats, verdict
+from upcycler.verify import MAX_BATCH, MAX_TOKENS, check_options, compare, format_stats, verdict
 
 
 @click.command("verify")
@@ -22,13 +25,17 @@ from upcycler.verify import compare, format_stats, verdict
     "--tolerance", type=float, default=1e-4, show_default=True, help="Largest |Δlogits| that passes."
 )
 @click.option(
-    "--tokens", type=click.IntRange(min=1), default=64, show_default=True, help="Probe sequence length."
+    "--tokens", type=int, default=64, show_default=True,
+    help=f"Probe sequence length (at most {MAX_TOKENS} and the models' max_position_embeddings).",
 )
-@click.option("--batch", type=click.IntRange(min=1), default=2, show_default=True, help="Probe sequences.")
+@click.option(
+    "--batch", type=int, default=2, show_default=True, help=f"Probe sequences (at most {MAX_BATCH})."
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the probe token ids.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
 def command(a: Path, b: Path, tolerance: float, tokens: int, batch: int, seed: int, as_json: bool) -> None:
     """Check that checkpoints A and B compute the same next-token logits (exit 1 when they do not)."""
+    check_options(tokens=tokens, batch=batch, seed=seed, tolerance=tolerance)
     stats = compare(a, b, tokens=tokens, batch=batch, seed=seed)
     passed, line = verdict(stats, tolerance)
     if as_json:
