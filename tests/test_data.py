@@ -141,7 +141,7 @@ def test_eos_comes_from_tokenizer_config_or_option(tmp_path: Path) -> None:
     "content, expected",
     [
         ('{"text": "w1"}\n{"body": "w2"}\n', r"bad\.jsonl:2: no field 'text'; pass --text-field"),
-        ('{"text": "w1"}\n{"text": \n', r"bad\.jsonl:2: not valid JSON"),
+        ('{"text": "w1"}\n{"text": \n', r"bad\.jsonl:2: unreadable JSON"),
         ('{"text": 3}\n', r"bad\.jsonl:1: field 'text' is int"),
     ],
 )

@@ -32,6 +32,7 @@ from upcycler.errors import UpcyclerError
 from upcycler.io.checkpoint import MANIFEST
 from upcycler.spec import ModelSpec
 from upcycler.train.params import ParamInfo, Params, declare_tree
+from upcycler.train.preflight import committed_steps
 
 ITEMS = ("params", "opt_state", "data", "meta")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
@@ -187,17 +188,6 @@ class RunCheckpoints:
                 if src.is_file():
                     shutil.copyfile(src, step_dir / name)
         write_manifest(step_dir, ModelSpec.from_json(json.dumps(meta["spec"])), meta["lineage"])
-
-
-def committed_steps(run_dir: Path) -> dict[int, Path]:
-    """Step number -> directory of every committed step under `run_dir` (Orbax renames a step into place)."""
-    if not run_dir.is_dir():
-        return {}
-    return {
-        int(p.name): p
-        for p in sorted(run_dir.iterdir(), key=lambda p: p.name)
-        if p.name.isdigit() and p.is_dir()
-    }
 
 
 def write_manifest(step_dir: Path, spec: ModelSpec, lineage: Sequence[Mapping[str, Any]]) -> None:

@@ -30,7 +30,11 @@ Schema (every section but `model` and `data` is optional; defaults shown):
     metrics: {peak_flops: null, expert_load_every: 1, progress: true}
 
 Everything here is checked without touching the disk or the devices (`load_config`); what needs them
-(files, tokenizer, device count) is checked by `upcycler.train.trainer.prepare` before anything runs.
+(files, tokenizer, device count) is checked by `upcycler.train.preflight.prepare` before anything runs.
+The file and every `--set` value are parsed by `upcycler.untrusted` (size-capped, aliases and nesting
+bounded); every value is checked for its exact type and range (an integer option takes no bool, float
+or string; a float option takes no NaN or infinity), so any document yields a `TrainConfig` or one
+`UpcyclerError` line naming the file and the option.
 """
 
 from __future__ import annotations
@@ -44,15 +48,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from upcycler.errors import UpcyclerError
-from upcycler.train.data_config import DataConfig
+from upcycler.train.data_config import MAX_STEP, DataConfig, key_names, path_value
+from upcycler.untrusted import describe, escape, integer, load_yaml, parse_yaml, real, shown_path
 
 SCHEDULE_KINDS = ("warmup", "constant", "cosine", "linear")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("einsum", "dot_product")
 MOE_IMPLS = ("dropless", "reference")
+MAX_DEVICES = 1 << 20
+_FIX = "fix the config (or the flag that sets it)"
 
 
 @dataclass(frozen=True)
@@ -143,21 +148,22 @@ class TrainConfig:
         """Build and check a config from parsed YAML; raises `UpcyclerError` with one line naming `origin`."""
         if not isinstance(raw, Mapping):
             raise UpcyclerError(
-                f"{origin}: the config must be a mapping of sections; see the documented schema"
+                f"{origin}: the config must be a mapping of sections, not {describe(raw)}; "
+                "see the documented schema"
             )
         raw = dict(raw)
         for key in ("run_dir", "steps", "model", "data"):
             if key not in raw:
                 raise UpcyclerError(f"{origin}: missing {key!r}; add it (or pass it as a flag)")
         data = DataConfig.from_dict(raw.pop("data"), f"{origin}: data")
-        optimizer = dict(_mapping(raw.pop("optimizer", {}), f"{origin}: optimizer"))
+        optimizer = dict(_mapping(raw.pop("optimizer", {}), origin, "optimizer"))
         schedule = optimizer.pop("schedule", []) or []
         if not isinstance(schedule, list):
             raise UpcyclerError(
                 f"{origin}: optimizer.schedule must be a list of {{kind, until_step, lr}} phases"
             )
         phases = tuple(
-            _build(SchedulePhase, p, f"{origin}: optimizer.schedule[{k}]") for k, p in enumerate(schedule)
+            _build(SchedulePhase, p, origin, f"optimizer.schedule[{k}]") for k, p in enumerate(schedule)
         )
         sections = {
             "model": ModelSection,
@@ -172,8 +178,8 @@ class TrainConfig:
         for name, kind in sections.items():
             section = optimizer if name == "optimizer" else raw.pop(name, {})
             extra = {"schedule": phases} if name == "optimizer" else {}
-            built[name] = _build(kind, section, f"{origin}: {name}", extra)
-        top = _build(_Top, raw, origin)
+            built[name] = _build(kind, section, origin, name, extra)
+        top = _build(_Top, raw, origin, "")
         config = cls(run_dir=top.run_dir, steps=top.steps, **built)
         check(config, origin)
         return config
@@ -186,9 +192,9 @@ class _Top:
 
 
 def check(config: TrainConfig, origin: str = "config") -> None:
-    """Raise `UpcyclerError` unless the config is consistent in itself (no files or devices consulted)."""
-    if config.steps < 1:
-        raise UpcyclerError(f"{origin}: steps must be at least 1, not {config.steps}")
+    """Raise `UpcyclerError` unless every value is in range and the config is consistent in itself
+    (no files or devices consulted)."""
+    integer(config.steps, "steps", origin, low=1, high=MAX_STEP, fix=_FIX)
     m = config.model
     _choice(m.compute_dtype, COMPUTE_DTYPES, f"{origin}: model.compute_dtype")
     _choice(m.attention, ATTENTION_IMPLS, f"{origin}: model.attention")
@@ -196,14 +202,16 @@ def check(config: TrainConfig, origin: str = "config") -> None:
     check_schedule(config.optimizer, origin)
     o = config.optimizer
     for name in ("eps", "weight_decay", "clip_norm"):
-        _non_negative(getattr(o, name), f"{origin}: optimizer.{name}")
+        real(getattr(o, name), f"optimizer.{name}", origin, low=0, fix=_FIX)
     for name in ("b1", "b2"):
-        if not 0 <= getattr(o, name) < 1:
-            raise UpcyclerError(f"{origin}: optimizer.{name} must be in [0, 1), not {getattr(o, name)}")
+        if real(getattr(o, name), f"optimizer.{name}", origin, low=0, high=1, fix=_FIX) == 1:
+            raise UpcyclerError(f"{origin}: optimizer.{name} must be below 1, not 1; {_FIX}")
     for name in ("lb_coef", "z_coef"):
-        _non_negative(getattr(config.loss, name), f"{origin}: loss.{name}")
+        real(getattr(config.loss, name), f"loss.{name}", origin, low=0, fix=_FIX)
     sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.expert]
-    if any(s == 0 or s < -1 for s in sizes) or sizes.count(-1) > 1:
+    for name, size in zip(("data", "fsdp", "expert"), sizes):
+        integer(size, f"mesh.{name}", origin, low=-1, high=MAX_DEVICES, fix=_FIX)
+    if any(s == 0 for s in sizes) or sizes.count(-1) > 1:
         raise UpcyclerError(
             f"{origin}: mesh sizes must be positive, with at most one -1 (all remaining devices)"
         )
@@ -213,90 +221,111 @@ def check(config: TrainConfig, origin: str = "config") -> None:
             f"{origin}: data.global_batch_size {config.data.global_batch_size} is not divisible by the mesh "
             f"(data × fsdp × expert = {known}); make it a multiple of {known}"
         )
-    d = config.distributed
-    if d.coordinator not in (None, "auto") and ":" not in d.coordinator:
-        raise UpcyclerError(f"{origin}: distributed.coordinator {d.coordinator!r} must be host:port or auto")
+    _check_distributed(config.distributed, origin)
     c = config.checkpoint
-    if c.every < 1 or c.keep < 1:
-        raise UpcyclerError(f"{origin}: checkpoint.every and checkpoint.keep must be at least 1")
-    if config.metrics.expert_load_every < 1:
-        raise UpcyclerError(f"{origin}: metrics.expert_load_every must be at least 1")
-    if config.metrics.peak_flops is not None and config.metrics.peak_flops <= 0:
+    integer(c.every, "checkpoint.every", origin, low=1, high=MAX_STEP, fix=_FIX)
+    integer(c.keep, "checkpoint.keep", origin, low=1, high=MAX_STEP, fix=_FIX)
+    integer(config.metrics.expert_load_every, "metrics.expert_load_every", origin, low=1, high=MAX_STEP,
+            fix=_FIX)
+    peak = config.metrics.peak_flops
+    if peak is not None and real(peak, "metrics.peak_flops", origin, low=0, fix=_FIX) == 0:
         raise UpcyclerError(f"{origin}: metrics.peak_flops must be positive (FLOP/s per device) or null")
+
+
+def _check_distributed(d: DistributedConfig, origin: str) -> None:
+    """`coordinator` is host:port or auto; process counts and ids are in range."""
+    coordinator = d.coordinator
+    if coordinator not in (None, "auto") and (not isinstance(coordinator, str) or ":" not in coordinator):
+        raise UpcyclerError(
+            f"{origin}: distributed.coordinator {describe(d.coordinator)} must be host:port or auto"
+        )
+    if d.num_processes is not None:
+        integer(d.num_processes, "distributed.num_processes", origin, low=1, high=MAX_DEVICES, fix=_FIX)
+    if d.process_id is not None:
+        last = d.num_processes - 1 if d.num_processes is not None else MAX_DEVICES
+        integer(d.process_id, "distributed.process_id", origin, low=0, high=last, fix=_FIX)
 
 
 def check_schedule(o: OptimizerConfig, origin: str) -> None:
     """Phase kinds known, `until_step` strictly increasing from 0, learning rates non-negative."""
-    _non_negative(o.lr, f"{origin}: optimizer.lr")
+    real(o.lr, "optimizer.lr", origin, low=0, fix=_FIX)
     previous = 0
     for k, phase in enumerate(o.schedule):
         where = f"{origin}: optimizer.schedule[{k}]"
         _choice(phase.kind, SCHEDULE_KINDS, f"{where}.kind")
-        if phase.until_step <= previous:
+        if isinstance(phase.until_step, bool) or not isinstance(phase.until_step, int) \
+                or not previous < phase.until_step <= MAX_STEP:
             raise UpcyclerError(
-                f"{where}.until_step is {phase.until_step}; "
-                f"phase steps must increase strictly from {previous}"
+                f"{where}.until_step is {describe(phase.until_step)}; "
+                f"phase steps must increase strictly from {previous} (at most {MAX_STEP:,})"
             )
         if phase.lr is not None:
-            _non_negative(phase.lr, f"{where}.lr")
+            real(phase.lr, f"optimizer.schedule[{k}].lr", origin, low=0, fix=_FIX)
         previous = phase.until_step
 
 
 def load_config(path: Path, overrides: Mapping[str, Any] = {}, sets: Sequence[str] = ()) -> TrainConfig:
     """Read YAML `path`, apply `sets` ("a.b=value", value parsed as YAML) then `overrides` (dotted keys)."""
-    try:
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except OSError as err:
-        raise UpcyclerError(f"{path}: cannot read the config ({err.strerror}); check --config") from None
-    except yaml.YAMLError as err:
-        raise UpcyclerError(f"{path}: not valid YAML ({str(err).splitlines()[0]}); fix the syntax") from None
+    raw = load_yaml(Path(path), what="training config", fix="fix the YAML of --config")
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
-        raise UpcyclerError(f"{path}: the config must be a mapping of sections; see the documented schema")
+        raise UpcyclerError(
+            f"{shown_path(path)}: the config must be a mapping of sections, not {describe(raw)}; "
+            "see the documented schema"
+        )
     for item in sets:
         key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise UpcyclerError(f"--set {item!r}: write it as section.key=value")
-        _assign(raw, key, yaml.safe_load(value))
+        if not sep or not all(key.split(".")):
+            raise UpcyclerError(f"--set {describe(item)}: write it as section.key=value")
+        _assign(raw, key, parse_yaml(value, f"--set {escape(key)}", "quote the value or fix its YAML"), path)
     for key, value in overrides.items():
         if value is not None:
-            _assign(raw, key, value)
-    return TrainConfig.from_dict(raw, str(path))
+            _assign(raw, key, value, path)
+    return TrainConfig.from_dict(raw, shown_path(path))
 
 
-def _assign(raw: dict, dotted: str, value: Any) -> None:
+def _assign(raw: dict, dotted: str, value: Any, path: Path) -> None:
     *parents, last = dotted.split(".")
     for key in parents:
         child = raw.setdefault(key, {})
         if not isinstance(child, dict):
-            raise UpcyclerError(f"cannot set {dotted}: {key} is not a section")
+            raise UpcyclerError(
+                f"{shown_path(path)}: cannot set {escape(dotted)}: {escape(key)} is {describe(child)}, "
+                "not a section; fix the config or the key"
+            )
         raw = child
     raw[last] = value
 
 
-def _build(cls: type, raw: Any, where: str, extra: Mapping[str, Any] = {}) -> Any:
-    """An instance of dataclass `cls` from a mapping, with each value's type checked against the field's."""
-    raw = _mapping(raw, where)
+def _build(cls: type, raw: Any, origin: str, section: str, extra: Mapping[str, Any] = {}) -> Any:
+    """An instance of dataclass `cls` from a mapping, with each value's type checked against the field's.
+
+    `section` is the dotted name of the mapping in the config ("" for the top level)."""
+    raw = _mapping(raw, origin, section)
+    where = f"{origin}: {section}" if section else origin
     hints = typing.get_type_hints(cls)
     fields = {f.metadata.get("key", f.name): f for f in dataclasses.fields(cls) if f.name not in extra}
-    unknown = sorted(set(map(str, raw)) - set(fields))
+    unknown = sorted(key_names(raw) - set(fields))
     if unknown:
-        raise UpcyclerError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(sorted(fields))}")
+        raise UpcyclerError(
+            f"{where}: unknown key {describe(unknown[0])}; allowed: {', '.join(sorted(fields))}"
+        )
     values = dict(extra)
     for key, f in fields.items():
         if key in raw:
-            values[f.name] = _coerce(raw[key], hints[f.name], f"{where}.{key}")
+            values[f.name] = _coerce(raw[key], hints[f.name], f"{section}.{key}" if section else key, origin)
         elif f.default is dataclasses.MISSING:
             raise UpcyclerError(f"{where}: missing {key!r}; add it")
     return cls(**values)
 
 
-def _coerce(value: Any, hint: Any, where: str) -> Any:
+def _coerce(value: Any, hint: Any, name: str, origin: str) -> Any:
+    """`value` as the field type `hint` (bool, int, float, str, Path, maybe None), else `UpcyclerError`."""
     options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     if value is None:
         if type(None) in options:
             return None
-        raise UpcyclerError(f"{where} must be set, not null")
+        raise UpcyclerError(f"{origin}: {name} must be set, not null; {_FIX}")
     if float in options and isinstance(value, str):
         value = _yaml_float(value)  # PyYAML reads 3e-4 (no dot) as a string
     for kind in options:
@@ -305,15 +334,16 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if kind is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                raise UpcyclerError(f"{where} is {value}; use a finite number")
-            return float(value)
+            return real(value, name, origin, fix=_FIX)
         if kind is str and isinstance(value, str):
             return value
         if kind is Path and isinstance(value, (str, Path)):
-            return Path(value)
-    names = " or ".join(getattr(k, "__name__", str(k)) for k in options if k is not type(None))
-    raise UpcyclerError(f"{where} is {value!r}; expected {names}")
+            return path_value(value, name, origin, "a file or directory")
+    names = " or ".join(_KINDS.get(k, str(k)) for k in options if k is not type(None))
+    raise UpcyclerError(f"{origin}: {name} must be {names}, not {describe(value)}; {_FIX}")
+
+
+_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "text", Path: "a path"}
 
 
 def _yaml_float(text: str) -> float | str:
@@ -323,22 +353,18 @@ def _yaml_float(text: str) -> float | str:
         return text
 
 
-def _mapping(raw: Any, where: str) -> Mapping:
+def _mapping(raw: Any, origin: str, section: str) -> Mapping:
     if raw is None:
         return {}
     if not isinstance(raw, Mapping):
-        raise UpcyclerError(f"{where} must be a mapping of keys to values")
+        what = f"{origin}: {section}" if section else origin
+        raise UpcyclerError(f"{what} must be a mapping of keys to values, not {describe(raw)}")
     return raw
 
 
 def _choice(value: str, allowed: Sequence[str], where: str) -> None:
     if value not in allowed:
-        raise UpcyclerError(f"{where} is {value!r}; use one of {', '.join(allowed)}")
-
-
-def _non_negative(value: float, where: str) -> None:
-    if value < 0:
-        raise UpcyclerError(f"{where} is {value}; it must not be negative")
+        raise UpcyclerError(f"{where} is {describe(value)}; use one of {', '.join(allowed)}")
 
 
 def _plain(value: Any) -> Any:

@@ -16,18 +16,33 @@ Schema (YAML, under `data:`):
 Phase k covers the steps from the previous phase's `until_step` (0 for the first) up to but excluding
 its own `until_step`. The last phase may omit `until_step`; either way it covers every later step.
 Weights are shares of training tokens and must sum to 1.
+
+Every value is checked for its exact type and range (`upcycler.untrusted.integer` / `real`: no bools
+as numbers, no NaN or infinity, no number beyond what the pipeline can index), and source names are
+plain file-name stems (they name files in `dir`), so a config from anywhere yields a usable
+`DataConfig` or one `UpcyclerError` line.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from upcycler.errors import UpcyclerError
+from upcycler.untrusted import describe, integer, real
 
 WEIGHT_TOLERANCE = 1e-6
+SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a file-name stem: no separators, no leading dot
+MAX_STEP = 2**31 - 1  # the trainer counts steps in int32
+MAX_SEQ_LEN = 1 << 22
+MAX_BATCH = 1 << 22
+MAX_TOKENS_PER_STEP = 1 << 34
+MAX_PREFETCH = 1024
+MAX_SEED = 2**63 - 1
+_FIX = "fix the data section"
 _KEYS = {"dir", "seq_len", "global_batch_size", "phases", "seed", "sources", "shuffle", "prefetch"}
 _PHASE_KEYS = {"weights", "until_step"}
 
@@ -65,15 +80,18 @@ class DataConfig:
 
     def check(self, process_count: int = 1, origin: str = "data config") -> None:
         """Raise `UpcyclerError` naming `origin` and the fix unless the config is usable as it stands."""
-        _positive(self.seq_len, "seq_len", origin)
-        _positive(self.global_batch_size, "global_batch_size", origin)
-        _positive(process_count, "process_count", origin)
-        if not _is_int(self.seed) or self.seed < 0:
-            raise UpcyclerError(f"{origin}: seed must be a non-negative integer, not {self.seed!r}")
+        integer(self.seq_len, "seq_len", origin, low=1, high=MAX_SEQ_LEN, fix=_FIX)
+        integer(self.global_batch_size, "global_batch_size", origin, low=1, high=MAX_BATCH, fix=_FIX)
+        integer(process_count, "process_count", origin, low=1, fix="start at least one process")
+        integer(self.seed, "seed", origin, low=0, high=MAX_SEED, fix=_FIX)
+        integer(self.prefetch, "prefetch", origin, low=0, high=MAX_PREFETCH, fix=_FIX)
         if not isinstance(self.shuffle, bool):
-            raise UpcyclerError(f"{origin}: shuffle must be true or false, not {self.shuffle!r}")
-        if not _is_int(self.prefetch) or self.prefetch < 0:
-            raise UpcyclerError(f"{origin}: prefetch must be a non-negative integer, not {self.prefetch!r}")
+            raise UpcyclerError(f"{origin}: shuffle must be true or false, not {describe(self.shuffle)}")
+        if self.seq_len * self.global_batch_size > MAX_TOKENS_PER_STEP:
+            raise UpcyclerError(
+                f"{origin}: global_batch_size × seq_len is {self.seq_len * self.global_batch_size:,} tokens "
+                f"per step, more than {MAX_TOKENS_PER_STEP:,}; lower one of them"
+            )
         if self.global_batch_size % process_count:
             raise UpcyclerError(
                 f"{origin}: global_batch_size {self.global_batch_size} is not divisible by the "
@@ -83,6 +101,12 @@ class DataConfig:
             raise UpcyclerError(f"{origin}: sources lists a name twice; list each source once")
         if not self.phases:
             raise UpcyclerError(f"{origin}: phases is empty; give at least one phase with weights")
+        for name in self.source_names:
+            if not isinstance(name, str) or not SOURCE_NAME.fullmatch(name):
+                raise UpcyclerError(
+                    f"{origin}: source name {describe(name)} is not a name like web or code_v2 "
+                    "(letters, digits, _ . -); use the NAME given to prepare-data"
+                )
         previous = 0
         for k, phase in enumerate(self.phases):
             where = f"{origin}: phases[{k}]"
@@ -90,21 +114,16 @@ class DataConfig:
             previous = _check_until(phase.until_step, previous, k == len(self.phases) - 1, where)
 
     def _check_weights(self, weights: Mapping[str, float], where: str) -> None:
-        if not weights:
+        if not isinstance(weights, Mapping) or not weights:
             raise UpcyclerError(f"{where}.weights is empty; give each source's token share")
         known = set(self.source_names)
         for name, weight in weights.items():
             if name not in known:
                 raise UpcyclerError(
-                    f"{where}.weights: unknown source {name!r}; use one of {', '.join(self.source_names)}"
+                    f"{where}.weights: unknown source {describe(name)}; use one of "
+                    f"{', '.join(self.source_names)}"
                 )
-            if (
-                isinstance(weight, bool)
-                or not isinstance(weight, (int, float))
-                or not math.isfinite(weight)
-                or weight < 0
-            ):
-                raise UpcyclerError(f"{where}.weights.{name} is {weight!r}; weights are non-negative numbers")
+            real(weight, f"weights.{name}", where, low=0, fix="weights are non-negative token shares")
         total = math.fsum(weights.values())
         if abs(total - 1.0) > WEIGHT_TOLERANCE:
             raise UpcyclerError(f"{where}.weights sum to {total:.6g}, not 1; rescale them to sum to 1")
@@ -127,7 +146,7 @@ class DataConfig:
         ):
             raise UpcyclerError(f"{origin}: sources must be a list of source names")
         config = cls(
-            dir=Path(raw["dir"]),
+            dir=path_value(raw["dir"], "dir", origin, "the directory prepare-data wrote"),
             seq_len=raw["seq_len"],
             global_batch_size=raw["global_batch_size"],
             phases=tuple(_phase(p, f"{origin}: phases[{k}]") for k, p in enumerate(phases)),
@@ -138,6 +157,19 @@ class DataConfig:
         )
         config.check(origin=origin)
         return config
+
+
+def path_value(value: object, name: str, origin: str, what: str) -> Path:
+    """`value` as a Path if it is a usable path string (not empty, no NUL byte); `UpcyclerError` otherwise."""
+    text = str(value) if isinstance(value, PurePath) else value
+    if not isinstance(text, str) or not text or "\0" in text:
+        raise UpcyclerError(f"{origin}: {name} must be a path ({what}), not {describe(value)}")
+    return Path(text)
+
+
+def key_names(raw: Mapping) -> set[str]:
+    """The keys of a parsed mapping as text, for comparing with the known keys (any key type is safe)."""
+    return {k if isinstance(k, str) else describe(k) for k in raw}
 
 
 def _phase(raw: object, where: str) -> Phase:
@@ -156,22 +188,20 @@ def _check_until(until: object, previous: int, last: bool, where: str) -> int:
         if not last:
             raise UpcyclerError(f"{where}: only the last phase may omit until_step; add it")
         return previous
-    if not _is_int(until) or until <= previous:
+    if not _is_int(until) or not previous < until <= MAX_STEP:
         raise UpcyclerError(
-            f"{where}.until_step is {until!r}; phase steps must be integers increasing strictly from {previous}"
+            f"{where}.until_step is {describe(until)}; phase steps must be integers increasing strictly "
+            f"from {previous} (at most {MAX_STEP:,})"
         )
     return until
 
 
 def _no_unknown_keys(raw: Mapping, allowed: set[str], where: str) -> None:
-    unknown = sorted(set(map(str, raw)) - allowed)
+    unknown = sorted(key_names(raw) - allowed)
     if unknown:
-        raise UpcyclerError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}")
-
-
-def _positive(value: object, name: str, origin: str) -> None:
-    if not _is_int(value) or value < 1:
-        raise UpcyclerError(f"{origin}: {name} must be a positive integer, not {value!r}")
+        raise UpcyclerError(
+            f"{where}: unknown key {describe(unknown[0])}; allowed: {', '.join(sorted(allowed))}"
+        )
 
 
 def _is_int(value: object) -> bool:

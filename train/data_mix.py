@@ -27,7 +27,7 @@ import grain
 import numpy as np
 
 from upcycler.errors import UpcyclerError
-from upcycler.train.data_config import DataConfig, Phase
+from upcycler.train.data_config import MAX_STEP, DataConfig, Phase
 from upcycler.train.data_sources import (
     ExampleStream,
     TokenSource,
@@ -36,6 +36,7 @@ from upcycler.train.data_sources import (
     open_source,
     stable_permutation,
 )
+from upcycler.untrusted import describe, integer, shown_path
 
 PATTERN_PERIOD = 10_000
 STATE_VERSION = 1
@@ -201,15 +202,17 @@ class DataIterator(grain.DatasetIterator):
         return {"version": STATE_VERSION, "step": self._step, **self._identity}
 
     def set_state(self, state: Mapping[str, int]) -> None:
+        if not isinstance(state, Mapping):
+            raise UpcyclerError(f"data iterator state is {describe(state)}; expected a mapping")
         saved = {k: state.get(k) for k in self._identity}
         if state.get("version") != STATE_VERSION or saved != self._identity:
+            shown = {k: describe(v) for k, v in saved.items()}
             raise UpcyclerError(
-                f"data iterator state {dict(state)} was saved with other settings than {self._identity}; "
+                f"data iterator state {shown} was saved with other settings than {self._identity}; "
                 "resume with the same data seed, seq_len and global_batch_size"
             )
-        step = state.get("step")
-        if not isinstance(step, int) or step < 0:
-            raise UpcyclerError(f"data iterator state has step {step!r}; expected a non-negative integer")
+        step = integer(state.get("step"), "step", "data iterator state", low=0, high=MAX_STEP,
+                       fix="resume from an intact checkpoint")
         self._restart(step)
 
     def start_prefetch(self) -> None:
@@ -258,13 +261,13 @@ def _check_compatible(sources: Sequence[TokenSource], config: DataConfig) -> Non
     for source in sources:
         if source.tokens.shape[0] < config.seq_len + 1:
             raise UpcyclerError(
-                f"{config.dir / source.meta['tokens_file']}: source {source.name!r} has {source.tokens.shape[0]} "
+                f"{shown_path(source.path)}: source {source.name!r} has {source.tokens.shape[0]} "
                 f"tokens, fewer than seq_len + 1 = {config.seq_len + 1}; add text to it or lower seq_len"
             )
     first = sources[0]
     for source in sources[1:]:
         if source.tokenizer_sha256 != first.tokenizer_sha256:
             raise UpcyclerError(
-                f"{config.dir / source.meta['tokens_file']}: tokenised with another tokenizer than "
+                f"{shown_path(source.path)}: tokenised with another tokenizer than "
                 f"{first.name!r}; prepare every source with the checkpoint's tokenizer"
             )

@@ -6,17 +6,16 @@ A prepared directory holds, per named source:
 - `NAME.meta.json`: token and document counts, vocab size, EOS id, the tokenizer's sha256 and every
   input file with its size and sha256.
 Documents are tokenised in small batches and appended to a temporary file, so memory stays bounded by
-one batch whatever the corpus size. The token file is renamed into place when complete and the metadata
-is written last, so a source is complete exactly when its metadata exists.
+one batch whatever the corpus size. Everything is written into a hidden staging directory and moved
+into OUT only when every source is complete (`upcycler.train.outputs`), metadata last, so a source is
+complete exactly when its metadata exists, and a failed run (a bad line, a full disk, an interrupt)
+changes nothing in OUT. An input file is never an output: one that would be overwritten is refused.
 """
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import json
 import os
-import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Self
@@ -24,14 +23,16 @@ from typing import Self
 import numpy as np
 
 from upcycler.errors import UpcyclerError
-from upcycler.train.data_readers import detect_format, read_documents
+from upcycler.train.data_config import SOURCE_NAME
+from upcycler.train.data_readers import detect_format, expand_pattern, read_documents
 from upcycler.train.data_tokenizer import TokenizerInfo, sha256_file
+from upcycler.train.outputs import staged_files
+from upcycler.untrusted import describe, shown_path
 
 FORMAT_VERSION = 1
 TOKENS_SUFFIX = ".tokens.npy"
 META_SUFFIX = ".meta.json"
 NPY_HEADER_BYTES = 128
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _BATCH_DOCS = 256
 _BATCH_CHARS = 4 << 20
 
@@ -46,14 +47,15 @@ def parse_sources(specs: Iterable[str]) -> dict[str, list[Path]]:
     sources: dict[str, list[Path]] = {}
     for spec in specs:
         name, sep, pattern = spec.partition("=")
-        if not sep or not _NAME.fullmatch(name) or not pattern:
+        if not sep or not SOURCE_NAME.fullmatch(name) or not pattern:
             raise UpcyclerError(
-                f"--source {spec!r}: expected NAME=GLOB_OR_FILE with NAME like web or code_v2"
+                f"--source {describe(spec)}: expected NAME=GLOB_OR_FILE with NAME like web or code_v2"
             )
-        matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True))
-        files = [p for p in matches if p.is_file()]
+        files = expand_pattern(pattern)
         if not files:
-            raise UpcyclerError(f"{pattern}: matches no file; fix the --source {name}=... path or glob")
+            raise UpcyclerError(
+                f"{shown_path(pattern)}: matches no file; fix the --source {name}=... path or glob"
+            )
         known = sources.setdefault(name, [])
         for file in files:
             if file not in known:
@@ -77,26 +79,32 @@ def prepare_sources(
     a bad argument fails in seconds, not after an hour of tokenising.
     """
     formats = {name: [(f, fmt or detect_format(f)) for f in files] for name, files in sources.items()}
+    outputs = {out_dir / f"{name}{suffix}" for name in sources for suffix in (TOKENS_SUFFIX, META_SUFFIX)}
     for name in sources:
         existing = [
             p for p in (out_dir / f"{name}{TOKENS_SUFFIX}", out_dir / f"{name}{META_SUFFIX}") if p.exists()
         ]
         if existing and not overwrite:
-            raise UpcyclerError(f"{existing[0]}: already exists; choose another --out or pass --overwrite")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UpcyclerError(f"{out_dir}: exists and is not a directory; choose another --out")
-    created = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
+            raise UpcyclerError(
+                f"{shown_path(existing[0])}: already exists; choose another --out or pass --overwrite"
+            )
+    _refuse_inputs_as_outputs(outputs, [f for files in sources.values() for f in files])
+    with staged_files(out_dir, "--out", is_marker=lambda n: n.endswith(META_SUFFIX)) as stage:
         return [
-            _prepare_source(name, files, out_dir, tokenizer, text_field=text_field, text_unit=text_unit)
+            _prepare_source(name, files, stage, tokenizer, text_field=text_field, text_unit=text_unit)
             for name, files in formats.items()
         ]
-    except BaseException:
-        if created:
-            with contextlib.suppress(OSError):
-                out_dir.rmdir()
-        raise
+
+
+def _refuse_inputs_as_outputs(outputs: Iterable[Path], inputs: Iterable[Path]) -> None:
+    """An input that is (after resolving symlinks) one of the files about to be written is refused."""
+    written = {os.path.realpath(p): p for p in outputs}
+    for path in inputs:
+        if os.path.realpath(path) in written:
+            raise UpcyclerError(
+                f"{shown_path(path)}: is an input and would be overwritten by "
+                f"{shown_path(written[os.path.realpath(path)])}; choose another --out"
+            )
 
 
 def _prepare_source(
@@ -109,7 +117,6 @@ def _prepare_source(
     text_unit: str,
 ) -> dict:
     """Tokenise one source's files into `NAME.tokens.npy`, then write `NAME.meta.json`."""
-    (out_dir / f"{name}{META_SUFFIX}").unlink(missing_ok=True)
     dtype = token_dtype(tok.vocab_size)
     num_docs = 0
     with _TokenFile(out_dir / f"{name}{TOKENS_SUFFIX}", dtype) as out:
@@ -120,7 +127,7 @@ def _prepare_source(
                 num_docs += count
         if out.count == 0:
             raise UpcyclerError(
-                f"{files[0][0]}: source {name!r} has no text; check --format and --text-field"
+                f"{shown_path(files[0][0])}: source {name!r} has no text; check --format and --text-field"
             )
     meta = {
         "format_version": FORMAT_VERSION,
@@ -135,7 +142,7 @@ def _prepare_source(
         "input": _input_settings({fmt for _, fmt in files}, text_field, text_unit),
         "files": [{"path": str(p), "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p, _ in files],
     }
-    _write_json_atomic(out_dir / f"{name}{META_SUFFIX}", meta)
+    _write_json(out_dir / f"{name}{META_SUFFIX}", meta)
     return meta
 
 
@@ -183,32 +190,28 @@ def npy_header(dtype: np.dtype, count: int) -> bytes:
 
 
 class _TokenFile:
-    """A 1-D `.npy` file built by appending, under a temporary name renamed into place only on success."""
+    """A 1-D `.npy` file built by appending; its header is rewritten with the final count on success."""
 
     def __init__(self, path: Path, dtype: np.dtype):
         self.path = path
         self.dtype = dtype
         self.count = 0
-        self._tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
     def __enter__(self) -> Self:
-        self._file = self._guard(lambda: open(self._tmp, "wb"))  # noqa: SIM115 - closed in __exit__
-        self._guard(lambda: self._file.write(npy_header(self.dtype, 0)))
+        self._file = _guard(self.path, lambda: open(self.path, "wb"))  # noqa: SIM115 - closed in __exit__
+        _guard(self.path, lambda: self._file.write(npy_header(self.dtype, 0)))
         return self
 
     def append(self, ids: np.ndarray) -> None:
-        self._guard(lambda: self._file.write(ids.astype(self.dtype).tobytes()))
+        _guard(self.path, lambda: self._file.write(ids.astype(self.dtype).tobytes()))
         self.count += ids.size
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if exc_type is None:
-                self._guard(self._finish)
-                self._file.close()
-                self._guard(lambda: os.replace(self._tmp, self.path))
+                _guard(self.path, self._finish)
         finally:
             self._file.close()
-            self._tmp.unlink(missing_ok=True)
 
     def _finish(self) -> None:
         self._file.seek(0)
@@ -216,23 +219,16 @@ class _TokenFile:
         self._file.flush()
         os.fsync(self._file.fileno())
 
-    def _guard(self, action):
-        try:
-            return action()
-        except OSError as err:
-            raise UpcyclerError(
-                f"{self._tmp}: cannot write ({err.strerror}); free disk space or choose another --out"
-            ) from None
+
+def _write_json(path: Path, value: dict) -> None:
+    _guard(path, lambda: path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8"))
 
 
-def _write_json_atomic(path: Path, value: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+def _guard(path: Path, action):
+    """Run `action`, turning a failed write (a full disk, say) into one line naming the output."""
     try:
-        tmp.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        return action()
     except OSError as err:
         raise UpcyclerError(
-            f"{path}: cannot write ({err.strerror}); free disk space or choose another --out"
+            f"{path.name}: cannot write ({err.strerror}); free disk space or choose another --out"
         ) from None
-    finally:
-        tmp.unlink(missing_ok=True)

@@ -7,32 +7,50 @@ of L, the last example of the epoch is shorter and padded; `mask` is 0 on the pa
 
 The example order is reshuffled every epoch from a seed derived from (seed, source name, epoch), so the
 example at any position of the stream is a pure function of those and of the position.
+
+A prepared directory is untrusted input: the metadata is read with the bounded JSON reader and every
+field used is type- and range-checked; the token file must be a regular file starting with exactly the
+`.npy` header prepare-data writes for that dtype and count, and be exactly as long as it says. It is
+then memory-mapped read-only at a known offset (never `np.load`: no pickles, no `.npz`, no other dtypes).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import grain
 import numpy as np
 
 from upcycler.errors import UpcyclerError
-from upcycler.train.data_prepare import FORMAT_VERSION, META_SUFFIX, TOKENS_SUFFIX
+from upcycler.train.data_prepare import (
+    FORMAT_VERSION,
+    META_SUFFIX,
+    NPY_HEADER_BYTES,
+    TOKENS_SUFFIX,
+    npy_header,
+)
+from upcycler.untrusted import describe, integer, load_json_object, open_regular, shown_path
+
+if TYPE_CHECKING:
+    import grain
 
 MATERIALISE_BELOW = 1 << 20
+TOKEN_DTYPES = ("uint16", "uint32")
+_FIX = "re-run upcycle prepare-data"
 
 
 @dataclass(frozen=True)
 class TokenSource:
-    """A prepared source: its memory-mapped token stream and its metadata."""
+    """A prepared source: its memory-mapped token stream, its metadata and the token file's path."""
 
     name: str
     tokens: np.ndarray
     meta: dict
+    path: Path | None = None
 
     @property
     def tokenizer_sha256(self) -> str:
@@ -42,31 +60,65 @@ class TokenSource:
 def open_source(directory: Path, name: str) -> TokenSource:
     """Memory-map `directory/NAME.tokens.npy`, checked against `NAME.meta.json`."""
     meta_path = directory / f"{name}{META_SUFFIX}"
-    if not meta_path.is_file():
+    tokens_path = directory / f"{name}{TOKENS_SUFFIX}"
+    if not os.path.lexists(meta_path):
         found = sorted(p.name[: -len(META_SUFFIX)] for p in directory.glob(f"*{META_SUFFIX}"))
         raise UpcyclerError(
-            f"{meta_path}: no prepared source {name!r} (found: {', '.join(found) or 'none'}); "
-            f"run `upcycle prepare-data --source {name}=FILES --out {directory}`"
+            f"{shown_path(meta_path)}: no prepared source {name!r} (found: {', '.join(found) or 'none'}); "
+            f"run `upcycle prepare-data --source {name}=FILES --out {shown_path(directory)}`"
         )
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        if meta["format_version"] != FORMAT_VERSION:
-            raise ValueError(f"format_version {meta['format_version']}")
-        tokens = np.load(directory / f"{name}{TOKENS_SUFFIX}", mmap_mode="r")
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    meta = load_json_object(meta_path, fix=_FIX, what="prepared-source metadata")
+    dtype, count = _check_meta(meta, shown_path(meta_path))
+    return TokenSource(name, _map_tokens(tokens_path, meta_path, dtype, count), meta, tokens_path)
+
+
+def _check_meta(meta: dict, where: str) -> tuple[np.dtype, int]:
+    """The token dtype and count `meta` promises, after checking every field the pipeline uses."""
+    version = meta.get("format_version")
+    if isinstance(version, bool) or version != FORMAT_VERSION:
         raise UpcyclerError(
-            f"{meta_path}: unreadable prepared source ({err}); re-run upcycle prepare-data"
-        ) from None
-    if (
-        tokens.ndim != 1
-        or tokens.shape[0] != meta.get("num_tokens")
-        or tokens.dtype.name != meta.get("dtype")
-    ):
-        raise UpcyclerError(
-            f"{directory / f'{name}{TOKENS_SUFFIX}'}: does not match {meta_path.name} (truncated or replaced); "
-            "re-run upcycle prepare-data"
+            f"{where}: unreadable prepared source (format_version {describe(version)}, "
+            f"expected {FORMAT_VERSION}); {_FIX}"
         )
-    return TokenSource(name, tokens, meta)
+    if meta.get("dtype") not in TOKEN_DTYPES:
+        raise UpcyclerError(
+            f"{where}: unreadable prepared source (dtype {describe(meta.get('dtype'))}, expected one of "
+            f"{', '.join(TOKEN_DTYPES)}); {_FIX}"
+        )
+    dtype = np.dtype(meta["dtype"])
+    count = integer(meta.get("num_tokens"), "num_tokens", where, low=1, high=1 << 48, fix=_FIX)
+    most = int(np.iinfo(dtype).max) + 1
+    vocab = integer(meta.get("vocab_size"), "vocab_size", where, low=1, high=most, fix=_FIX)
+    integer(meta.get("eos_id"), "eos_id", where, low=0, high=vocab - 1, fix=_FIX)
+    tokenizer = meta.get("tokenizer")
+    if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("sha256"), str):
+        raise UpcyclerError(f"{where}: unreadable prepared source (no tokenizer sha256); {_FIX}")
+    return dtype, count
+
+
+def _map_tokens(path: Path, meta_path: Path, dtype: np.dtype, count: int) -> np.ndarray:
+    """The `count` tokens of `path`, memory-mapped read-only, if it is exactly what prepare-data wrote."""
+    with os.fdopen(open_regular(path, "token file"), "rb") as f:
+        try:
+            header = f.read(NPY_HEADER_BYTES)
+            size = os.fstat(f.fileno()).st_size
+        except OSError as err:
+            raise UpcyclerError(f"{shown_path(path)}: cannot read ({err.strerror}); {_FIX}") from None
+        if header != npy_header(dtype, count):
+            raise UpcyclerError(
+                f"{shown_path(path)}: does not match {meta_path.name} (not the {dtype.name} array of {count} "
+                f"tokens it describes: replaced or corrupt); {_FIX}"
+            )
+        expected = NPY_HEADER_BYTES + count * dtype.itemsize
+        if size != expected:
+            raise UpcyclerError(
+                f"{shown_path(meta_path)}: unreadable prepared source ({path.name} holds {size:,} bytes, "
+                f"expected {expected:,}: truncated or extended); {_FIX}"
+            )
+        try:
+            return np.memmap(f, dtype=dtype, mode="r", offset=NPY_HEADER_BYTES, shape=(count,))
+        except (OSError, ValueError) as err:
+            raise UpcyclerError(f"{shown_path(path)}: cannot map it ({err}); {_FIX}") from None
 
 
 class Windows:
@@ -168,6 +220,8 @@ class ExampleStream:
                 if self.epoch_size < self.materialise_below:
                     order = stable_permutation(self.epoch_size, seed).astype(np.int32)
                 else:
+                    import grain  # imported when first needed: opening a source stays light
+
                     order = grain.MapDataset.range(self.epoch_size).shuffle(seed=seed)
                 kept = {k: v for k, v in self._orders.items() if k == epoch - 1}
                 self._orders = {**kept, epoch: order}

@@ -16,13 +16,20 @@
                     `metrics.expert_load_every` steps); sums to 1 per layer
 
 A resumed run first drops the lines of steps at or after its start step (they were not checkpointed), so
-the log always describes one uninterrupted trajectory.
+the log always describes one uninterrupted trajectory. A value that is not finite is written as null.
+
+Reading (`read_metrics`, for `upcycle report` and resuming) treats the log as untrusted: every line goes
+through the bounded JSON parser and `parse_metrics_line` checks each known field's type (numbers are
+finite, `expert_load` is a rectangle of the same shape on every line); unknown fields are kept as they
+are. A torn final line (no line break: a run killed mid-write) is ignored; any other bad line is an
+`UpcyclerError` naming the file and the line.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -30,10 +37,16 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from upcycler.errors import UpcyclerError
 from upcycler.layout import declare_params
 from upcycler.spec import ModelSpec
+from upcycler.untrusted import MAX_JSON_BYTES, describe, integer, open_regular, parse_json, real, shown_path
 
 METRICS_FILE = "metrics.jsonl"
+NUMBER_FIELDS = (
+    "loss", "lb_loss", "z_loss", "total_loss", "grad_norm", "lr", "tokens", "step_time", "tokens_per_s", "mfu"
+)
+_FIX = "fix or delete that line"
 
 
 def matmul_params(spec: ModelSpec) -> int:
@@ -64,13 +77,18 @@ class MetricsLog:
         self.enabled = enabled
         self._file: TextIO | None = None
         if enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            _truncate_from(self.path, start_step)
-            self._file = open(self.path, "a", encoding="utf-8")
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                _truncate_from(self.path, start_step)
+                self._file = open(self.path, "a", encoding="utf-8")
+            except OSError as err:
+                raise UpcyclerError(
+                    f"{shown_path(self.path)}: cannot write ({err.strerror}); choose a writable run_dir"
+                ) from None
 
     def write(self, record: Mapping[str, Any]) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(record, allow_nan=True) + "\n")
+            self._file.write(json.dumps(_finite(record), allow_nan=False) + "\n")
             self._file.flush()
 
     def close(self) -> None:
@@ -118,23 +136,105 @@ def step_record(
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """Every record of RUN_DIR/metrics.jsonl, in file order (a torn last line is skipped)."""
+    """Every record of RUN_DIR/metrics.jsonl, in file order, each checked by `parse_metrics_line`.
+
+    A torn last line (no final line break, not parseable) is skipped; any other bad line raises."""
     path = Path(run_dir) / METRICS_FILE
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    records: list[dict[str, Any]] = []
+    load_shape: tuple[tuple[int, int], int] | None = None  # (shape, line of its first appearance)
+    with os.fdopen(open_regular(path, "metrics log"), "rb") as f:
+        lineno = 0
+        while line := _read_line(f, path):
+            lineno += 1
+            where = f"{shown_path(path)}:{lineno}"
+            try:
+                record = parse_metrics_line(line, where)
+            except UpcyclerError:
+                if not line.endswith(b"\n"):
+                    break  # only the last line can lack a line break: torn by a run killed mid-write
+                raise
+            if record is None:
+                continue
+            if "expert_load" in record:
+                shape = np.shape(record["expert_load"])
+                if load_shape is None:
+                    load_shape = (shape, lineno)
+                elif shape != load_shape[0]:
+                    raise UpcyclerError(
+                        f"{where}: expert_load is {shape[0]}×{shape[1]}, but line {load_shape[1]} has "
+                        f"{load_shape[0][0]}×{load_shape[0][1]} (layers × experts); {_FIX}"
+                    )
+            records.append(record)
     return records
 
 
+def _read_line(f: Any, path: Path) -> bytes:
+    try:
+        line = f.readline(MAX_JSON_BYTES + 1)
+    except OSError as err:
+        raise UpcyclerError(f"{shown_path(path)}: cannot read ({err.strerror}); check the file") from None
+    if len(line) > MAX_JSON_BYTES:
+        raise UpcyclerError(
+            f"{shown_path(path)}: a line longer than {MAX_JSON_BYTES:,} bytes; not a metrics log"
+        )
+    return line
+
+
+def parse_metrics_line(line: str | bytes, where: str) -> dict[str, Any] | None:
+    """The record of one metrics.jsonl line (None for a blank line), or `UpcyclerError` naming `where`.
+
+    `step` is a non-negative integer; the fields of `NUMBER_FIELDS` and `loss/<source>` are finite
+    numbers or null; `expert_load` is a non-empty rectangle of finite numbers (layers × experts)."""
+    if not line.strip():
+        return None
+    record = parse_json(line, where, _FIX)
+    if not isinstance(record, dict):
+        raise UpcyclerError(f"{where}: expected a JSON object per step, found {describe(record)}; {_FIX}")
+    if "step" not in record:
+        raise UpcyclerError(f"{where}: no step; {_FIX}")
+    integer(record["step"], "step", where, low=0, fix=_FIX)
+    for key, value in record.items():
+        if (key in NUMBER_FIELDS or key.startswith("loss/")) and value is not None:
+            real(value, key, where, fix=_FIX)
+    if "expert_load" in record:
+        _check_load(record["expert_load"], where)
+    return record
+
+
+def _check_load(load: Any, where: str) -> None:
+    rows = load if isinstance(load, list) else None
+    if not rows or not all(isinstance(row, list) and row for row in rows):
+        raise UpcyclerError(f"{where}: expert_load must be a list of per-layer lists of shares, not "
+                            f"{describe(load)}; {_FIX}")
+    if len({len(row) for row in rows}) != 1:
+        raise UpcyclerError(f"{where}: expert_load rows have different lengths (ragged); {_FIX}")
+    for row in rows:
+        for share in row:
+            real(share, "expert_load", where, fix=_FIX)
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None (JSON null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _truncate_from(path: Path, start_step: int) -> None:
-    """Keep only the complete records of steps before `start_step`."""
-    if not path.exists():
+    """Keep only the complete records of steps before `start_step` (the file is replaced atomically)."""
+    if not os.path.lexists(path):
         return
-    kept = [json.dumps(r) for r in read_metrics(path.parent) if r.get("step", math.inf) < start_step]
-    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    kept = [r for r in read_metrics(path.parent) if r["step"] < start_step] if start_step > 0 else []
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class Progress:

@@ -8,11 +8,16 @@
                              fraction of token copies each expert received, step by step; a perfectly
                              balanced layer is flat at 1/E
 
-The report reads only the metrics log, so it works on a run in progress and on a copy of the log.
+The report reads only the metrics log, so it works on a run in progress and on a copy of the log. The
+log is read with `read_metrics` (every line checked; a torn last line of a killed run is ignored, any
+other bad line is an error naming it) before anything is drawn, and the PNGs are rendered into a hidden
+staging directory and moved into OUT only when all of them are done (`upcycler.train.outputs`), so a
+failure leaves neither a partial set nor a stray directory.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +26,8 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.train.metrics import METRICS_FILE, read_metrics
+from upcycler.train.outputs import staged_files
+from upcycler.untrusted import shown_path
 
 
 def make_report(run_dir: Path, out: Path | None = None) -> list[Path]:
@@ -29,22 +36,21 @@ def make_report(run_dir: Path, out: Path | None = None) -> list[Path]:
 
     matplotlib.use("Agg")
     run_dir = Path(run_dir)
-    if not (run_dir / METRICS_FILE).is_file():
-        raise UpcyclerError(
-            f"{run_dir / METRICS_FILE}: missing; pass the run_dir of a continued-pretrain run"
-        )
+    log = run_dir / METRICS_FILE
+    if not os.path.lexists(log):
+        raise UpcyclerError(f"{shown_path(log)}: missing; pass the run_dir of a continued-pretrain run")
     records = read_metrics(run_dir)
     if not records:
-        raise UpcyclerError(f"{run_dir / METRICS_FILE}: no complete step yet; run at least one step first")
+        raise UpcyclerError(f"{shown_path(log)}: no complete step yet; run at least one step first")
     out = Path(out) if out is not None else run_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [_loss(records, out / "loss.png"), _training(records, out / "training.png")]
-    paths += _expert_load(records, out)
-    return paths
+    with staged_files(out, "--out") as stage:
+        names = [_loss(records, stage / "loss.png"), _training(records, stage / "training.png")]
+        names += _expert_load(records, stage)
+    return [out / name for name in names]
 
 
 def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
-    pairs = [(r["step"], r[key]) for r in records if key in r]
+    pairs = [(r["step"], r[key]) for r in records if r.get(key) is not None]
     if not pairs:
         return np.zeros(0), np.zeros(0)
     steps, values = zip(*pairs)
@@ -59,7 +65,7 @@ def _smooth(values: np.ndarray, window: int) -> np.ndarray:
     return np.concatenate([head, np.convolve(values, kernel, mode="valid")])
 
 
-def _loss(records: Sequence[dict[str, Any]], path: Path) -> Path:
+def _loss(records: Sequence[dict[str, Any]], path: Path) -> str:
     import matplotlib.pyplot as plt
 
     window = max(1, len(records) // 50)
@@ -87,7 +93,7 @@ def _loss(records: Sequence[dict[str, Any]], path: Path) -> Path:
     return _save(fig, path)
 
 
-def _training(records: Sequence[dict[str, Any]], path: Path) -> Path:
+def _training(records: Sequence[dict[str, Any]], path: Path) -> str:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
@@ -109,10 +115,10 @@ def _training(records: Sequence[dict[str, Any]], path: Path) -> Path:
     return _save(fig, path)
 
 
-def _expert_load(records: Sequence[dict[str, Any]], out: Path) -> list[Path]:
+def _expert_load(records: Sequence[dict[str, Any]], out: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
-    loads = [
+    loads = [  # read_metrics checked every expert_load is a rectangle of one shape
         (r["step"], np.asarray(r["expert_load"], dtype=np.float64)) for r in records if "expert_load" in r
     ]
     if not loads:
@@ -137,10 +143,17 @@ def _expert_load(records: Sequence[dict[str, Any]], out: Path) -> list[Path]:
     return paths
 
 
-def _save(fig: Any, path: Path) -> Path:
+def _save(fig: Any, path: Path) -> str:
+    """Write `fig` to `path` and return the file's name."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    try:
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    except OSError as err:
+        raise UpcyclerError(
+            f"{path.name}: cannot write ({err.strerror}); free space or choose another --out"
+        ) from None
+    finally:
+        plt.close(fig)
+    return path.name

@@ -4,6 +4,8 @@
 Guarantees:
 - every check of the config, the files it names, the tokenizer and the device layout happens before a
   parameter is loaded or a step compiled, and fails with one `UpcyclerError` line;
+- the run directory is never a source (`upcycler.train.preflight`), so a run cannot overwrite what it
+  reads;
 - a resumed run (`resume=True`) restores parameters, optimiser state, step and data position from the
   latest committed checkpoint and then follows bit for bit the trajectory of an uninterrupted run;
 - a step whose loss or gradient norm is NaN or infinite stops the run with an error naming the step and
@@ -28,19 +30,19 @@ from jax.sharding import Mesh
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.checkpoint import read_checkpoint
-from upcycler.io.hashing import sha256_file
 from upcycler.spec import ModelSpec
 from upcycler.train import mesh as mesh_lib
 from upcycler.train import model as model_lib
 from upcycler.train import sharding
-from upcycler.train.checkpointing import RunCheckpoints, committed_steps
+from upcycler.train.checkpointing import RunCheckpoints
 from upcycler.train.config import TrainConfig
 from upcycler.train.data_mix import DataIterator, make_data_iterator
-from upcycler.train.data_sources import open_source
 from upcycler.train.metrics import MetricsLog, Progress, flops_per_token, step_record
 from upcycler.train.optim import make_optimizer, opt_state_shardings
 from upcycler.train.params import abstract_params, from_tensors
+from upcycler.train.preflight import Checked, prepare
 from upcycler.train.train_step import TrainState, compile_step, global_batch, make_train_step
+from upcycler.untrusted import shown_path
 
 
 @dataclass
@@ -52,62 +54,18 @@ class RunResult:
     preempted: bool = False
 
 
-@dataclass(frozen=True)
-class Checked:
-    """What `prepare` learnt while checking: the model's spec and lineage, the tokenizer, the init path."""
+def train(config: TrainConfig, *, resume: bool = False, checked: Checked | None = None) -> RunResult:
+    """Run (or resume) continued pretraining to `config.steps`; see the module docstring for guarantees.
 
-    spec: ModelSpec
-    lineage: tuple[dict[str, Any], ...]
-    tokenizer: Path
-    init: Path
-
-
-def prepare(config: TrainConfig, resume: bool) -> Checked:
-    """All file checks of a run (no devices, no tensor bytes): raises `UpcyclerError` on the first problem."""
-    init = read_checkpoint(config.model.init)
-    tokenizer = config.model.tokenizer or config.model.init
-    tokenizer = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
-    if not tokenizer.is_file():
-        raise UpcyclerError(
-            f"{tokenizer}: no tokenizer; set model.tokenizer to the tokenizer.json the data was prepared with"
-        )
-    digest = sha256_file(tokenizer)
-    for name in config.data.source_names:
-        source = open_source(config.data.dir, name)
-        if source.tokenizer_sha256 != digest:
-            raise UpcyclerError(
-                f"{config.data.dir}: source {name!r} was prepared with another tokenizer than {tokenizer}; "
-                "prepare the data with the model's tokenizer or point model.tokenizer at the right one"
-            )
-        if int(source.meta["vocab_size"]) > init.spec.vocab_size:
-            raise UpcyclerError(
-                f"{tokenizer}: vocabulary of {source.meta['vocab_size']} tokens exceeds the model's "
-                f"{init.spec.vocab_size}; use the model's own tokenizer"
-            )
-    has_steps = bool(committed_steps(config.run_dir))
-    if has_steps and not resume:
-        raise UpcyclerError(
-            f"{config.run_dir}: holds checkpoints of an earlier run; pass --resume or use a new run_dir"
-        )
-    if resume and not has_steps:
-        raise UpcyclerError(
-            f"{config.run_dir}: no checkpoint to resume from; drop --resume to start a new run"
-        )
-    return Checked(init.spec, tuple(init.lineage), tokenizer.absolute(), config.model.init)
-
-
-def train(config: TrainConfig, *, resume: bool = False) -> RunResult:
-    """Run (or resume) continued pretraining to `config.steps`; see the module docstring for guarantees."""
+    `checked` is the result of `prepare(config, resume)` when the caller already ran it."""
     mesh_lib.init_distributed(config.distributed)
-    checked = prepare(config, resume)
+    checked = checked or prepare(config, resume)
     mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, checked.spec)
     data = make_data_iterator(config.data, jax.process_index(), jax.process_count())
     run = None
     try:
+        _make_run_dir(config, primary=jax.process_index() == 0)
         run = _Run(config, checked, mesh, data)
-        if jax.process_index() == 0:
-            config.run_dir.mkdir(parents=True, exist_ok=True)
-            (config.run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
         state = run.resumed_state() if resume else run.initial_state()
         return run.loop(state)
     finally:
@@ -231,6 +189,19 @@ class _Run:
             stop.restore()
             progress.close()
             log.close()
+
+
+def _make_run_dir(config: TrainConfig, primary: bool) -> None:
+    """Create RUN_DIR; the primary process also writes RUN_DIR/config.yaml, the config the run uses."""
+    try:
+        config.run_dir.mkdir(parents=True, exist_ok=True)
+        if primary:
+            (config.run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    except OSError as err:
+        raise UpcyclerError(
+            f"{shown_path(config.run_dir)}: cannot write the run directory ({err.strerror}); "
+            "choose a writable run_dir"
+        ) from None
 
 
 def _lineage_step(config: TrainConfig, step: int) -> dict[str, Any]:

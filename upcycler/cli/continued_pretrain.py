@@ -1,4 +1,9 @@
-"""`upcycle continued-pretrain --config train.yaml`: train a checkpoint on, with flags overriding the file."""
+"""`upcycle continued-pretrain --config train.yaml`: train a checkpoint on, with flags overriding the file.
+
+The config and every file it names are checked (`upcycler.train.config.load_config`, then
+`upcycler.train.preflight.prepare`) before the trainer, and with it JAX, is imported, so a bad config,
+flag, checkpoint or data directory fails in about a second.
+"""
 
 from __future__ import annotations
 
@@ -52,7 +57,6 @@ def command(
 ) -> None:
     """Continue pretraining a dense or upcycled MoE checkpoint on prepared data; checkpoints go to run_dir."""
     from upcycler.train.config import load_config
-    from upcycler.train.trainer import train
 
     overrides = {
         "run_dir": run_dir,
@@ -65,6 +69,11 @@ def command(
         "distributed.process_id": process_id,
     }
     config = load_config(config_path, overrides, sets)
-    result = train(config, resume=resume)
+    from upcycler.train.preflight import prepare
+
+    checked = prepare(config, resume)
+    from upcycler.train.trainer import train
+
+    result = train(config, resume=resume, checked=checked)
     how = "stopped by SIGTERM" if result.preempted else "finished"
     click.echo(f"{how} at step {result.step}; last checkpoint: {result.last_checkpoint}")

@@ -1,4 +1,9 @@
-"""`upcycle prepare-data`: tokenise text sources once, with the checkpoint's tokenizer, for training."""
+"""`upcycle prepare-data`: tokenise text sources once, with the checkpoint's tokenizer, for training.
+
+Inputs must be regular files (a FIFO or device is refused, never read); a bad JSONL line stops the run
+naming the file and line. Output appears in --out only when every source is complete; a failed run
+leaves --out as it was (see `upcycler.train.data_prepare`).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from pathlib import Path
 import click
 
 from upcycler.train.data_readers import FORMATS, TEXT_UNITS
+from upcycler.untrusted import shown_path
 
 
 @click.command("prepare-data")
@@ -55,7 +61,11 @@ def command(
     eos: str | None,
     overwrite: bool,
 ) -> None:
-    """Tokenise sources into OUT/NAME.tokens.npy + OUT/NAME.meta.json, each document followed by EOS."""
+    """Tokenise sources into OUT/NAME.tokens.npy + OUT/NAME.meta.json, each document followed by EOS.
+
+    A malformed JSONL line is an error naming the file and line (nothing is skipped silently), and
+    nothing is written to OUT unless every source is prepared.
+    """
     from upcycler.train.data_prepare import parse_sources, prepare_sources
     from upcycler.train.data_tokenizer import load_tokenizer
 
@@ -67,5 +77,6 @@ def command(
     for meta in metas:
         click.echo(
             f"{meta['name']}: {meta['num_documents']} documents, {meta['num_tokens']} tokens "
-            f"({meta['dtype']}) from {len(meta['files'])} files -> {out_dir / meta['tokens_file']}"
+            f"({meta['dtype']}) from {len(meta['files'])} files -> "
+            f"{shown_path(out_dir / meta['tokens_file'])}"
         )

@@ -16,8 +16,13 @@ import click
     help="Where to write the PNGs [default: RUN_DIR/report].",
 )
 def command(run_dir: Path, out: Path | None) -> None:
-    """Plot RUN_DIR/metrics.jsonl of a continued-pretrain run into PNG files."""
+    """Plot RUN_DIR/metrics.jsonl of a continued-pretrain run into PNG files.
+
+    A torn last line (a run killed mid-write) is ignored; any other malformed line is an error naming
+    it. The PNGs appear in --out only once all of them are drawn.
+    """
     from upcycler.train.report import make_report
+    from upcycler.untrusted import shown_path
 
     for path in make_report(run_dir, out):
-        click.echo(str(path))
+        click.echo(shown_path(path))

@@ -1,0 +1,105 @@
+"""The checks of a training run that need the disk but no devices, made before anything is loaded.
+
+`prepare(config, resume)` reads the init checkpoint's spec, the tokenizer, every prepared source's
+metadata and token-file header, and the run directory; it raises one `UpcyclerError` on the first
+problem. It imports neither JAX nor Grain, so `upcycle continued-pretrain` refuses a bad run in about a
+second. The run directory is never a source: a run_dir that is, contains or lies inside `model.init`
+or `data.dir` (after resolving symlinks) is refused, so a run cannot write over what it reads.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from upcycler.errors import UpcyclerError
+from upcycler.io.checkpoint import read_checkpoint
+from upcycler.io.hashing import sha256_file
+from upcycler.spec import ModelSpec
+from upcycler.train.config import TrainConfig
+from upcycler.train.data_sources import open_source
+from upcycler.untrusted import shown_path
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What `prepare` learnt while checking: the model's spec and lineage, the tokenizer, the init path."""
+
+    spec: ModelSpec
+    lineage: tuple[dict[str, Any], ...]
+    tokenizer: Path
+    init: Path
+
+
+def prepare(config: TrainConfig, resume: bool) -> Checked:
+    """All file checks of a run (no devices, no tensor bytes): raises `UpcyclerError` on the first problem."""
+    refuse_run_dir_overlap(config)
+    if os.path.lexists(config.run_dir) and not config.run_dir.is_dir():
+        raise UpcyclerError(
+            f"{shown_path(config.run_dir)}: run_dir is not a directory; choose another run_dir"
+        )
+    init = read_checkpoint(config.model.init)
+    tokenizer = config.model.tokenizer or config.model.init
+    tokenizer = tokenizer / "tokenizer.json" if tokenizer.is_dir() else tokenizer
+    if not tokenizer.is_file():
+        raise UpcyclerError(
+            f"{shown_path(tokenizer)}: no tokenizer; set model.tokenizer to the tokenizer.json the data was "
+            "prepared with"
+        )
+    digest = sha256_file(tokenizer)
+    for name in config.data.source_names:
+        source = open_source(config.data.dir, name)
+        if source.tokenizer_sha256 != digest:
+            raise UpcyclerError(
+                f"{shown_path(config.data.dir)}: source {name!r} was prepared with another tokenizer than "
+                f"{shown_path(tokenizer)}; "
+                "prepare the data with the model's tokenizer or point model.tokenizer at the right one"
+            )
+        if int(source.meta["vocab_size"]) > init.spec.vocab_size:
+            raise UpcyclerError(
+                f"{shown_path(tokenizer)}: vocabulary of {source.meta['vocab_size']} tokens exceeds the "
+                f"model's {init.spec.vocab_size}; use the model's own tokenizer"
+            )
+    has_steps = bool(committed_steps(config.run_dir))
+    if has_steps and not resume:
+        raise UpcyclerError(
+            f"{shown_path(config.run_dir)}: holds checkpoints of an earlier run; pass --resume or use a new "
+            "run_dir"
+        )
+    if resume and not has_steps:
+        raise UpcyclerError(
+            f"{shown_path(config.run_dir)}: no checkpoint to resume from; drop --resume to start a new run"
+        )
+    return Checked(init.spec, tuple(init.lineage), tokenizer.absolute(), config.model.init)
+
+
+def refuse_run_dir_overlap(config: TrainConfig) -> None:
+    """Refuse a run_dir that is, contains or lies inside model.init or data.dir (symlinks resolved)."""
+    run_dir = Path(os.path.realpath(config.run_dir))
+    for option, source in (("model.init", config.model.init), ("data.dir", config.data.dir)):
+        real = Path(os.path.realpath(source))
+        if real == run_dir:
+            why = "is"
+        elif real in run_dir.parents:
+            why = "lies inside"
+        elif run_dir in real.parents:
+            why = "contains"
+        else:
+            continue
+        raise UpcyclerError(
+            f"{shown_path(config.run_dir)}: run_dir {why} {option} {shown_path(source)}; the run would write "
+            "over its own input; choose a run_dir outside the checkpoint and the data"
+        )
+
+
+def committed_steps(run_dir: Path) -> dict[int, Path]:
+    """Step number -> directory of every committed step under `run_dir` (Orbax renames a step into place)."""
+    if not run_dir.is_dir():
+        return {}
+    return {
+        int(p.name): p
+        for p in sorted(run_dir.iterdir(), key=lambda p: p.name)
+        if p.name.isascii() and p.name.isdigit() and p.is_dir()
+    }
