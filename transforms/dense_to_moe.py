@@ -30,12 +30,13 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.layout import layer_prefix
-from upcycler.spec import ROUTER_KINDS, ModelSpec, MoESpec
+from upcycler.spec import ROUTER_KINDS, ModelSpec, MoESpec, spec_real, within_limit
 from upcycler.tensors import LazyTensor, TensorMap, dtype_name, stack, zeros
 from upcycler.transforms.moe_target import AUTO_ORDER, MoERequest, apply_attention, choose_target
 from upcycler.transforms.registry import option, register, report
 
 MAX_GROWTH = 10  # refuse results with more than this many times the source's parameters (--allow-large)
+MAX_ROUTER_STD = 100.0  # router rows beyond this overflow half-precision weights
 
 
 @dataclass(frozen=True)
@@ -116,11 +117,13 @@ def dense_to_moe(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap) -> tuple[
 def _check(cfg: DenseToMoE, spec: ModelSpec) -> _Shape:
     """Refuse requests that cannot be upcycled, with the flag to change; return the shard numbers."""
     if spec.moe is not None:
-        raise UpcyclerError(f"dense-to-moe needs a dense source; this {spec.family} model is already MoE")
+        raise UpcyclerError(f"dense-to-moe needs a dense source, but this {spec.family} model is already "
+                            "MoE; upcycle its dense original instead")
     G, S, N, K, F = cfg.granularity, cfg.shared_experts, cfg.experts, cfg.topk, spec.intermediate_size
-    if G < 1 or N < 1 or K < 1 or S < 0 or cfg.dense_layers < 0 or cfg.seed < 0:
-        raise UpcyclerError("--experts, --topk and --granularity must be ≥ 1; --shared-experts, --dense-layers "
-                            "and --seed ≥ 0")
+    if G < 1 or N < 1 or K < 1 or S < 0 or cfg.dense_layers < 0 or not 0 <= cfg.seed < 2**64:
+        raise UpcyclerError("--experts, --topk and --granularity must be ≥ 1; --shared-experts and "
+                            "--dense-layers ≥ 0; --seed between 0 and 2^64 − 1")
+    within_limit(N, "num_experts", "--experts")
     if F % G:
         divisors = [d for d in range(2, 65) if F % d == 0]
         raise UpcyclerError(f"--granularity {G} does not divide the intermediate size {F}; choose a divisor "
@@ -141,8 +144,10 @@ def _check(cfg: DenseToMoE, spec: ModelSpec) -> _Shape:
                             f"{spec.num_layers} layers); use fewer")
     if not 0 <= cfg.reinit_ratio < 1:
         raise UpcyclerError(f"--reinit-ratio {cfg.reinit_ratio} must be in [0, 1)")
-    if cfg.router_std < 0 or cfg.routed_scaling_factor <= 0:
-        raise UpcyclerError("--router-std must be ≥ 0 and --routed-scaling-factor > 0")
+    if not 0 <= cfg.router_std <= MAX_ROUTER_STD:
+        raise UpcyclerError(f"--router-std {cfg.router_std:g} must be between 0 and {MAX_ROUTER_STD:g}")
+    spec_real(cfg.routed_scaling_factor, "--routed-scaling-factor", "routed_scaling_factor",
+              fix="choose another --routed-scaling-factor")
     return _Shape(G, S, R, N // R, F // G)
 
 

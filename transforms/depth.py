@@ -21,15 +21,16 @@ import re
 from dataclasses import dataclass
 
 from upcycler.errors import UpcyclerError
-from upcycler.spec import ModelSpec
+from upcycler.spec import ModelSpec, within_limit
 from upcycler.tensors import LazyTensor, TensorMap, zeros
 from upcycler.transforms.registry import option, register, report
+from upcycler.untrusted import describe
 
 # Residual-stream writers of a layer: zeroed in an identity block.
 ZEROED = ("attn.o_proj", "attn.o_bias", "mlp.down_proj", "mlp.down_bias", "moe.experts.down_proj",
           "moe.shared.down_proj")
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-_RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+_RANGE = re.compile(r"^\s*(\d{1,9})\s*(?:-\s*(\d{1,9})\s*)?$")  # no layer index has more digits
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,11 @@ def depth(cfg: Depth, spec: ModelSpec, tensors: TensorMap) -> tuple[ModelSpec, T
 
 
 def _layer_map(cfg: Depth, n: int) -> list[int]:
-    """The source layer of every output layer, from --layer-map or the method's default map."""
+    """The source layer of every output layer, from --layer-map or the method's default map.
+
+    --layers is checked against the layer limit before any map is built, so a huge value fails at once."""
+    if cfg.layers is not None:
+        within_limit(cfg.layers, "num_layers", "--layers")
     if cfg.layer_map is not None:
         layer_map = parse_layer_map(cfg.layer_map, n)
         if cfg.layers is not None and cfg.layers != len(layer_map):
@@ -131,10 +136,13 @@ def parse_layer_map(text: str, n: int) -> list[int]:
     for part in text.split(","):
         m = _RANGE.match(part)
         if not m:
-            raise UpcyclerError(f"--layer-map {text!r}: {part!r} is not a layer or an inclusive range like 8-31")
+            raise UpcyclerError(f"--layer-map {describe(text)}: {describe(part)} is not a layer or an "
+                                "inclusive range like 8-31")
         lo, hi = int(m.group(1)), int(m.group(2) if m.group(2) is not None else m.group(1))
         if lo > hi or hi >= n:
-            raise UpcyclerError(f"--layer-map {text!r}: range {part.strip()} is not within layers 0..{n - 1}")
+            raise UpcyclerError(f"--layer-map {describe(text)}: range {describe(part.strip())} is not within "
+                                f"layers 0..{n - 1}")
+        within_limit(len(out) + hi + 1 - lo, "num_layers", "--layer-map length")
         out += range(lo, hi + 1)
     return out
 

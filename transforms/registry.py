@@ -6,7 +6,9 @@
 The config's fields are the transform's options, declared once: `option(default, help=…, choices=…)`
 gives each field its help text and allowed values, and both the command line (`upcycler/cli/transforms.py`
 turns every field into a click option) and recipes (`Transform.make_config` checks a YAML mapping) are
-derived from them, so flags and config never drift apart. A field without a default is a required option.
+derived from them, so flags and config never drift apart; both pass through `make_config`, which checks
+each value's type and choices and refuses NaN and infinities for float options. A field without a
+default is a required option.
 
 A transform never writes anything. What it wants the user to know (which family `auto` picked, that a
 step is not function-preserving) it says with `report(...)`; `Transform.apply` collects those notes,
@@ -27,6 +29,7 @@ from typing import Any
 from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec
 from upcycler.tensors import TensorMap
+from upcycler.untrusted import describe, integer, real
 
 TransformFn = Callable[[Any, ModelSpec, TensorMap], tuple[ModelSpec, TensorMap]]
 
@@ -131,7 +134,8 @@ class Transform:
         for key, value in values.items():
             name = str(key).replace("-", "_")
             if name not in known:
-                raise UpcyclerError(f"{where}: unknown option {key!r}; {self.name} takes {', '.join(known)}")
+                raise UpcyclerError(f"{where}: unknown option {describe(key)}; "
+                                    f"{self.name} takes {', '.join(known)}")
             kwargs[name] = _check_value(known[name], value, where)
         missing = [o.flag for o in known.values() if o.required and o.name not in kwargs]
         if missing:
@@ -167,7 +171,8 @@ def transform_named(name: str) -> Transform:
     try:
         return TRANSFORMS[name]
     except KeyError:
-        raise UpcyclerError(f"unknown transform {name!r}; choose one of {', '.join(sorted(TRANSFORMS))}") from None
+        raise UpcyclerError(f"unknown transform {describe(name)}; "
+                            f"choose one of {', '.join(sorted(TRANSFORMS))}") from None
 
 
 def config_dict(cfg: Any) -> dict[str, Any]:
@@ -187,8 +192,10 @@ def _base_type(hint: Any) -> type:
 
 
 def _check_value(opt: OptionInfo, value: Any, where: str) -> Any:
+    """`value` as option `opt` (its type, one of its choices; a float finite, an int within 64 bits), else
+    a one-line error naming the option. A null (None) for an optional option means its default."""
     if value is None and not opt.required:
-        return None
+        return opt.default
     ok = {
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool),
@@ -196,8 +203,14 @@ def _check_value(opt: OptionInfo, value: Any, where: str) -> Any:
         str: isinstance(value, (str, int)) and not isinstance(value, bool),
     }[opt.type]
     if not ok:
-        raise UpcyclerError(f"{where}: {opt.name} must be {opt.type.__name__}, not {value!r}")
+        raise UpcyclerError(f"{where}: {opt.flag} must be {opt.type.__name__}, not {describe(value)}")
+    if opt.type is float:
+        return real(value, opt.flag, where, fix=f"give {opt.flag} a finite number")
+    if opt.type is int:  # 64 bits is plenty for any count or seed, and keeps messages short
+        return integer(value, opt.flag, where, low=-(2**63), high=2**63 - 1,
+                       fix=f"give {opt.flag} a smaller number")
     value = opt.type(value)
     if opt.choices and value not in opt.choices:
-        raise UpcyclerError(f"{where}: {opt.name} must be one of {', '.join(opt.choices)}, not {value!r}")
+        raise UpcyclerError(f"{where}: {opt.flag} must be one of {', '.join(opt.choices)}, "
+                            f"not {describe(value)}")
     return value

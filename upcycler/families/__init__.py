@@ -17,6 +17,7 @@ from upcycler.families.moe import GLM4_MOE, MIXTRAL, QWEN2_MOE, QWEN3_MOE
 from upcycler.layout import declare_params
 from upcycler.spec import ModelSpec
 from upcycler.tensors import TensorMap, zeros
+from upcycler.untrusted import describe
 
 FAMILIES: dict[str, Family] = {
     f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GLM4_MOE)
@@ -33,19 +34,23 @@ def family_named(name: str) -> Family:
     try:
         return FAMILIES[name]
     except KeyError:
-        raise UpcyclerError(f"unknown family {name!r}; choose one of {', '.join(FAMILIES)}") from None
+        raise UpcyclerError(f"unknown family {describe(name)}; choose one of {', '.join(FAMILIES)}") from None
 
 
 def family_for_config(cfg: dict, where: str) -> Family:
     """The family of a config.json, by `architectures[0]` (or `model_type` when that is missing)."""
     archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise UpcyclerError(f"{where}: architectures must be a list of class names such as "
+                            f"[\"LlamaForCausalLM\"], not {describe(archs)}; fix the config")
+    model_type = cfg.get("model_type")
     if archs and archs[0] in _BY_ARCHITECTURE:
         return _BY_ARCHITECTURE[archs[0]]
-    if not archs and cfg.get("model_type") in FAMILIES:
-        return FAMILIES[cfg["model_type"]]
-    found = archs[0] if archs else cfg.get("model_type", "none")
+    if not archs and isinstance(model_type, str) and model_type in FAMILIES:
+        return FAMILIES[model_type]
+    found = archs[0] if archs else "none" if model_type is None else model_type
     raise UpcyclerError(
-        f"{where}: architecture {found!r} is not supported; supported: {supported_architectures()}"
+        f"{where}: architecture {describe(found)} is not supported; supported: {supported_architectures()}"
     )
 
 

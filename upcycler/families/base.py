@@ -4,6 +4,11 @@ An adapter turns a `config.json` into a `ModelSpec` and back, maps each canonica
 (`upcycler.layout`) to the family's on-disk names, and says which specs it cannot hold exactly. The
 attention, norm and embedding names are shared by every supported family and live here; an adapter
 only adds its MLP/MoE names and config fields.
+
+Adapters read config.json fields through `config_int` / `config_real` / `config_bool` /
+`config_mapping`, which check each value's type and range (with the config's own key in the message)
+before it is used in any arithmetic; a bad field is a `SpecError`, which the reader prefixes with the
+file. `null` means "not set" for every optional field, as in transformers.
 """
 
 from __future__ import annotations
@@ -13,7 +18,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from upcycler.layout import ParamDecl
-from upcycler.spec import ModelSpec, freeze_mapping
+from upcycler.spec import (
+    ModelSpec,
+    SpecError,
+    checked_extras,
+    freeze_mapping,
+    spec_bool,
+    spec_int,
+    spec_real,
+)
+from upcycler.untrusted import describe
 
 # canonical suffix (after "layers.{i}.") -> HF suffix (after "model.layers.{i}.")
 SHARED_LAYER_NAMES: dict[str, str] = {
@@ -89,36 +103,81 @@ class Family:
         if spec.uses_sliding_window and not self.sliding_window:
             reasons.append(f"{self.architecture} has no sliding-window attention")
         if spec.hidden_act != "silu":
-            reasons.append(f"hidden_act {spec.hidden_act!r} is not supported (only silu)")
+            reasons.append(f"hidden_act {describe(spec.hidden_act)} is not supported (only silu)")
         return reasons
+
+
+_FIX = "fix config.json"
+_REQUIRED: Any = object()
+
+
+def config_int(cfg: dict[str, Any], key: str, field: str | None = None, *, default: Any = _REQUIRED,
+               low: int | None = None, high: int | None = None) -> Any:
+    """The integer `cfg[key]`, checked as the spec field `field` (default: `key`; see `spec_int`);
+    `default` when it is missing or null (a required field has none)."""
+    value = cfg.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise SpecError(f"{key} is {'missing' if key not in cfg else 'null'}; {_FIX}")
+        return default
+    return spec_int(value, key, field or key, low=low, high=high, fix=_FIX)
+
+
+def config_real(cfg: dict[str, Any], key: str, default: float, field: str | None = None) -> float:
+    """The positive finite number `cfg[key]` (see `spec_real`), or `default` when missing or null."""
+    value = cfg.get(key)
+    return default if value is None else spec_real(value, key, field or key, fix=_FIX)
+
+
+def config_bool(cfg: dict[str, Any], key: str, default: bool = False) -> bool:
+    """`cfg[key]`, which must be true or false, or `default` when missing or null."""
+    value = cfg.get(key)
+    return default if value is None else spec_bool(value, key, fix=_FIX)
+
+
+def config_mapping(cfg: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """`cfg[key]`, which must be a mapping (or missing or null: None)."""
+    value = cfg.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise SpecError(f"{key} must be a mapping or null, not {describe(value)}; {_FIX}")
+    return value
 
 
 def common_spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """The attention/embedding/norm fields every supported family shares, read from config.json."""
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    rope = dict(cfg.get("rope_parameters") or {})
-    theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
-    rope.pop("rope_theta", None)
-    partial = cfg.get("partial_rotary_factor", rope.pop("partial_rotary_factor", 1.0))
-    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    hidden = config_int(cfg, "hidden_size")
+    heads = config_int(cfg, "num_attention_heads", "num_heads")
+    rope = dict(config_mapping(cfg, "rope_parameters") or {})  # transformers v5 keeps theta etc. here
+    theta = _rope_field(cfg, rope, "rope_theta", 10000.0)
+    partial = _rope_field(cfg, rope, "partial_rotary_factor", 1.0)
+    scaling = config_mapping(cfg, "rope_scaling") or None
+    if not scaling and rope.get("rope_type", "default") != "default":
+        scaling = rope
     if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
+    hidden_act = cfg.get("hidden_act")
     return dict(
-        vocab_size=cfg["vocab_size"],
+        vocab_size=config_int(cfg, "vocab_size"),
         hidden_size=hidden,
-        num_layers=cfg["num_hidden_layers"],
+        num_layers=config_int(cfg, "num_hidden_layers", "num_layers"),
         num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads,
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-        rope_theta=float(theta),
+        num_kv_heads=config_int(cfg, "num_key_value_heads", "num_kv_heads", default=heads),
+        head_dim=config_int(cfg, "head_dim", low=0, default=0) or hidden // heads,  # 0: unset, as in HF
+        rms_norm_eps=config_real(cfg, "rms_norm_eps", 1e-6),
+        rope_theta=theta,
         rope_scaling=freeze_mapping(scaling),
-        partial_rotary_factor=float(partial if partial is not None else 1.0),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-        hidden_act=cfg.get("hidden_act", "silu"),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        extras=tuple((k, v) for k, v in cfg.items() if k not in _INTERPRETED),
+        partial_rotary_factor=partial,
+        max_position_embeddings=config_int(cfg, "max_position_embeddings", default=2048),
+        hidden_act="silu" if hidden_act is None else hidden_act,
+        tie_embeddings=config_bool(cfg, "tie_word_embeddings"),
+        extras=checked_extras({k: v for k, v in cfg.items() if k not in _INTERPRETED}),
     )
+
+
+def _rope_field(cfg: dict[str, Any], rope: dict[str, Any], key: str, default: float) -> float:
+    """`key` from config.json, else from `rope` (rope_parameters, which loses it), else `default`."""
+    nested = rope.pop(key, None)
+    return config_real({key: cfg[key] if cfg.get(key) is not None else nested}, key, default)
 
 
 def common_config_fields(spec: ModelSpec, family: Family | str, model_type: str | None = None) -> dict[str, Any]:
@@ -156,7 +215,10 @@ def sliding_fields(spec: ModelSpec) -> dict[str, Any]:
 
 
 def read_layer_types(cfg: dict[str, Any]) -> tuple[str, ...] | None:
+    """The per-layer attention kinds (checked by the spec: known kinds, one per layer), or None."""
     types = cfg.get("layer_types")
+    if types is not None and not isinstance(types, list):
+        raise SpecError(f"layer_types must be a list or null, not {describe(types)}; {_FIX}")
     return tuple(types) if types else None
 
 

@@ -14,6 +14,8 @@ from upcycler.families.base import (
     Family,
     common_config_fields,
     common_spec_fields,
+    config_bool,
+    config_int,
     read_layer_types,
     sliding_fields,
 )
@@ -21,10 +23,10 @@ from upcycler.spec import ModelSpec
 
 
 def _read_llama(cfg: dict[str, Any]) -> ModelSpec:
-    bias = bool(cfg.get("attention_bias", False))
+    bias = config_bool(cfg, "attention_bias")
     return ModelSpec(
-        family="llama", intermediate_size=cfg["intermediate_size"], qkv_bias=bias, o_bias=bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)), **common_spec_fields(cfg),
+        family="llama", intermediate_size=config_int(cfg, "intermediate_size"), qkv_bias=bias, o_bias=bias,
+        mlp_bias=config_bool(cfg, "mlp_bias"), **common_spec_fields(cfg),
     )
 
 
@@ -43,7 +45,8 @@ def _llama_limits(spec: ModelSpec) -> list[str]:
 
 def _read_mistral(cfg: dict[str, Any]) -> ModelSpec:
     return ModelSpec(
-        family="mistral", intermediate_size=cfg["intermediate_size"], sliding_window=cfg.get("sliding_window"),
+        family="mistral", intermediate_size=config_int(cfg, "intermediate_size"),
+        sliding_window=config_int(cfg, "sliding_window", default=None),
         **common_spec_fields(cfg),
     )
 
@@ -63,8 +66,9 @@ def _mistral_limits(spec: ModelSpec) -> list[str]:
 
 def _read_qwen2(cfg: dict[str, Any]) -> ModelSpec:
     return ModelSpec(
-        family="qwen2", intermediate_size=cfg["intermediate_size"], qkv_bias=True,
-        sliding_window=cfg.get("sliding_window"), layer_types=read_layer_types(cfg), **common_spec_fields(cfg),
+        family="qwen2", intermediate_size=config_int(cfg, "intermediate_size"), qkv_bias=True,
+        sliding_window=config_int(cfg, "sliding_window", default=None), layer_types=read_layer_types(cfg),
+        **common_spec_fields(cfg),
     )
 
 
@@ -82,10 +86,11 @@ def _qwen2_limits(spec: ModelSpec) -> list[str]:
 
 
 def _read_qwen3(cfg: dict[str, Any]) -> ModelSpec:
-    bias = bool(cfg.get("attention_bias", False))
+    bias = config_bool(cfg, "attention_bias")
     return ModelSpec(
-        family="qwen3", intermediate_size=cfg["intermediate_size"], qkv_bias=bias, o_bias=bias, qk_norm=True,
-        sliding_window=cfg.get("sliding_window"), layer_types=read_layer_types(cfg), **common_spec_fields(cfg),
+        family="qwen3", intermediate_size=config_int(cfg, "intermediate_size"), qkv_bias=bias, o_bias=bias,
+        qk_norm=True, sliding_window=config_int(cfg, "sliding_window", default=None),
+        layer_types=read_layer_types(cfg), **common_spec_fields(cfg),
     )
 
 

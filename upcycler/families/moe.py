@@ -18,10 +18,14 @@ from upcycler.families.base import (
     Family,
     common_config_fields,
     common_spec_fields,
+    config_bool,
+    config_int,
+    config_real,
     read_layer_types,
     sliding_fields,
 )
-from upcycler.spec import ModelSpec, MoESpec
+from upcycler.spec import ModelSpec, MoESpec, SpecError, spec_int
+from upcycler.untrusted import describe
 
 _QWEN_MOE_NAMES = {
     "moe.router": "mlp.gate.weight",
@@ -32,16 +36,22 @@ _QWEN_MOE_NAMES = {
 
 
 def _qwen_dense_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
-    step = cfg.get("decoder_sparse_step", 1) or 1
-    only = set(cfg.get("mlp_only_layers") or [])
-    return tuple(i for i in range(cfg["num_hidden_layers"]) if i in only or (i + 1) % step != 0)
+    """Layers listed in `mlp_only_layers` or skipped by `decoder_sparse_step`, which keep a dense MLP."""
+    layers = config_int(cfg, "num_hidden_layers", "num_layers")
+    step = config_int(cfg, "decoder_sparse_step", low=0, default=1) or 1  # as transformers: 0 = every layer
+    only = [] if cfg.get("mlp_only_layers") is None else cfg["mlp_only_layers"]
+    if not isinstance(only, list):
+        raise SpecError(f"mlp_only_layers must be a list of layers, not {describe(only)}; fix config.json")
+    listed = {spec_int(i, "mlp_only_layers entry", low=0, high=layers - 1, fix="fix config.json")
+              for i in only}
+    return tuple(i for i in range(layers) if i in listed or (i + 1) % step != 0)
 
 
 def _num_experts(cfg: dict[str, Any]) -> int:
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if cfg.get(key):
-            return int(cfg[key])
-    raise KeyError("num_experts")
+        if cfg.get(key) not in (None, 0):
+            return config_int(cfg, key, "num_experts")
+    raise SpecError("num_experts (or num_local_experts, n_routed_experts) is missing; fix config.json")
 
 
 def _common_limits(spec: ModelSpec, name: str, *, qk_norm: bool | None, biases: str) -> list[str]:
@@ -61,9 +71,11 @@ def _common_limits(spec: ModelSpec, name: str, *, qk_norm: bool | None, biases: 
 
 # --- Mixtral ---------------------------------------------------------------------------------------
 def _read_mixtral(cfg: dict[str, Any]) -> ModelSpec:
-    moe = MoESpec(_num_experts(cfg), cfg["num_experts_per_tok"], cfg["intermediate_size"], "renormalized")
-    return ModelSpec(family="mixtral", intermediate_size=cfg["intermediate_size"], moe=moe,
-                     sliding_window=cfg.get("sliding_window"), **common_spec_fields(cfg))
+    width = config_int(cfg, "intermediate_size")
+    moe = MoESpec(_num_experts(cfg), config_int(cfg, "num_experts_per_tok", "top_k"), width, "renormalized")
+    return ModelSpec(family="mixtral", intermediate_size=width, moe=moe,
+                     sliding_window=config_int(cfg, "sliding_window", default=None),
+                     **common_spec_fields(cfg))
 
 
 def _write_mixtral(spec: ModelSpec) -> dict[str, Any]:
@@ -87,19 +99,23 @@ def _mixtral_limits(spec: ModelSpec) -> list[str]:
 
 # --- Qwen2-MoE / Qwen3-MoE ---------------------------------------------------------------------------
 def _read_qwen_moe(cfg: dict[str, Any], family: str) -> ModelSpec:
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
+    shared = 0
+    if family == "qwen2_moe":
+        shared = config_int(cfg, "shared_expert_intermediate_size", "shared_width", default=0)
     moe = MoESpec(
-        _num_experts(cfg), cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
-        "renormalized" if cfg.get("norm_topk_prob", False) else "unnormalized",
+        _num_experts(cfg), config_int(cfg, "num_experts_per_tok", "top_k"),
+        config_int(cfg, "moe_intermediate_size", "expert_width"),
+        "renormalized" if config_bool(cfg, "norm_topk_prob") else "unnormalized",
         shared_width=shared, num_shared_experts=1 if shared else 0, shared_gated=bool(shared),
     )
     if family == "qwen2_moe":
-        bias = dict(qkv_bias=bool(cfg.get("qkv_bias", True)))
+        bias = dict(qkv_bias=config_bool(cfg, "qkv_bias", True))
     else:
-        b = bool(cfg.get("attention_bias", False))
+        b = config_bool(cfg, "attention_bias")
         bias = dict(qkv_bias=b, o_bias=b, qk_norm=True)
-    return ModelSpec(family=family, intermediate_size=cfg["intermediate_size"], moe=moe,
-                     dense_layers=_qwen_dense_layers(cfg), sliding_window=cfg.get("sliding_window"),
+    return ModelSpec(family=family, intermediate_size=config_int(cfg, "intermediate_size"), moe=moe,
+                     dense_layers=_qwen_dense_layers(cfg),
+                     sliding_window=config_int(cfg, "sliding_window", default=None),
                      layer_types=read_layer_types(cfg), **bias, **common_spec_fields(cfg))
 
 
@@ -138,22 +154,25 @@ def _qwen3_moe_limits(spec: ModelSpec) -> list[str]:
 
 # --- GLM-4-MoE -----------------------------------------------------------------------------------------
 def _read_glm4_moe(cfg: dict[str, Any]) -> ModelSpec:
-    if not cfg.get("norm_topk_prob", True) or int(cfg.get("n_group") or 1) > 1 or int(cfg.get("topk_group") or 1) > 1:
-        raise ValueError("only GLM-4-MoE routers with norm_topk_prob true and n_group = topk_group = 1 are supported")
-    n_shared = int(cfg.get("n_shared_experts") or 0)
-    width = cfg["moe_intermediate_size"]
+    groups = config_int(cfg, "n_group", low=0, default=1), config_int(cfg, "topk_group", low=0, default=1)
+    if not config_bool(cfg, "norm_topk_prob", True) or max(groups) > 1:
+        raise SpecError("only GLM-4-MoE routers with norm_topk_prob true and n_group = topk_group = 1 are "
+                        "supported")
+    n_shared = config_int(cfg, "n_shared_experts", "num_shared_experts", default=0)
+    width = config_int(cfg, "moe_intermediate_size", "expert_width")
     moe = MoESpec(
-        _num_experts(cfg), cfg["num_experts_per_tok"], width, "sigmoid",
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        _num_experts(cfg), config_int(cfg, "num_experts_per_tok", "top_k"), width, "sigmoid",
+        routed_scaling_factor=config_real(cfg, "routed_scaling_factor", 1.0),
         shared_width=n_shared * width, num_shared_experts=n_shared, router_bias=True,
     )
     common = common_spec_fields(cfg)
     if "partial_rotary_factor" not in cfg and "partial_rotary_factor" not in (cfg.get("rope_parameters") or {}):
         common["partial_rotary_factor"] = 0.5  # transformers' Glm4MoeConfig default
-    b = bool(cfg.get("attention_bias", False))
-    return ModelSpec(family="glm4_moe", intermediate_size=cfg["intermediate_size"], moe=moe, qkv_bias=b,
-                     qk_norm=bool(cfg.get("use_qk_norm", False)),
-                     dense_layers=tuple(range(int(cfg.get("first_k_dense_replace", 0)))), **common)
+    b = config_bool(cfg, "attention_bias")
+    first_dense = config_int(cfg, "first_k_dense_replace", low=0, high=common["num_layers"], default=0)
+    return ModelSpec(family="glm4_moe", intermediate_size=config_int(cfg, "intermediate_size"), moe=moe,
+                     qkv_bias=b, qk_norm=config_bool(cfg, "use_qk_norm"),
+                     dense_layers=tuple(range(first_dense)), **common)
 
 
 def _write_glm4_moe(spec: ModelSpec) -> dict[str, Any]:

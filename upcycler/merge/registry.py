@@ -28,6 +28,7 @@ from typing import Any, Literal
 import numpy as np
 
 from upcycler.errors import UpcyclerError
+from upcycler.untrusted import describe, integer, real
 
 Tensors = Iterator[np.ndarray]
 Kind = Literal["average", "tensor"]
@@ -89,7 +90,8 @@ class Method:
         return (self.fn.__doc__ or self.name).strip().splitlines()[0]
 
     def bind(self, given: dict[str, Any]) -> dict[str, Any]:
-        """Every option of this method, from `given` or its default; refuses options it does not take."""
+        """Every option of this method, from `given` or its default; refuses options it does not take, and
+        values that are not finite numbers or are outside the option's range."""
         known = {a.name: a for a in self.args}
         for name in given:
             if name not in known:
@@ -97,7 +99,15 @@ class Method:
                 raise UpcyclerError(f"method {self.name} takes no {flag}; see `upcycle merge --help`")
         out = {}
         for arg in self.args:
-            value = arg.type(given.get(arg.name, arg.default))
+            value = given.get(arg.name, arg.default)
+            if arg.type is float:  # NaN and inf are refused: they would silently fill the merge with NaN
+                value = real(value, arg.flag, f"merge --method {self.name}",
+                             fix=f"give {arg.flag} a finite number")
+            elif arg.type is int:
+                value = integer(value, arg.flag, f"merge --method {self.name}", low=-(2**63), high=2**63 - 1,
+                                fix=f"give {arg.flag} an integer")
+            else:
+                value = arg.type(value)
             if arg.range is not None and not arg.range.contains(value):
                 raise UpcyclerError(f"{arg.flag} {value:g} is outside {arg.range} for method {self.name}")
             out[arg.name] = value
@@ -125,7 +135,7 @@ def get_method(name: str) -> Method:
     try:
         return METHODS[name]
     except KeyError:
-        raise UpcyclerError(f"unknown merge method {name!r}; use one of {', '.join(METHODS)}") from None
+        raise UpcyclerError(f"unknown merge method {describe(name)}; use one of {', '.join(METHODS)}") from None
 
 
 def _register(name: str, kind: Kind, paper: str, *, min_inputs: int, max_inputs: int | None,
