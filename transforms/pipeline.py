@@ -105,7 +105,7 @@ def plan(recipe: Recipe, *, allow_config_only: bool = False) -> Plan:
         try:
             applied = step.transform.apply(step.config, ckpt.spec, ckpt.tensors)
         except UpcyclerError as err:  # transforms know the model, not where it came from
-            raise UpcyclerError(f"{shown_path(recipe.source)}: {step.transform.name}: {err}") from None
+            raise UpcyclerError(f"{shown_path(recipe.source)}: {err}") from None
         result = StepResult(step.transform.name, config_dict(step.config), applied.notes)
         results.append(result)
         record = {"step": result.name, "config": result.config, "function_preserving": result.exact,

@@ -125,6 +125,7 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+
 def load_json_object(path: Path, *, fix: str = "fix or re-download it", max_bytes: int = MAX_JSON_BYTES,
                      what: str = "JSON file") -> dict[str, Any]:
     """The JSON object stored in the regular file `path`."""

@@ -42,10 +42,8 @@ def read_spec(path: Path) -> ModelSpec:
     family = family_for_config(cfg, str(cfg_path))
     try:
         return family.read_config(cfg)
-    except KeyError as err:
-        raise UpcyclerError(f"{cfg_path}: field {err.args[0]!r} is missing; fix the config") from None
-    except ValueError as err:
-        raise UpcyclerError(f"{cfg_path}: {err}") from None
+    except ValueError as err:  # SpecError: says what is wrong, not where
+        raise UpcyclerError(f"{shown_path(cfg_path)}: {err}") from None
 
 
 def weight_files_present(path: Path) -> bool:

@@ -31,6 +31,7 @@ import json
 import logging
 import shutil
 import sys
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
@@ -144,6 +145,7 @@ def _context() -> Any:
     # Orbax's background threads log every failure (a full disk: dozens of tracebacks) before the
     # saving thread re-raises it to us; we report it once, as one line.
     logging.getLogger("absl").setLevel(logging.CRITICAL)
+    _quiet_failed_writes()
     storage = ocp.options.ArrayOptions.Saving.StorageOptions
 
     def per_leaf(keypath: Any, value: Any) -> Any:
@@ -211,30 +213,67 @@ def _sha256_arrays(arrays: dict[str, np.ndarray]) -> dict[str, str]:
 
 def _write_error(path: Path, err: Exception) -> UpcyclerError:
     """The one-line report of a failed save; the save's other background tasks are silenced first."""
-    _silence_failed_save()
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)  # the save's other tasks: the same failure
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     if "No space left" in str(err):
         return UpcyclerError(f"{path}: disk full while writing; free space or write elsewhere")
     return UpcyclerError(f"{path}: writing the Orbax checkpoint failed ({text}); check the output location")
 
 
-def _silence_failed_save() -> None:
-    """Drop the duplicate reports a failed save's remaining background tasks make after it failed.
+class _WithoutClosedLoopReports:
+    """`sys.stderr`, minus the tracebacks that end in "RuntimeError: Event loop is closed".
 
-    When one write fails (a full disk), the other writes of that save fail the same way on threads
-    whose event loop is already closed: tensorstore reports each through `sys.excepthook`
-    ("Event loop is closed") and asyncio logs each task's exception when it is collected. The failure
-    itself is reported once, by the caller.
+    When one write of an Orbax save fails (a full disk), its other writes fail the same way on threads
+    whose event loop is already closed, and tensorstore prints a traceback for each, straight to
+    `sys.stderr`, whenever that happens (also after the save has returned). The failure itself reaches
+    the caller as one error, so these duplicates are dropped; everything else passes through. Lines are
+    collected per thread, so the threads' reports never mix with each other or with our own output.
     """
-    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
-    previous = sys.excepthook
 
-    def hook(kind, value, tb) -> None:
-        if isinstance(value, RuntimeError) and "Event loop is closed" in str(value):
+    _HEADER = "Traceback (most recent call last):"
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+        self._local = threading.local()
+
+    def _state(self) -> Any:
+        state = self._local
+        if not hasattr(state, "held"):
+            state.held, state.line = [], ""
+        return state
+
+    def write(self, text: str) -> int:
+        state = self._state()
+        state.line += text
+        while "\n" in state.line:
+            line, state.line = state.line.split("\n", 1)
+            self._feed(state, line + "\n")
+        if not state.held and state.line and not self._HEADER.startswith(state.line):
+            self._stream.write(state.line)  # a partial line outside a traceback (a progress bar)
+            state.line = ""
+        return len(text)
+
+    def _feed(self, state: Any, line: str) -> None:
+        if not state.held and not line.startswith(self._HEADER):
+            self._stream.write(line)
             return
-        previous(kind, value, tb)
+        state.held.append(line)
+        if len(state.held) > 1 and not line.startswith((" ", "\t")):  # the exception line ends it
+            if not line.startswith("RuntimeError: Event loop is closed"):
+                self._stream.write("".join(state.held))
+            state.held = []
 
-    sys.excepthook = hook
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _quiet_failed_writes() -> None:
+    """Route `sys.stderr` through `_WithoutClosedLoopReports` (once per process)."""
+    if not isinstance(sys.stderr, _WithoutClosedLoopReports):
+        sys.stderr = _WithoutClosedLoopReports(sys.stderr)
 
 
 def read_orbax(path: str | Path) -> Checkpoint:

@@ -129,9 +129,8 @@ def _spec(manifest: dict[str, Any], path: Path) -> ModelSpec:
         raise UpcyclerError(f"{path}: no 'spec' object; fix the manifest or {REWRITE}")
     try:
         return ModelSpec.from_json(json.dumps(manifest["spec"]))
-    except UpcyclerError as err:
-        raise UpcyclerError(f"{shown_path(path)}: 'spec' is not a valid model spec ({err}); "
-                            f"fix the manifest or {REWRITE}") from None
+    except UpcyclerError as err:  # SpecError: says what is wrong and how to fix it, not where
+        raise UpcyclerError(f"{shown_path(path)}: 'spec' is not a valid model spec: {err}") from None
     except (TypeError, ValueError, KeyError, AttributeError) as err:
         raise UpcyclerError(f"{shown_path(path)}: 'spec' is not a valid model spec "
                             f"({describe(str(err), 160)}); fix the manifest or {REWRITE}") from None

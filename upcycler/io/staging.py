@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -156,13 +157,23 @@ def staged_directory(out: Path, *, overwrite: bool, sources: Iterable[Path] = ()
         else:
             tmp.rename(out)
     except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard(tmp)
         if err.errno == errno.ENOSPC:
             raise UpcyclerError(f"{shown_path(out)}: disk full while writing; free space or write elsewhere") from None
         raise UpcyclerError(f"{shown_path(out)}: cannot write ({err.strerror}); check the output location") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _discard(tmp)
         raise
+
+
+def _discard(tmp: Path, attempts: int = 20) -> None:
+    """Remove an unfinished output; retried briefly, because a failed save's background writes (Orbax)
+    may still create files in it for a moment after the failure was reported."""
+    for _ in range(attempts):
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not tmp.exists():
+            return
+        time.sleep(0.1)
 
 
 def _remove(path: Path) -> None:
