@@ -5,8 +5,8 @@
 
 Three layers, each timed forward and forward+backward (value and gradient of mean(y²) with respect to x
 and every weight, router included for the MoE layers):
-- `dropless`: route, sort by expert, grouped matmuls (`upcycler.train.moe.dropless_moe`);
-- `onehot`: every expert on every token, masked (`onehot_moe_reference`), E/K times the FLOPs;
+- `dropless`: route, sort by expert, grouped matmuls (`upcycler.train.model.moe.dropless_moe`);
+- `onehot`: every expert on every token, masked (`onehot_moe_reference`), E/k times the FLOPs;
 - `dense`: a SwiGLU FFN of width top_k·width, the same active FLOPs as the MoE: the lower bound.
 Each function is jitted and compiled once, called once as a warm-up, then the repeats run round-robin over
 the functions (so a machine shared with other work slows all of them alike) and the median is reported,
@@ -26,8 +26,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from upcycler.train import moe
-from upcycler.train.gmm import resolve_backend
+from upcycler.train.model import moe
+from upcycler.train.model.gmm import resolve_backend
 
 FB_TARGET = 1.2  # dropless forward+backward within this factor of the dense lower bound
 ONEHOT_SPEEDUP_TARGET = 1.7
@@ -55,7 +55,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def moe_params(key: jax.Array, tokens: int, d: int, width: int, experts: int) -> tuple[jax.Array, ...]:
-    """x_TD, w_gate_up_EDH, w_down_EFD, w_router_ED with unit-variance activations."""
+    """x_TD, w_gate_up_EDU, w_down_EFD, w_router_ED with unit-variance activations."""
     k = jax.random.split(key, 4)
     return (
         jax.random.normal(k[0], (tokens, d)),
@@ -76,11 +76,11 @@ def dense_params(key: jax.Array, tokens: int, d: int, width: int) -> tuple[jax.A
 
 
 def moe_layer(impl: str, top_k: int, router: str, backend: str) -> Callable[..., jax.Array]:
-    def layer(x_TD, w_gate_up_EDH, w_down_EFD, w_router_ED):
+    def layer(x_TD, w_gate_up_EDU, w_down_EFD, w_router_ED):
         routing = moe.route(moe.router_logits(x_TD, w_router_ED), top_k, router)
         if impl == "onehot":
-            return moe.onehot_moe_reference(x_TD, w_gate_up_EDH, w_down_EFD, routing)
-        return moe.dropless_moe(x_TD, w_gate_up_EDH, w_down_EFD, routing, backend=backend)
+            return moe.onehot_moe_reference(x_TD, w_gate_up_EDU, w_down_EFD, routing)
+        return moe.dropless_moe(x_TD, w_gate_up_EDU, w_down_EFD, routing, backend=backend)
 
     return layer
 

@@ -31,8 +31,8 @@ from upcycler.train import model as model_lib
 from upcycler.train import sharding
 from upcycler.train.config import LossConfig, OptimizerConfig
 from upcycler.train.metrics import flops_per_token
+from upcycler.train.model.params import init_params
 from upcycler.train.optim import make_optimizer, opt_state_shardings
-from upcycler.train.params import init_params
 from upcycler.train.train_step import TrainState, compile_step, global_batch, make_train_step
 
 

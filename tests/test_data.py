@@ -17,17 +17,18 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from upcycler.cli import main
 from upcycler.errors import UpcyclerError
-from upcycler.train.data_config import DataConfig, Phase
-from upcycler.train.data_mix import MixSchedule, make_data_iterator
-from upcycler.train.data_prepare import parse_sources, prepare_sources, token_dtype
-from upcycler.train.data_sources import (
+from upcycler.train.data.config import DataConfig, Phase
+from upcycler.train.data.format import token_dtype
+from upcycler.train.data.mix import MixSchedule, make_data_iterator
+from upcycler.train.data.prepare import parse_sources, prepare_sources
+from upcycler.train.data.sources import (
     MATERIALISE_BELOW,
     ExampleStream,
     Windows,
     open_source,
     stable_permutation,
 )
-from upcycler.train.data_tokenizer import load_tokenizer
+from upcycler.train.data.tokenizer import load_tokenizer
 
 WORDS = [f"w{i}" for i in range(60)]
 SEQ_LEN = 16

@@ -157,7 +157,7 @@ def test_drop_upcycling_reinitialises_the_same_neurons(tiny_dir, tmp_path):
 
 def test_experts_cut_lazily_reading_each_dense_tensor_once(tiny_dir):
     """Producing all 64 experts part by part loads every dense tensor once, never the whole stack."""
-    from upcycler.io.checkpoint import read_checkpoint
+    from upcycler.io import read_checkpoint
 
     ckpt = read_checkpoint(tiny_dir("llama"))
     loads: dict[str, int] = {}

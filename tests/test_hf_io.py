@@ -10,7 +10,7 @@ from cli_helpers import run_cli
 from safetensors.numpy import load_file
 from tiny_models import FAMILIES, logits, make_tiny, random_ids
 
-from upcycler.io.checkpoint import read_checkpoint, write_checkpoint
+from upcycler.io import read_checkpoint, write_checkpoint
 
 
 def stored_tensors(directory) -> dict[str, np.ndarray]:

@@ -349,7 +349,7 @@ def test_fuzzed_manifest_bytes_parse_or_are_refused(data: bytes) -> None:
         except UpcyclerError as err:
             assert "\n" not in str(err) and "upcycler.json" in str(err)
         else:
-            assert manifest["format"] == 1 and isinstance(manifest["files"], dict)
+            assert isinstance(manifest.files, dict) and isinstance(manifest.file_records(), dict)
 
 
 BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(

@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 
 from upcycler.errors import UpcyclerError
 from upcycler.train.config import TrainConfig, load_config
-from upcycler.train.data_readers import jsonl_record
-from upcycler.train.data_sources import open_source
+from upcycler.train.data.readers import jsonl_record
+from upcycler.train.data.sources import open_source
 from upcycler.train.metrics import parse_metrics_line, read_metrics
 
 FUZZ = settings(max_examples=120, deadline=None,

@@ -21,7 +21,8 @@ from cli_helpers import assert_clean_failure, leftovers, run_cli
 from safetensors.numpy import load_file, save_file
 from tiny_models import logits, make_tiny, random_ids
 
-from upcycler.io.checkpoint import Checkpoint, read_checkpoint, write_checkpoint
+from upcycler.io import read_checkpoint, write_checkpoint
+from upcycler.io.checkpoint import Checkpoint
 from upcycler.merge import (
     MergeInput,
     describe_plan,
@@ -355,7 +356,7 @@ def test_dry_run_reads_no_tensor(mixtrals):
 
 def test_sma_over_orbax_checkpoints_is_the_mean_of_the_trees(tmp_path, llamas):
     """Orbax step directories of a run (as the trainer lays them out) in, Orbax out, trees read by Orbax."""
-    pytest.importorskip("upcycler.io.orbax_io", reason="needs the Orbax reader/writer (upcycler/io/orbax_io.py)")
+    pytest.importorskip("upcycler.io.orbax_write", reason="needs the Orbax reader/writer (upcycler/io/orbax_write.py)")
     from orbax.checkpoint.experimental import v1 as ocp
 
     run = tmp_path / "run"

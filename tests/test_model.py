@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from tiny_models import load_model, logits, make_tiny, random_ids
 
-from upcycler.io.checkpoint import read_checkpoint
+from upcycler.io import read_checkpoint
 from upcycler.layout import declare_params
-from upcycler.train import params as P
 from upcycler.train.model import ModelConfig, forward, forward_jit
+from upcycler.train.model import params as P
 from upcycler.train.sharding import logical_to_spec
 
 TOL = 1e-4
@@ -314,8 +314,9 @@ def test_rules_map_logical_axes_to_mesh_axes():
 _SHARDED = """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
-from upcycler.io.checkpoint import read_checkpoint
-from upcycler.train import params as P, sharding as S
+from upcycler.io import read_checkpoint
+from upcycler.train import sharding as S
+from upcycler.train.model import params as P
 from upcycler.train.model import forward_jit
 
 ckpt = read_checkpoint(sys.argv[1])

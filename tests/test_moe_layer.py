@@ -12,9 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from moe_capacity_reference import capacity_moe, expert_capacity
 
-from upcycler.train import moe
-from upcycler.train.gmm import gmm, resolve_backend
+from upcycler.train.model import moe
+from upcycler.train.model.gmm import gmm, resolve_backend
 
 T, D, F, E = 40, 8, 6, 6
 SMALL_TILES = (16, 4)  # several tile sizes and masked tails even at these sizes
@@ -29,7 +30,7 @@ def _layer_params(seed: int = 0) -> dict[str, jax.Array]:
     rng = np.random.default_rng(seed)
     return {
         "x_TD": _normal(rng, (T, D)),
-        "w_gate_up_EDH": _normal(rng, (E, D, 2 * F), 0.4),
+        "w_gate_up_EDU": _normal(rng, (E, D, 2 * F), 0.4),
         "w_down_EFD": _normal(rng, (E, F, D), 0.4),
         "w_router_ED": _normal(rng, (E, D), 0.5),
     }
@@ -112,9 +113,9 @@ def test_route_matches_numpy(kind: str, with_bias: bool) -> None:
     bias = _normal(rng, (E,), 1.0) if with_bias else None
     got = moe.route(logits, k, kind, scale, bias)
     experts, weights = _np_route(logits, k, kind, scale, bias)
-    np.testing.assert_array_equal(got.expert_TK, experts)
-    np.testing.assert_allclose(got.weight_TK, weights, rtol=1e-5, atol=1e-6)
-    assert got.expert_TK.dtype == jnp.int32 and got.weight_TK.dtype == jnp.float32
+    np.testing.assert_array_equal(got.expert_Tk, experts)
+    np.testing.assert_allclose(got.weight_Tk, weights, rtol=1e-5, atol=1e-6)
+    assert got.expert_Tk.dtype == jnp.int32 and got.weight_Tk.dtype == jnp.float32
 
 
 def test_route_rejects_unknown_kind() -> None:
@@ -146,7 +147,7 @@ def _layer_with_grads(kind: str, k: int, backend: str | None):
     """
 
     def layer(params, bias_E):
-        weights = (params["w_gate_up_EDH"], params["w_down_EFD"])
+        weights = (params["w_gate_up_EDU"], params["w_down_EFD"])
         routing = _routing(params, kind, k, bias_E)
         if backend is None:
             return moe.onehot_moe_reference(params["x_TD"], *weights, routing)
@@ -183,17 +184,17 @@ def test_forced_routing_really_leaves_experts_idle() -> None:
     for name, expected_busy in [("experts_without_tokens", {0, 2, 5}), ("all_tokens_on_one_expert", {3})]:
         kind, k, bias = ROUTINGS[name]
         routing = _routing(params, kind, k, jnp.asarray(bias, jnp.float32))
-        assert set(np.unique(routing.expert_TK).tolist()) == expected_busy
+        assert set(np.unique(routing.expert_Tk).tolist()) == expected_busy
 
 
-def _np_kept_copies(experts_TK: np.ndarray, capacity: int) -> np.ndarray:
-    """Copies kept under a capacity: per expert, the first `capacity` copies in order t·K + k."""
+def _np_kept_copies(experts_Tk: np.ndarray, capacity: int) -> np.ndarray:
+    """Copies kept under a capacity: per expert, the first `capacity` copies in order t·k + j."""
     seen = np.zeros(E, int)
-    kept = np.zeros(experts_TK.size, bool)
-    for n, e in enumerate(experts_TK.reshape(-1)):
+    kept = np.zeros(experts_Tk.size, bool)
+    for n, e in enumerate(experts_Tk.reshape(-1)):
         kept[n] = seen[e] < capacity
         seen[e] += 1
-    return kept.reshape(experts_TK.shape)
+    return kept.reshape(experts_Tk.shape)
 
 
 _jit_reference = jax.jit(moe.onehot_moe_reference)
@@ -202,14 +203,14 @@ _jit_reference = jax.jit(moe.onehot_moe_reference)
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0])
 def test_capacity_drops_the_latest_copies(capacity_factor: float) -> None:
     params = _layer_params(seed=4)
-    weights = (params["w_gate_up_EDH"], params["w_down_EFD"])
+    weights = (params["w_gate_up_EDU"], params["w_down_EFD"])
     routing = _routing(params, "renormalized", 2, jnp.zeros(E))
-    capacity = moe.expert_capacity(T, 2, E, capacity_factor)
-    kept = _np_kept_copies(np.asarray(routing.expert_TK), capacity)
+    capacity = expert_capacity(T, 2, E, capacity_factor)
+    kept = _np_kept_copies(np.asarray(routing.expert_Tk), capacity)
     assert not kept.all()
-    reference_routing = moe.Routing(routing.expert_TK, jnp.where(kept, routing.weight_TK, 0.0))
+    reference_routing = moe.Routing(routing.expert_Tk, jnp.where(kept, routing.weight_Tk, 0.0))
     want = _jit_reference(params["x_TD"], *weights, reference_routing)
-    layer = jax.jit(moe.dropless_moe, static_argnames=("backend", "capacity_factor", "tile_rows"))
+    layer = jax.jit(capacity_moe, static_argnames=("backend", "capacity_factor", "tile_rows"))
     options = {"capacity_factor": capacity_factor, "tile_rows": SMALL_TILES}
     for backend in ("tiled", "ragged_dot"):
         got = layer(params["x_TD"], *weights, routing, backend=backend, **options)
@@ -235,7 +236,7 @@ def test_gate_up_layout_and_swiglu_gradient() -> None:
 
 def test_dropless_bfloat16_close_to_fp32_reference() -> None:
     params = _layer_params()
-    weights = (params["w_gate_up_EDH"], params["w_down_EFD"])
+    weights = (params["w_gate_up_EDU"], params["w_down_EFD"])
     routing = _routing(params, "renormalized", 2, jnp.zeros(E))
     want = _jit_reference(params["x_TD"], *weights, routing)
     bf16 = [a.astype(jnp.bfloat16) for a in (params["x_TD"], *weights)]
@@ -248,7 +249,7 @@ def test_layer_rejects_mismatched_weights() -> None:
     params = _layer_params()
     routing = _routing(params, "renormalized", 2, jnp.zeros(E))
     with pytest.raises(ValueError, match=r"w_down_EFD \[E, F, D\]"):
-        moe.dropless_moe(params["x_TD"], params["w_gate_up_EDH"], jnp.zeros((E, F + 1, D)), routing)
+        moe.dropless_moe(params["x_TD"], params["w_gate_up_EDU"], jnp.zeros((E, F + 1, D)), routing)
 
 
 # ---------------------------------------------------------------------------------------- losses, stats
@@ -282,7 +283,7 @@ def test_lb_loss_ignores_padding(scope: str) -> None:
     rng = np.random.default_rng(6)
     b, length, pad, k = 3, 10, 5, 2
     logits = _normal(rng, (b, length, E), 2.0)
-    topk = moe.route(logits.reshape(-1, E), k, "renormalized").expert_TK.reshape(b, length, k)
+    topk = moe.route(logits.reshape(-1, E), k, "renormalized").expert_Tk.reshape(b, length, k)
     mask = jnp.ones((b, length))
     base = lb_loss(logits, topk, mask, E, scope)
     pad_logits = jnp.concatenate([logits, _normal(rng, (b, pad, E), 9.0)], axis=1)
@@ -300,7 +301,7 @@ def test_lb_loss_ignores_padding(scope: str) -> None:
 def test_lb_loss_gradient_flows_only_through_probabilities() -> None:
     rng = np.random.default_rng(7)
     logits = _normal(rng, (T, E))
-    topk = moe.route(logits, 2, "renormalized").expert_TK
+    topk = moe.route(logits, 2, "renormalized").expert_Tk
     grad = jax.jit(jax.grad(moe.load_balancing_loss), static_argnums=3)(logits, topk, None, E)
     # f is a constant count, so d/dlogits of E·Σ f·mean_t(p_t) is (E/T)·p_t ⊙ (f − p_t·f) per token.
     p = _np_softmax(np.asarray(logits, np.float64))

@@ -14,8 +14,8 @@ from safetensors import safe_open
 from tiny_models import logits, random_ids
 
 from upcycler.errors import UpcyclerError
-from upcycler.io.checkpoint import read_checkpoint, write_checkpoint
-from upcycler.io.orbax_io import read_orbax
+from upcycler.io import read_checkpoint, write_checkpoint
+from upcycler.io.orbax_read import read_orbax
 from upcycler.tensors import BF16, TensorMap, constant
 
 ROUND_TRIPS = [

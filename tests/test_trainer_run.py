@@ -98,7 +98,7 @@ def test_step_directory_converts_to_hf_and_matches_transformers(ws, moe_run, tmp
     ids = tiny_models.random_ids(2, 12, F.VOCAB)
     expected = tiny_models.logits(out, ids)
     from upcycler.train.model import ModelConfig, forward
-    from upcycler.train.params import load_params
+    from upcycler.train.model.params import load_params
 
     spec, params = load_params(moe_run / "6")
     logits, _ = forward(params, ids, spec, ModelConfig())

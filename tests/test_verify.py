@@ -17,7 +17,7 @@ from cli_helpers import assert_clean_failure, run_cli
 from click.testing import CliRunner
 
 from upcycler.cli import main
-from upcycler.io.checkpoint import read_checkpoint, write_checkpoint
+from upcycler.io import read_checkpoint, write_checkpoint
 from upcycler.tensors import constant
 from upcycler.verify import probe_ids
 

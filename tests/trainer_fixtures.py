@@ -45,8 +45,8 @@ def train_tokenizer(path: Path) -> Path:
 
 def prepare_data(out: Path, tokenizer: Path) -> Path:
     """Tokenise the test sources (`json`, `email`) into `out` with the project's prepare-data engine."""
-    from upcycler.train.data_prepare import prepare_sources
-    from upcycler.train.data_tokenizer import load_tokenizer
+    from upcycler.train.data.prepare import prepare_sources
+    from upcycler.train.data.tokenizer import load_tokenizer
 
     prepare_sources(load_tokenizer(tokenizer), SOURCES, out, fmt="text")
     return out
@@ -81,8 +81,9 @@ def tiny_spec(moe: bool = False, **changes: Any):
 
 def write_model(out: Path, spec, tokenizer: Path | None = None, seed: int = 0) -> Path:
     """Random parameters of `spec` written as a Hugging Face checkpoint (with the tokenizer, if given)."""
-    from upcycler.io.checkpoint import Checkpoint, write_checkpoint
-    from upcycler.train.params import init_params, to_tensors
+    from upcycler.io import write_checkpoint
+    from upcycler.io.checkpoint import Checkpoint
+    from upcycler.train.model.params import init_params, to_tensors
 
     params = init_params(spec, jax.random.key(seed), std=0.05)
     side = (tokenizer,) if tokenizer is not None else ()
@@ -154,7 +155,7 @@ def metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 def step_params(step_dir: Path) -> dict[str, np.ndarray]:
     """Every canonical tensor of a checkpoint step, as numpy, read through the public checkpoint reader."""
-    from upcycler.io.checkpoint import read_checkpoint
+    from upcycler.io import read_checkpoint
 
     ckpt = read_checkpoint(step_dir)
     return {name: np.asarray(t.load()) for name, t in ckpt.tensors.items()}

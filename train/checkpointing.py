@@ -7,7 +7,7 @@ Layout of `RUN_DIR/<step>/`:
     opt_state/       the optax state (Adam moments laid out like the training parameters)
     data/            the data iterator's state (JSON; the same on every process)
     meta/            step, ModelSpec, lineage (JSON)
-    upcycler.json    the model manifest (spec + lineage, as `upcycler.io.orbax_io` writes it), added once
+    upcycler.json    the model manifest (spec + lineage, as `upcycler.io.orbax_write` writes it), added once
                      the step is committed, with the tokenizer files beside it, so `read_checkpoint` and
                      `upcycle convert RUN_DIR/<step> OUT --to hf` work on the step directory
 
@@ -29,9 +29,9 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycler.errors import UpcyclerError
-from upcycler.io.checkpoint import MANIFEST
+from upcycler.io.manifest import MANIFEST
 from upcycler.spec import ModelSpec
-from upcycler.train.params import ParamInfo, Params, declare_tree
+from upcycler.train.model.params import ParamInfo, Params, declare_tree
 from upcycler.train.preflight import committed_steps
 
 ITEMS = ("params", "opt_state", "data", "meta")
@@ -193,7 +193,7 @@ class RunCheckpoints:
 def write_manifest(step_dir: Path, spec: ModelSpec, lineage: Sequence[Mapping[str, Any]]) -> None:
     """Write `step_dir/upcycler.json` atomically: the spec and lineage of the params beside it.
 
-    The format is `upcycler.io.orbax_io`'s manifest without the `files` table (hashing every parameter
+    The format is `upcycler.io.orbax_write`'s manifest without the `files` table (hashing every parameter
     byte at every checkpoint would cost more than the save); `read_checkpoint` does not need it.
     """
     manifest = {"format": 1, "spec": json.loads(spec.to_json()), "lineage": [dict(x) for x in lineage]}

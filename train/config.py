@@ -11,7 +11,7 @@ Schema (every section but `model` and `data` is optional; defaults shown):
       attention: einsum                # einsum | dot_product
       moe_impl: dropless               # dropless | reference (one-hot)
       remat: false
-    data: {...}                        # see upcycler.train.data_config
+    data: {...}                        # see upcycler.train.data.config
     optimizer:
       lr: 3.0e-4                       # peak learning rate
       b1: 0.9
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from upcycler.errors import UpcyclerError
-from upcycler.train.data_config import MAX_STEP, DataConfig, key_names, path_value
+from upcycler.train.data.config import MAX_STEP, DataConfig, key_names, path_value
 from upcycler.untrusted import describe, escape, integer, load_yaml, parse_yaml, real, shown_path
 
 SCHEDULE_KINDS = ("warmup", "constant", "cosine", "linear")

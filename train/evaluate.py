@@ -17,7 +17,7 @@ def checkpoint_logits(ckpt: Any, ids_BL: np.ndarray) -> np.ndarray:
     import jax
 
     from upcycler.train.model import ModelConfig, forward_jit
-    from upcycler.train.params import from_tensors
+    from upcycler.train.model.params import from_tensors
 
     params = from_tensors(ckpt.spec, ckpt.tensors, dtype=np.float32)
     with jax.default_matmul_precision("highest"):
@@ -34,9 +34,9 @@ def heldout_loss(path: str | Path, tokens: np.ndarray, *, seq_len: int = 128, ba
     """
     import jax
 
-    from upcycler.io.checkpoint import read_checkpoint
+    from upcycler.io import read_checkpoint
     from upcycler.train.model import ModelConfig, forward_jit
-    from upcycler.train.params import from_tensors
+    from upcycler.train.model.params import from_tensors
 
     ckpt = read_checkpoint(path)
     params = from_tensors(ckpt.spec, ckpt.tensors, dtype=np.float32)

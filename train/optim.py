@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from upcycler.spec import ModelSpec
 from upcycler.train.config import OptimizerConfig
-from upcycler.train.params import ParamInfo, Params, declare_tree
+from upcycler.train.model.params import ParamInfo, Params, declare_tree
 
 Schedule = Callable[[Any], jax.Array]
 

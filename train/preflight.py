@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from upcycler.errors import UpcyclerError
-from upcycler.io.checkpoint import read_checkpoint
+from upcycler.io import read_checkpoint
 from upcycler.io.hashing import sha256_file
 from upcycler.spec import ModelSpec
 from upcycler.train.config import TrainConfig
-from upcycler.train.data_sources import open_source
+from upcycler.train.data.sources import open_source
 from upcycler.untrusted import shown_path
 
 

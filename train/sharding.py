@@ -1,7 +1,7 @@
 """The one place that knows the mesh: logical axis names → mesh axes, and the shardings derived from them.
 
 Every parameter carries logical axes (`upcycler.layout`, plus `layers` for the stacked layer axis of
-`upcycler.train.params`); activations are named with the `batch`/`seq`/`act_*` axes below. `RULES` maps
+`upcycler.train.model.params`); activations are named with the `batch`/`seq`/`act_*` axes below. `RULES` maps
 each logical axis to the mesh axes it is split over, and everything else — parameter shardings, batch
 shardings, constraints inside the model — is derived from it. The mesh has three axes:
 
@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from upcycler.spec import ModelSpec
-from upcycler.train.params import ParamInfo, Params, declare_tree
+from upcycler.train.model.params import ParamInfo, Params, declare_tree
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
 MeshAxes = str | tuple[str, ...] | None

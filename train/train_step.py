@@ -5,8 +5,7 @@ Everything here is a pure function of (state, batch), compiled once with explici
 axis, the metrics replicated so every process can read them. The state is donated, so a step needs no
 second copy of the parameters.
 
-Dimension key:
-    B batch rows   L sequence   V vocabulary   S data sources   M MoE layers   E routed experts   k top-k
+Shape suffixes follow the dimension key of `upcycler.train.model` (here: B, L, V, M, E, k).
 """
 
 from __future__ import annotations
@@ -22,10 +21,11 @@ from jax.sharding import Mesh, NamedSharding
 
 from upcycler.spec import ModelSpec
 from upcycler.train import model as model_lib
-from upcycler.train import moe, sharding
+from upcycler.train import sharding
 from upcycler.train.config import LossConfig
+from upcycler.train.model import moe
+from upcycler.train.model.params import Params
 from upcycler.train.optim import Schedule, grad_norm
-from upcycler.train.params import Params
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "mask", "source_id")

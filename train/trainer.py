@@ -29,17 +29,17 @@ import yaml
 from jax.sharding import Mesh
 
 from upcycler.errors import UpcyclerError
-from upcycler.io.checkpoint import read_checkpoint
+from upcycler.io import read_checkpoint
 from upcycler.spec import ModelSpec
 from upcycler.train import mesh as mesh_lib
 from upcycler.train import model as model_lib
 from upcycler.train import sharding
 from upcycler.train.checkpointing import RunCheckpoints
 from upcycler.train.config import TrainConfig
-from upcycler.train.data_mix import DataIterator, make_data_iterator
+from upcycler.train.data.mix import DataIterator, make_data_iterator
 from upcycler.train.metrics import MetricsLog, Progress, flops_per_token, step_record
+from upcycler.train.model.params import abstract_params, from_tensors
 from upcycler.train.optim import make_optimizer, opt_state_shardings
-from upcycler.train.params import abstract_params, from_tensors
 from upcycler.train.preflight import Checked, prepare
 from upcycler.train.train_step import TrainState, compile_step, global_batch, make_train_step
 from upcycler.untrusted import shown_path
@@ -150,13 +150,7 @@ class _Run:
                 state, raw = compiled(state, batch)
                 raw = jax.device_get(raw)
                 elapsed = time.perf_counter() - t0
-                if not (np.isfinite(raw["total_loss"]) and np.isfinite(raw["grad_norm"])):
-                    where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
-                    raise UpcyclerError(
-                        f"loss is {float(raw['total_loss'])} (grad norm {float(raw['grad_norm'])}) at step "
-                        f"{step}; stopped without saving it; {where}; lower optimizer.lr or check the data, "
-                        "then resume"
-                    )
+                _check_finite(raw, step, last)
                 record = step_record(
                     step,
                     raw,
@@ -172,16 +166,7 @@ class _Run:
                 progress.update(record)
                 step += 1
                 preempted = stop.agreed()
-                if step % config.checkpoint.every == 0 or step == config.steps or preempted:
-                    self.ckpts.save(
-                        step,
-                        state.params,
-                        state.opt_state,
-                        self.data.get_state(),
-                        _lineage_step(config, step),
-                    )
-                    last = self.ckpts.step_dir(step)
-                    progress.note(f"checkpoint {last}")
+                last = self._maybe_checkpoint(state, step, preempted, progress) or last
                 if preempted:
                     return RunResult(step, last, preempted=True)
             return RunResult(step, last)
@@ -189,6 +174,34 @@ class _Run:
             stop.restore()
             progress.close()
             log.close()
+
+    def _maybe_checkpoint(
+        self, state: TrainState, step: int, preempted: bool, progress: Progress
+    ) -> Path | None:
+        """Save `state` as step `step` when the schedule, the last step or a preemption asks for it.
+
+        Returns the checkpoint's directory, or None when this step is not saved.
+        """
+        config = self.config
+        if not (step % config.checkpoint.every == 0 or step == config.steps or preempted):
+            return None
+        lineage = _lineage_step(config, step)
+        self.ckpts.save(step, state.params, state.opt_state, self.data.get_state(), lineage)
+        saved = self.ckpts.step_dir(step)
+        progress.note(f"checkpoint {saved}")
+        return saved
+
+
+def _check_finite(raw: dict[str, Any], step: int, last: Path | None) -> None:
+    """Stop the run (before anything of step `step` is saved) when its loss or gradient norm is not finite."""
+    if np.isfinite(raw["total_loss"]) and np.isfinite(raw["grad_norm"]):
+        return
+    where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+    raise UpcyclerError(
+        f"loss is {float(raw['total_loss'])} (grad norm {float(raw['grad_norm'])}) at step "
+        f"{step}; stopped without saving it; {where}; lower optimizer.lr or check the data, "
+        "then resume"
+    )
 
 
 def _make_run_dir(config: TrainConfig, primary: bool) -> None:

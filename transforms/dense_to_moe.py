@@ -29,10 +29,11 @@ from math import log2
 import numpy as np
 
 from upcycler.errors import UpcyclerError
+from upcycler.families import moe_families
 from upcycler.layout import layer_prefix
 from upcycler.spec import ROUTER_KINDS, ModelSpec, MoESpec, spec_real, within_limit
 from upcycler.tensors import LazyTensor, TensorMap, dtype_name, stack, zeros
-from upcycler.transforms.moe_target import AUTO_ORDER, MoERequest, apply_attention, choose_target
+from upcycler.transforms.moe_target import MoERequest, apply_attention, choose_target
 from upcycler.transforms.registry import option, register, report
 
 MAX_GROWTH = 10  # refuse results with more than this many times the source's parameters (--allow-large)
@@ -51,7 +52,7 @@ class DenseToMoE:
     shared_experts: int = option(0, help="Shards S (of G) that form the always-on shared expert.", metavar="S")
     dense_layers: int = option(0, help="First D layers keep their dense MLP untouched.", metavar="D")
     router_std: float = option(0.02, help="Std of the random router rows (0: uniform router).", metavar="σ")
-    target: str = option("auto", choices=(*AUTO_ORDER, "auto"),
+    target: str = option("auto", choices=(*moe_families(), "auto"),
                          help="HF MoE family to produce; auto: the first that holds the request exactly.")
     router: str | None = option(None, choices=ROUTER_KINDS,
                                 help="Router kind (default: the target's exact one; unnormalized is approximate).")

@@ -3,8 +3,10 @@
 Each target family holds a different MoE: Mixtral (no shared experts, no dense layers), Qwen3-MoE (no
 shared experts; q/k norms), Qwen2-MoE (one sigmoid-gated shared expert; q/k/v biases), GLM-4-MoE
 (sigmoid router, ungated shared experts, dense first layers). `choose_target` builds the MoE spec the
-request implies for each candidate and asks the family adapter (`Family.cannot_hold`) whether it can hold
-it exactly; `auto` takes the first that can, in the order of `AUTO_ORDER`.
+request implies for each candidate from the family's own facts (`Family.default_router`,
+`shared_experts`, `routed_scaling`) and asks the family adapter (`Family.cannot_hold`) whether it can hold
+it exactly; `auto` takes the first that can, in the order of `auto_order()` (`Family.auto_rank`). No
+family is named here: a registered family is a target without any change to this module.
 
 When the family cannot hold the *attention* of the source (q/k norms, biases), `--allow-approximate`
 lets `fit_attention` change it the least it can: zero biases are added (exact), biases the family lacks
@@ -20,14 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from upcycler.errors import UpcyclerError
-from upcycler.families import FAMILIES, Family, conform_spec
+from upcycler.families import Family, auto_order, conform_spec, family_named
 from upcycler.layout import layer_prefix
 from upcycler.spec import ModelSpec, MoESpec
 from upcycler.tensors import LazyTensor, TensorMap, constant, zeros
-
-AUTO_ORDER = ("mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe")
-DEFAULT_ROUTER = {"mixtral": "renormalized", "qwen2_moe": "renormalized", "qwen3_moe": "renormalized",
-                  "glm4_moe": "sigmoid"}
 
 
 @dataclass(frozen=True)
@@ -53,22 +51,24 @@ class Target:
     lossy: tuple[str, ...] = ()  # what the attention changes lose, for the report
 
 
-def moe_spec(request: MoERequest, family: str) -> MoESpec:
+def moe_spec(request: MoERequest, family: Family) -> MoESpec:
     """The MoESpec `family` stores for `request` (shared shards: one gated expert or S ungated ones)."""
     r = request
     shared = r.shared_shards * r.expert_width
+    gated = family.shared_experts == "gated"
     return MoESpec(
         num_experts=r.num_experts, top_k=r.top_k, expert_width=r.expert_width,
-        router=r.router or DEFAULT_ROUTER[family],  # type: ignore[arg-type]
-        routed_scaling_factor=r.routed_scaling_factor if family == "glm4_moe" else 1.0,
+        router=r.router or family.default_router,  # type: ignore[arg-type]
+        routed_scaling_factor=r.routed_scaling_factor if family.routed_scaling else 1.0,
         shared_width=shared,
-        num_shared_experts=(1 if shared else 0) if family == "qwen2_moe" else r.shared_shards,
-        shared_gated=family == "qwen2_moe" and bool(shared),
+        num_shared_experts=(1 if shared else 0) if gated else r.shared_shards,
+        shared_gated=gated and bool(shared),
     )
 
 
-def candidate(source: ModelSpec, request: MoERequest, family: str) -> ModelSpec:
-    return source.replace(family=family, moe=moe_spec(request, family), dense_layers=request.dense_layers)
+def candidate(source: ModelSpec, request: MoERequest, family: Family) -> ModelSpec:
+    """`source` with the MoE `family` would store for `request` (not yet checked against its limits)."""
+    return source.replace(family=family.name, moe=moe_spec(request, family), dense_layers=request.dense_layers)
 
 
 def reasons(spec: ModelSpec, family: Family) -> list[str]:
@@ -78,23 +78,24 @@ def reasons(spec: ModelSpec, family: Family) -> list[str]:
 
 def choose_target(source: ModelSpec, request: MoERequest, name: str, *,
                   allow_approximate: bool) -> tuple[Target, str]:
-    """The target family (`name`, or the first of `AUTO_ORDER` that fits for "auto") and why it was chosen."""
-    names = AUTO_ORDER if name == "auto" else (name,)
+    """The target family (`name`, or the first of `auto_order()` that fits for "auto") and why it was chosen."""
+    names = auto_order() if name == "auto" else (name,)
     refused: dict[str, list[str]] = {}
     fitted: dict[str, Target] = {}
     for fam in names:
-        spec = candidate(source, request, fam)
-        why = reasons(spec, FAMILIES[fam])
+        family = family_named(fam)
+        spec = candidate(source, request, family)
+        why = reasons(spec, family)
         if not why:
-            return Target(FAMILIES[fam], spec), _why(name, fam, refused)
-        target = fit_attention(spec, FAMILIES[fam])
+            return Target(family, spec), _why(name, fam, refused)
+        target = fit_attention(spec, family)
         if target is not None and not target.lossy:
             return target, _why(name, fam, refused)
         if target is not None:
             fitted[fam] = target
         refused[fam] = why
     if allow_approximate and fitted:
-        fam = min(fitted, key=lambda f: len(fitted[f].lossy))  # fewest lossy changes, then AUTO_ORDER
+        fam = min(fitted, key=lambda f: len(fitted[f].lossy))  # fewest lossy changes, then auto order
         return fitted[fam], _why(name, fam, {k: v for k, v in refused.items() if k != fam})
     hint = ""
     if fitted:
@@ -112,7 +113,7 @@ def _why(name: str, chosen: str, refused: dict[str, list[str]]) -> str:
         return f"target {chosen} (as requested)"
     skipped = "; ".join(f"{fam} cannot ({', '.join(why)})" for fam, why in refused.items())
     tail = f"; {skipped})" if skipped else ")"
-    return f"target {chosen} (auto: the first of {', '.join(AUTO_ORDER)} that holds it exactly{tail}"
+    return f"target {chosen} (auto: the first of {', '.join(auto_order())} that holds it exactly{tail}"
 
 
 _ATTENTION = ("qk_norm", "qkv_bias", "o_bias", "mlp_bias")

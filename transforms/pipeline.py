@@ -18,17 +18,19 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.families import conform, family_named
-from upcycler.io.checkpoint import Checkpoint, detect_format, read_checkpoint, write_checkpoint
+from upcycler.io import detect_format, read_checkpoint, write_checkpoint
+from upcycler.io.checkpoint import Checkpoint
 from upcycler.io.hf_read import read_json, read_spec, weight_files_present
 from upcycler.io.hf_write import plan_items, split_shards
 from upcycler.io.safetensors_file import encode_header
 from upcycler.layout import declare_params
 from upcycler.spec import ModelSpec
-from upcycler.summary import format_summary, human_bytes, spec_summary
+from upcycler.summary import format_summary, spec_summary
 from upcycler.tensors import LazyTensor, TensorMap, dtype_name, parse_dtype
 from upcycler.transforms.recipe import Recipe
 from upcycler.transforms.registry import Note, config_dict
-from upcycler.untrusted import describe, shown_path
+from upcycler.units import human_bytes
+from upcycler.untrusted import shown_path
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ def plan(recipe: Recipe, *, allow_config_only: bool = False) -> Plan:
     family = family_named(out.family or ckpt.spec.family)
     spec, tensors = conform(ckpt.spec, ckpt.tensors, family)
     ckpt = ckpt.replace(spec=spec, tensors=tensors)
-    shards = split_shards(plan_items(ckpt, family), _shard_size(out.shard_size))
+    shards = split_shards(plan_items(ckpt, family), out.shard_size)
     nbytes = sum(len(encode_header([(i.name, i.shape, i.dtype) for i in shard], {"format": "pt"}))
                  + sum(i.nbytes for i in shard) for shard in shards)
     config = {**family.write_config(spec), "torch_dtype": dtype_name(tensors["embed"].dtype)}
@@ -140,7 +142,7 @@ def execute(p: Plan, *, overwrite: bool = False, progress: bool = True) -> Path:
         raise UpcyclerError("no output path given; pass OUT (or use --dry-run)")
     if out.format == "hf":
         return write_checkpoint(p.ckpt, out.path, to="hf", family=p.ckpt.spec.family,
-                                shard_size=_shard_size(out.shard_size), overwrite=overwrite, progress=progress)
+                                shard_size=out.shard_size, overwrite=overwrite, progress=progress)
     return write_checkpoint(p.ckpt, out.path, to=out.format, overwrite=overwrite)
 
 
@@ -173,17 +175,3 @@ def _config_dtype(path: Path) -> np.dtype:
     except ValueError:
         where = path / "config.json"
         raise UpcyclerError(f"{where}: dtype {name!r} is not supported; use bf16, fp16 or fp32") from None
-
-
-def _shard_size(text: str) -> int:
-    import click
-
-    from upcycler.cli.options import parse_size
-
-    try:
-        size = parse_size(str(text))
-    except click.ClickException:
-        raise UpcyclerError(f"shard size {describe(str(text))} is not a size; use e.g. 5GB or 500MB") from None
-    if size < 1:
-        raise UpcyclerError(f"shard size {describe(str(text))} must be at least 1 byte; use e.g. 5GB or 500MB")
-    return size

@@ -24,6 +24,7 @@ from typing import Any
 from upcycler.errors import UpcyclerError
 from upcycler.io.hf_write import DEFAULT_SHARD_SIZE
 from upcycler.transforms.registry import Transform, config_dict, transform_named
+from upcycler.units import parse_size
 from upcycler.untrusted import describe, load_yaml, shown_path
 
 FORMATS = ("hf", "orbax")
@@ -49,7 +50,7 @@ class Output:
     format: str = "hf"
     family: str | None = None
     dtype: str | None = None
-    shard_size: str = str(DEFAULT_SHARD_SIZE)
+    shard_size: int = DEFAULT_SHARD_SIZE  # bytes
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -130,12 +131,9 @@ def _output(data: Any, base: Path, where: str) -> Output:
     for key in ("format", "family", "dtype"):
         if data.get(key) is not None and not isinstance(data[key], str):
             raise UpcyclerError(f"{where}: output.{key} must be a string, not {describe(data[key])}")
-    shard_size = data.get("shard_size", DEFAULT_SHARD_SIZE)
-    if not isinstance(shard_size, (str, int)) or isinstance(shard_size, bool):
-        raise UpcyclerError(f"{where}: output.shard_size must be a size such as 5GB, not {describe(shard_size)}")
+    shard_size = parse_size(data.get("shard_size", DEFAULT_SHARD_SIZE), f"{where}: output.shard_size")
     return Output(_path(base, data["path"]), data.get("format") or "hf", data.get("family"), data.get("dtype"),
-                  str(shard_size) if isinstance(shard_size, str) or shard_size.bit_length() < 64
-                  else describe(shard_size))
+                  shard_size)
 
 
 def _path(base: Path, text: str) -> Path:

@@ -24,22 +24,20 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 from upcycler.errors import UpcyclerError
-from upcycler.io.checkpoint import MANIFEST
 from upcycler.io.hashing import sha256_file
 from upcycler.io.hf_read import INDEX, SINGLE, plain_member, read_json
-from upcycler.summary import human_bytes
+from upcycler.io.manifest import MANIFEST, REWRITE, Manifest
+from upcycler.io.manifest import read_manifest as read_manifest_of
+from upcycler.units import human_bytes
 from upcycler.untrusted import describe, load_json_object, shown_path
 
 Echo = Callable[[str], None]
 
 CONFIG = "config.json"
 SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
-SHA256 = re.compile(r"[0-9a-fA-F]{64}")
 STALE_WEIGHTS = [SINGLE, "model-*-of-*.safetensors", INDEX]
-REWRITE = "re-write the directory with upcycler"
 RETRY = "run the same command again: a retry resumes and skips files already uploaded"
 
 
@@ -62,22 +60,10 @@ def validate_for_upload(directory: str | os.PathLike[str], *, echo: Echo | None 
     return files
 
 
-def read_manifest(root: Path) -> dict[str, Any]:
-    """The manifest `upcycler.json` (read bounded), with its `files` table checked for shape."""
-    path = root / MANIFEST
-    manifest = load_json_object(path, fix=REWRITE, what="manifest")
-    if manifest.get("format") != 1:
-        raise UpcyclerError(f"{shown_path(path)}: unknown format {describe(manifest.get('format'))}; "
-                            "upgrade upcycler")
-    files = manifest.get("files")
-    ok = isinstance(files, dict) and all(
-        isinstance(e, dict)
-        and isinstance(e.get("sha256"), str) and SHA256.fullmatch(e["sha256"]) is not None
-        and isinstance(e.get("bytes"), int) and not isinstance(e["bytes"], bool) and 0 <= e["bytes"] < 2**63
-        for e in files.values()
-    )
-    if not ok:
-        raise UpcyclerError(f"{shown_path(path)}: 'files' must map names to {{sha256, bytes}}; {REWRITE}")
+def read_manifest(root: Path) -> Manifest:
+    """The manifest `upcycler.json` (read bounded), with its `files` table checked record by record."""
+    manifest = read_manifest_of(root, fix=REWRITE)
+    manifest.file_records()
     return manifest
 
 
@@ -171,8 +157,8 @@ def _check_index(root: Path, shards: list[str]) -> None:
                             f"delete it or {REWRITE}")
 
 
-def _check_manifest_files(root: Path, manifest: dict[str, Any], files: list[str], echo: Echo) -> None:
-    entries: dict[str, dict[str, Any]] = manifest["files"]
+def _check_manifest_files(root: Path, manifest: Manifest, files: list[str], echo: Echo) -> None:
+    entries = {name: {"bytes": size, "sha256": sha} for name, (size, sha) in manifest.file_records().items()}
     unlisted = [f for f in files if f.endswith(".safetensors") and f not in entries]
     if unlisted:
         raise UpcyclerError(f"{shown_path(root / unlisted[0])}: not listed in {MANIFEST}, "

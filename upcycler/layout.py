@@ -14,7 +14,7 @@ move them one expert at a time (`LazyTensor.part`).
     layers.{i}.mlp.{gate,up}_proj      [F, D]          dense layers (+ *_bias with `mlp_bias`)
     layers.{i}.mlp.down_proj           [D, F]
     layers.{i}.moe.router              [E, D]
-    layers.{i}.moe.router_bias         [E]             sigmoid routers with a selection bias
+    layers.{i}.moe.router_bias         [E]             sigmoid routers with a selection bias (a buffer)
     layers.{i}.moe.experts.{gate,up}_proj  [E, f, D]
     layers.{i}.moe.experts.down_proj   [E, D, f]
     layers.{i}.moe.shared.{gate,up}_proj   [Fs, D]     with a shared expert
@@ -34,20 +34,20 @@ from upcycler.spec import ModelSpec
 
 @dataclass(frozen=True)
 class ParamDecl:
-    """One parameter: canonical name, shape and one logical axis name per dimension."""
+    """One parameter: canonical name, shape, one logical axis name per dimension, and whether it is a buffer.
+
+    A buffer (the sigmoid router's selection bias) is stored, in float32, but not trained, and is not
+    counted as a parameter; the declaration below is the one place that says which tensors are buffers.
+    """
 
     name: str
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
+    is_buffer: bool = False
 
     @property
     def numel(self) -> int:
         return prod(self.shape)
-
-    @property
-    def is_buffer(self) -> bool:
-        """Stored but not trained (the sigmoid router's selection bias), so not counted as a parameter."""
-        return self.name.endswith("router_bias")
 
     @property
     def expert_stacked(self) -> bool:
@@ -126,7 +126,7 @@ def _moe(spec: ModelSpec, p: str) -> list[ParamDecl]:
     D, E, f = spec.hidden_size, moe.num_experts, moe.expert_width
     out = [ParamDecl(p + "router", (E, D), (None, "embed"))]
     if moe.router_bias:
-        out.append(ParamDecl(p + "router_bias", (E,), (None,)))
+        out.append(ParamDecl(p + "router_bias", (E,), (None,), is_buffer=True))
     out += [
         ParamDecl(p + "experts.gate_proj", (E, f, D), ("experts", "expert_mlp", "embed")),
         ParamDecl(p + "experts.up_proj", (E, f, D), ("experts", "expert_mlp", "embed")),

@@ -5,7 +5,7 @@ the tags; the Markdown body gives the lineage step by step, the architecture wit
 parameter counts, how function preservation was checked, how to load the model, and each file's size and
 sha256. A local source is named by its directory name only, never by its path.
 
-The manifest is untrusted input: it is read bounded (`upcycler.hub.read_manifest`), its spec is validated
+The manifest is untrusted input: it is read bounded (`upcycler.io.manifest.read_manifest`), its spec is validated
 by `ModelSpec` before any parameter is counted, and a value of an unexpected type is rendered as is or
 skipped, never a crash. Looking up a source's licence (its README front matter or config.json, read
 size-capped through `upcycler.untrusted`) is best effort: an unreadable or hostile file gives no licence.
@@ -22,15 +22,15 @@ from typing import Any
 import yaml
 
 from upcycler.errors import UpcyclerError
-from upcycler.hub import CONFIG, REWRITE, read_manifest
-from upcycler.io.checkpoint import MANIFEST
 from upcycler.io.hf_read import read_json
+from upcycler.io.manifest import REWRITE, read_manifest
 from upcycler.spec import ModelSpec
-from upcycler.summary import human_bytes, human_count
-from upcycler.untrusted import escape, parse_yaml, read_text, shown_path
+from upcycler.units import human_bytes, human_count
+from upcycler.untrusted import parse_yaml, read_text, shown_path
 
 MAX_README_BYTES = 4 * 1024**2
 MAX_SOURCE = 4096  # characters of a source name that are treated as a path or repo id (PATH_MAX)
+CONFIG = "config.json"
 _FRONT_MATTER = re.compile(r"\s*---[ \t]*\r?\n(.*?)\r?\n---[ \t]*(?:\r?\n|$)", re.S)
 
 
@@ -38,9 +38,8 @@ def render_model_card(directory: str | os.PathLike[str], *, repo_id: str | None 
     """A README.md (YAML front matter + Markdown) describing the model in `directory` from its manifest."""
     root = Path(directory)
     manifest = read_manifest(root)
-    spec = _spec_of(root, manifest)
-    raw_lineage = manifest.get("lineage")
-    lineage = [e for e in raw_lineage if isinstance(e, dict)] if isinstance(raw_lineage, list) else []
+    spec = manifest.spec()
+    lineage = list(manifest.lineage)
     licenses = _source_licenses(lineage, read_json(root / CONFIG, REWRITE))
     title = repo_id.split("/")[-1] if repo_id else root.resolve().name
     sections = [
@@ -48,22 +47,13 @@ def render_model_card(directory: str | os.PathLike[str], *, repo_id: str | None 
         _intro(lineage),
         _lineage_section(lineage, licenses),
         _architecture_section(spec),
-        _verification_section(manifest.get("verification")),
+        _verification_section(manifest.extra.get("verification")),
         _usage_section(repo_id),
-        _files_section(manifest["files"]),
+        _files_section({name: {"bytes": size, "sha256": sha}
+                        for name, (size, sha) in manifest.file_records().items()}),
     ]
     front = yaml.safe_dump(_front_matter(spec, lineage, licenses), sort_keys=False, allow_unicode=True)
     return "---\n" + front + "---\n\n" + "\n\n".join(s for s in sections if s) + "\n"
-
-
-def _spec_of(root: Path, manifest: dict[str, Any]) -> ModelSpec:
-    """The manifest's model spec, validated (types, ranges, size limits) by `ModelSpec` itself."""
-    raw = manifest.get("spec")
-    try:
-        return ModelSpec.from_json(raw if isinstance(raw, str) else json.dumps(raw))
-    except (UpcyclerError, TypeError, ValueError, KeyError, AttributeError) as err:
-        raise UpcyclerError(f"{shown_path(root / MANIFEST)}: 'spec' is not a model spec "
-                            f"({escape(str(err))[:160]}); {REWRITE}") from None
 
 
 def _front_matter(spec: ModelSpec, lineage: list[dict], licenses: dict[str, str]) -> dict[str, Any]:

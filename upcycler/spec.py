@@ -190,10 +190,13 @@ class ModelSpec:
     extras: tuple[tuple[str, Any], ...] = field(default=(), compare=False)  # raw JSON values
 
     def __post_init__(self) -> None:
-        """Refuse a spec with a field of the wrong type or out of range, or a model beyond the limits."""
-        from upcycler.families import FAMILIES
+        """Refuse a spec with a field of the wrong type or out of range, or a model beyond the limits.
 
-        spec_choice(self.family, "family", tuple(FAMILIES))
+        `family` must be a short name; whether a family of that name is registered is the registry's
+        question (`upcycler.families.family_named`), asked where the spec is read or written.
+        """
+        if not isinstance(self.family, str) or not 0 < len(self.family) <= 64:
+            raise SpecError(f"family must be a family name, not {describe(self.family)}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim", "intermediate_size",
                      "max_position_embeddings"):
             spec_int(getattr(self, name), name)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 from upcycler.families import FAMILIES
 from upcycler.io.checkpoint import Checkpoint
 from upcycler.spec import ModelSpec
 from upcycler.tensors import dtype_name
+from upcycler.units import human_bytes, human_count
 
 
 def spec_summary(spec: ModelSpec) -> dict[str, Any]:
@@ -56,20 +56,6 @@ def checkpoint_summary(ckpt: Checkpoint) -> dict[str, Any]:
     }
 
 
-def human_count(n: int) -> str:
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(n)
-
-
-def human_bytes(n: int) -> str:
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
 def format_summary(info: dict[str, Any]) -> str:
     """Human-readable lines for `info` from `checkpoint_summary` or `spec_summary`."""
     lines = []
@@ -94,13 +80,3 @@ def format_summary(info: dict[str, Any]) -> str:
     if info.get("bytes") is not None and "dtype" in info:
         lines.append(f"tensors         {info['dtype']}, {human_bytes(info['bytes'])}")
     return "\n".join(lines)
-
-
-def describe_path(path: Path) -> dict[str, Any]:
-    """Summary of a checkpoint directory; a config-only HF directory gives the architecture alone."""
-    from upcycler.io.checkpoint import detect_format, read_checkpoint
-    from upcycler.io.hf_read import read_spec, weight_files_present
-
-    if detect_format(path) == "hf" and not weight_files_present(path):
-        return {"path": str(path), **spec_summary(read_spec(path)), "weights": "none (config only)"}
-    return checkpoint_summary(read_checkpoint(path))

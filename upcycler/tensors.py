@@ -11,8 +11,10 @@ Dtypes are numpy dtypes; bfloat16 comes from `ml_dtypes`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import prod
+from typing import TypeVar
 
 import ml_dtypes
 import numpy as np
@@ -161,3 +163,38 @@ class TensorMap(Mapping[str, LazyTensor]):
             {k: v.astype(dtype) if np.issubdtype(v.dtype, np.floating) or v.dtype == BF16 else v
              for k, v in self._tensors.items()}
         )
+
+
+T = TypeVar("T")
+
+
+def cut_in_order(items: Sequence[T], size: Callable[[T], int], limit: int) -> list[list[T]]:
+    """Consecutive runs of `items` of at most `limit` total `size` each (a larger item stands alone).
+
+    Preserves the order of the items; used to cut shards and write groups.
+    """
+    runs: list[list[T]] = [[]]
+    total = 0
+    for item in items:
+        n = size(item)
+        if runs[-1] and total + n > limit:
+            runs.append([])
+            total = 0
+        runs[-1].append(item)
+        total += n
+    return runs
+
+
+def read_ahead(readers: Sequence[Callable[[], np.ndarray]]) -> Iterator[np.ndarray]:
+    """Each reader's array in order, the next one read on a worker thread while this one is used.
+
+    Overlaps reading with the consumer's work at the cost of one more array in memory, provided the
+    consumer drops each array before asking for the next.
+    """
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(readers[0]) if readers else None
+        for k in range(len(readers)):
+            array = pending.result()
+            pending = pool.submit(readers[k + 1]) if k + 1 < len(readers) else None
+            yield array
+            del array

@@ -54,7 +54,7 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 def compare(a: Path, b: Path, *, tokens: int = 64, batch: int = 2, seed: int = 0) -> dict[str, Any]:
     """Run both checkpoints on one probe and return the statistics (see the module docstring)."""
-    from upcycler.io.checkpoint import read_checkpoint
+    from upcycler.io import read_checkpoint
     from upcycler.train.model import unsupported
 
     check_options(tokens=tokens, batch=batch, seed=seed)

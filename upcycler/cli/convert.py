@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from upcycler.cli.options import output_options, write_output
-from upcycler.io.checkpoint import read_checkpoint
+from upcycler.io import read_checkpoint
 
 
 @click.command("convert")

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
-from upcycler.summary import describe_path, format_summary
+from upcycler.io import detect_format, read_checkpoint
+from upcycler.io.hf_read import read_spec, weight_files_present
+from upcycler.summary import checkpoint_summary, format_summary, spec_summary
+
+
+def describe_path(path: Path) -> dict[str, Any]:
+    """Summary of a checkpoint directory; a config-only HF directory gives the architecture alone."""
+    if detect_format(path) == "hf" and not weight_files_present(path):
+        return {"path": str(path), **spec_summary(read_spec(path)), "weights": "none (config only)"}
+    return checkpoint_summary(read_checkpoint(path))
 
 
 @click.command("inspect")

@@ -17,7 +17,7 @@ import click
 
 from upcycler.cli.options import output_options, write_output
 from upcycler.errors import UpcyclerError
-from upcycler.io.checkpoint import read_checkpoint
+from upcycler.io import read_checkpoint
 from upcycler.io.staging import check_output
 from upcycler.merge import METHODS, Arg, MergeInput, describe_plan, find_checkpoints, merge, plan_merge
 

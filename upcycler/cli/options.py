@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
-from upcycler.io.checkpoint import Checkpoint, write_checkpoint
+from upcycler.io import write_checkpoint
+from upcycler.io.checkpoint import Checkpoint
 from upcycler.io.hf_write import DEFAULT_SHARD_SIZE
 from upcycler.tensors import parse_dtype
-from upcycler.untrusted import describe
-
-_SIZE = re.compile(r"^\s*(\d{1,15}(?:\.\d{1,9})?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """'5GB' -> 5e9, '512MiB' -> 512·2^20, '1000' -> 1000 bytes; at least one byte."""
-    m = _SIZE.match(text)
-    if not m:
-        raise click.BadParameter(f"{describe(text)} is not a size; use e.g. 5GB, 500MB, 2GiB")
-    number, unit, binary = float(m.group(1)), m.group(2).upper(), bool(m.group(3))
-    power = "KMGT".index(unit) + 1 if unit else 0
-    size = int(number * (1024 if binary else 1000) ** power)
-    if size < 1:
-        raise click.BadParameter(f"{describe(text)} is less than one byte; use e.g. 5GB, 500MB, 2GiB")
-    return size
+from upcycler.units import parse_size
 
 
 def output_options(fn: Callable) -> Callable:
@@ -55,7 +40,7 @@ def write_output(ckpt: Checkpoint, out: Path, *, to: str, family: str | None, dt
         ckpt = ckpt.replace(tensors=ckpt.tensors.astype(parse_dtype(dtype)))
     options: dict[str, Any] = {"overwrite": overwrite, **extra}
     if to == "hf":
-        options.update(family=family, shard_size=parse_size(shard_size))
+        options.update(family=family, shard_size=parse_size(shard_size, "--shard-size"))
     elif family:
         raise click.BadParameter("--family applies to --to hf only")
     return write_checkpoint(ckpt, out, to=to, **options)

@@ -2,7 +2,7 @@
 
 Inputs must be regular files (a FIFO or device is refused, never read); a bad JSONL line stops the run
 naming the file and line. Output appears in --out only when every source is complete; a failed run
-leaves --out as it was (see `upcycler.train.data_prepare`).
+leaves --out as it was (see `upcycler.train.data.prepare`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from upcycler.train.data_readers import FORMATS, TEXT_UNITS
+from upcycler.train.data.readers import FORMATS, TEXT_UNITS
 from upcycler.untrusted import shown_path
 
 
@@ -66,8 +66,8 @@ def command(
     A malformed JSONL line is an error naming the file and line (nothing is skipped silently), and
     nothing is written to OUT unless every source is prepared.
     """
-    from upcycler.train.data_prepare import parse_sources, prepare_sources
-    from upcycler.train.data_tokenizer import load_tokenizer
+    from upcycler.train.data.prepare import parse_sources, prepare_sources
+    from upcycler.train.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path, eos)
     files = parse_sources(sources)

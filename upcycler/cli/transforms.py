@@ -18,6 +18,7 @@ from upcycler.cli.options import output_options
 from upcycler.io.staging import check_output
 from upcycler.transforms import TRANSFORMS
 from upcycler.transforms.registry import OptionInfo, Transform
+from upcycler.units import parse_size
 
 _CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING}
 _RESERVED = {"src", "out", "to", "family", "dtype", "shard_size", "overwrite", "dry_run", "as_json"}
@@ -47,8 +48,8 @@ def finish(p, *, dry_run: bool, as_json: bool, overwrite: bool) -> None:
 
     The notes follow the write so that a failed write says one thing only: its error.
     """
-    from upcycler.summary import human_bytes, human_count
     from upcycler.transforms.pipeline import execute
+    from upcycler.units import human_bytes, human_count
 
     if dry_run:
         click.echo(json.dumps(p.to_json(), indent=2) if as_json else p.describe())
@@ -79,7 +80,7 @@ def transform_command(t: Transform) -> click.Command:
 
         if out is None and not dry_run:
             raise click.UsageError("missing argument OUT (only --dry-run can do without it)")
-        recipe = single(t.name, values, src, Output(out, to, family, dtype, shard_size))
+        recipe = single(t.name, values, src, Output(out, to, family, dtype, parse_size(shard_size, "--shard-size")))
         finish(plan(recipe, allow_config_only=dry_run), dry_run=dry_run, as_json=as_json, overwrite=overwrite)
 
     fn: Callable = run_options(output_options(callback))

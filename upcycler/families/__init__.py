@@ -1,12 +1,16 @@
 """The registry of Hugging Face families, and fitting a model to a target family without changing its function.
 
-Adding a family = adding a `Family` in `dense.py` or `moe.py` and listing it here; transforms never
-change.
+Adding a family = building a `Family` (with keyword arguments, in `dense.py` or `moe.py`) and listing it
+in `FAMILIES` below; every fact a transform needs is a field of the `Family`, so transforms never change.
+A family defined elsewhere (a plugin, a test) is added with `register_family(family)` and removed with
+`unregister_family(name)`, or for a block with `with registered(family): ...`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -23,6 +27,43 @@ FAMILIES: dict[str, Family] = {
     f.name: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, MIXTRAL, QWEN2_MOE, QWEN3_MOE, GLM4_MOE)
 }
 _BY_ARCHITECTURE = {f.architecture: f for f in FAMILIES.values()}
+
+
+def register_family(family: Family) -> None:
+    """Make `family` known to readers, writers and transforms (by its name and its architecture)."""
+    for taken, known in ((family.name, FAMILIES), (family.architecture, _BY_ARCHITECTURE)):
+        if taken in known:
+            raise UpcyclerError(f"a family named or built as {describe(taken)} is already registered")
+    FAMILIES[family.name] = family
+    _BY_ARCHITECTURE[family.architecture] = family
+
+
+def unregister_family(name: str) -> None:
+    """Forget the family registered as `name` (the inverse of `register_family`)."""
+    family = FAMILIES.pop(name)
+    del _BY_ARCHITECTURE[family.architecture]
+
+
+@contextmanager
+def registered(family: Family) -> Iterator[Family]:
+    """`family` registered for the duration of a `with` block, and unregistered after it."""
+    register_family(family)
+    try:
+        yield family
+    finally:
+        unregister_family(family.name)
+
+
+def auto_order() -> tuple[str, ...]:
+    """The MoE families `--target auto` tries, in order of their `auto_rank` (lowest first)."""
+    ranked = [f for f in FAMILIES.values() if f.is_moe and f.auto_rank is not None]
+    return tuple(f.name for f in sorted(ranked, key=lambda f: f.auto_rank))
+
+
+def moe_families() -> tuple[str, ...]:
+    """The registered MoE families: those of `auto_order()`, then those `auto` never picks."""
+    ranked = auto_order()
+    return ranked + tuple(name for name, f in FAMILIES.items() if f.is_moe and name not in ranked)
 
 
 def supported_architectures() -> str:
@@ -56,9 +97,9 @@ def family_for_config(cfg: dict, where: str) -> Family:
 
 def conform_spec(spec: ModelSpec, family: Family) -> ModelSpec:
     """`spec` as `family` stores it: the function-neutral additions of `conform`, without tensors."""
-    if family.name in ("qwen2", "qwen2_moe") and not spec.qkv_bias and not spec.o_bias:
+    if family.neutral_qkv_bias and not spec.qkv_bias and not spec.o_bias:
         spec = spec.replace(qkv_bias=True)
-    if family.name == "glm4_moe" and spec.moe is not None and not spec.moe.router_bias:
+    if family.neutral_router_bias and spec.moe is not None and not spec.moe.router_bias:
         spec = spec.replace(moe=dataclasses.replace(spec.moe, router_bias=True))
     return spec.replace(family=family.name)
 
@@ -66,8 +107,9 @@ def conform_spec(spec: ModelSpec, family: Family) -> ModelSpec:
 def conform(spec: ModelSpec, tensors: TensorMap, family: Family) -> tuple[ModelSpec, TensorMap]:
     """Fit (spec, tensors) to `family`, adding only tensors that leave the function unchanged.
 
-    Zero q/k/v biases for Qwen2-style families (transformers v4 always builds them) and a zero selection
-    bias for sigmoid routers. Anything the family cannot hold exactly is refused with the reasons.
+    Zero q/k/v biases for families with `neutral_qkv_bias` (transformers v4 always builds them for
+    Qwen2-style attention) and a zero selection bias for `neutral_router_bias` (sigmoid routers). Anything
+    the family cannot hold exactly is refused with the reasons.
     """
     added: dict = {}
     spec = conform_spec(spec, family)
@@ -80,5 +122,5 @@ def conform(spec: ModelSpec, tensors: TensorMap, family: Family) -> tuple[ModelS
     for decl in declare_params(spec):
         if decl.name not in tensors:
             if decl.name.endswith("_bias"):
-                added[decl.name] = zeros(decl.shape, np.float32 if "router" in decl.name else dtype)
+                added[decl.name] = zeros(decl.shape, np.float32 if decl.is_buffer else dtype)
     return spec, tensors.updated(added) if added else tensors

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from upcycler.layout import ParamDecl
 from upcycler.spec import (
     ModelSpec,
+    RouterKind,
     SpecError,
     checked_extras,
     freeze_mapping,
@@ -66,19 +67,44 @@ _INTERPRETED = {
 }
 
 
+SharedExperts = Literal["none", "gated", "count"]
+
+
 @dataclass(frozen=True)
 class Family:
-    """One Hugging Face architecture: its names, its config mapping and its limits."""
+    """One Hugging Face architecture: its names, its config mapping, its limits and its MoE facts.
+
+    Everything a transform or the registry needs to know about a family is a field here, so adding a
+    family never changes a transform: `default_router`, `shared_experts`, `routed_scaling` and
+    `auto_rank` say how `dense-to-moe` builds an MoE for it; `neutral_qkv_bias` and `neutral_router_bias`
+    name the function-neutral zero tensors `conform` adds when writing it.
+    """
 
     name: str
     architecture: str
     model_type: str
-    read_config: Callable[[dict[str, Any]], ModelSpec]
-    write_config: Callable[[ModelSpec], dict[str, Any]]
+    config_reader: Callable[[Family, dict[str, Any]], ModelSpec]  # config.json -> spec (family = self.name)
+    config_writer: Callable[[Family, ModelSpec], dict[str, Any]]  # spec -> config.json
     moe_names: dict[str, str] = field(default_factory=dict)  # canonical MoE suffix -> HF suffix ({e} = expert)
     limits: Callable[[ModelSpec], list[str]] = lambda spec: []
     is_moe: bool = False
     sliding_window: bool = True  # whether the family can express sliding-window attention
+    default_router: RouterKind = "renormalized"  # the router the family computes exactly (MoE only)
+    # how S shared shards are stored: "none" (no shared expert), "gated" (fused into one sigmoid-gated
+    # expert, Qwen2-MoE) or "count" (S ungated experts of the routed width, fused; GLM-4-MoE)
+    shared_experts: SharedExperts = "none"
+    routed_scaling: bool = False  # whether the config holds a routed_scaling_factor
+    auto_rank: int | None = None  # MoE families: place in `--target auto` (lowest first; None: never)
+    neutral_qkv_bias: bool = False  # always stores q/k/v biases: zeros are added to a model without any
+    neutral_router_bias: bool = False  # sigmoid router with a selection bias: zeros are added when missing
+
+    def read_config(self, cfg: dict[str, Any]) -> ModelSpec:
+        """The spec a config.json of this family describes (its fields checked; see the module doc)."""
+        return self.config_reader(self, cfg)
+
+    def write_config(self, spec: ModelSpec) -> dict[str, Any]:
+        """The config.json of `spec`, which this family holds (see `cannot_hold`)."""
+        return self.config_writer(self, spec)
 
     def hf_names(self, decl: ParamDecl) -> list[str]:
         """On-disk names of one canonical parameter: one name, or one per expert for stacked experts."""

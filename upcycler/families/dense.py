@@ -22,16 +22,16 @@ from upcycler.families.base import (
 from upcycler.spec import ModelSpec
 
 
-def _read_llama(cfg: dict[str, Any]) -> ModelSpec:
+def _read_llama(family: Family, cfg: dict[str, Any]) -> ModelSpec:
     bias = config_bool(cfg, "attention_bias")
     return ModelSpec(
-        family="llama", intermediate_size=config_int(cfg, "intermediate_size"), qkv_bias=bias, o_bias=bias,
+        family=family.name, intermediate_size=config_int(cfg, "intermediate_size"), qkv_bias=bias, o_bias=bias,
         mlp_bias=config_bool(cfg, "mlp_bias"), **common_spec_fields(cfg),
     )
 
 
-def _write_llama(spec: ModelSpec) -> dict[str, Any]:
-    return {**common_config_fields(spec, LLAMA), "attention_bias": spec.qkv_bias, "mlp_bias": spec.mlp_bias}
+def _write_llama(family: Family, spec: ModelSpec) -> dict[str, Any]:
+    return {**common_config_fields(spec, family), "attention_bias": spec.qkv_bias, "mlp_bias": spec.mlp_bias}
 
 
 def _llama_limits(spec: ModelSpec) -> list[str]:
@@ -43,16 +43,16 @@ def _llama_limits(spec: ModelSpec) -> list[str]:
     return out
 
 
-def _read_mistral(cfg: dict[str, Any]) -> ModelSpec:
+def _read_mistral(family: Family, cfg: dict[str, Any]) -> ModelSpec:
     return ModelSpec(
-        family="mistral", intermediate_size=config_int(cfg, "intermediate_size"),
+        family=family.name, intermediate_size=config_int(cfg, "intermediate_size"),
         sliding_window=config_int(cfg, "sliding_window", default=None),
         **common_spec_fields(cfg),
     )
 
 
-def _write_mistral(spec: ModelSpec) -> dict[str, Any]:
-    return {**common_config_fields(spec, MISTRAL), "sliding_window": spec.sliding_window}
+def _write_mistral(family: Family, spec: ModelSpec) -> dict[str, Any]:
+    return {**common_config_fields(spec, family), "sliding_window": spec.sliding_window}
 
 
 def _mistral_limits(spec: ModelSpec) -> list[str]:
@@ -64,16 +64,16 @@ def _mistral_limits(spec: ModelSpec) -> list[str]:
     return out
 
 
-def _read_qwen2(cfg: dict[str, Any]) -> ModelSpec:
+def _read_qwen2(family: Family, cfg: dict[str, Any]) -> ModelSpec:
     return ModelSpec(
-        family="qwen2", intermediate_size=config_int(cfg, "intermediate_size"), qkv_bias=True,
+        family=family.name, intermediate_size=config_int(cfg, "intermediate_size"), qkv_bias=True,
         sliding_window=config_int(cfg, "sliding_window", default=None), layer_types=read_layer_types(cfg),
         **common_spec_fields(cfg),
     )
 
 
-def _write_qwen2(spec: ModelSpec) -> dict[str, Any]:
-    return {**common_config_fields(spec, QWEN2), **sliding_fields(spec)}
+def _write_qwen2(family: Family, spec: ModelSpec) -> dict[str, Any]:
+    return {**common_config_fields(spec, family), **sliding_fields(spec)}
 
 
 def _qwen2_limits(spec: ModelSpec) -> list[str]:
@@ -85,17 +85,17 @@ def _qwen2_limits(spec: ModelSpec) -> list[str]:
     return out
 
 
-def _read_qwen3(cfg: dict[str, Any]) -> ModelSpec:
+def _read_qwen3(family: Family, cfg: dict[str, Any]) -> ModelSpec:
     bias = config_bool(cfg, "attention_bias")
     return ModelSpec(
-        family="qwen3", intermediate_size=config_int(cfg, "intermediate_size"), qkv_bias=bias, o_bias=bias,
+        family=family.name, intermediate_size=config_int(cfg, "intermediate_size"), qkv_bias=bias, o_bias=bias,
         qk_norm=True, sliding_window=config_int(cfg, "sliding_window", default=None),
         layer_types=read_layer_types(cfg), **common_spec_fields(cfg),
     )
 
 
-def _write_qwen3(spec: ModelSpec) -> dict[str, Any]:
-    return {**common_config_fields(spec, QWEN3), "attention_bias": spec.qkv_bias, **sliding_fields(spec)}
+def _write_qwen3(family: Family, spec: ModelSpec) -> dict[str, Any]:
+    return {**common_config_fields(spec, family), "attention_bias": spec.qkv_bias, **sliding_fields(spec)}
 
 
 def _qwen3_limits(spec: ModelSpec) -> list[str]:
@@ -107,8 +107,11 @@ def _qwen3_limits(spec: ModelSpec) -> list[str]:
     return out
 
 
-LLAMA = Family("llama", "LlamaForCausalLM", "llama", _read_llama, _write_llama, limits=_llama_limits,
-               sliding_window=False)
-MISTRAL = Family("mistral", "MistralForCausalLM", "mistral", _read_mistral, _write_mistral, limits=_mistral_limits)
-QWEN2 = Family("qwen2", "Qwen2ForCausalLM", "qwen2", _read_qwen2, _write_qwen2, limits=_qwen2_limits)
-QWEN3 = Family("qwen3", "Qwen3ForCausalLM", "qwen3", _read_qwen3, _write_qwen3, limits=_qwen3_limits)
+LLAMA = Family(name="llama", architecture="LlamaForCausalLM", model_type="llama", config_reader=_read_llama,
+               config_writer=_write_llama, limits=_llama_limits, sliding_window=False)
+MISTRAL = Family(name="mistral", architecture="MistralForCausalLM", model_type="mistral",
+                 config_reader=_read_mistral, config_writer=_write_mistral, limits=_mistral_limits)
+QWEN2 = Family(name="qwen2", architecture="Qwen2ForCausalLM", model_type="qwen2", config_reader=_read_qwen2,
+               config_writer=_write_qwen2, limits=_qwen2_limits, neutral_qkv_bias=True)
+QWEN3 = Family(name="qwen3", architecture="Qwen3ForCausalLM", model_type="qwen3", config_reader=_read_qwen3,
+               config_writer=_write_qwen3, limits=_qwen3_limits)

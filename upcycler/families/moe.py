@@ -70,17 +70,17 @@ def _common_limits(spec: ModelSpec, name: str, *, qk_norm: bool | None, biases: 
 
 
 # --- Mixtral ---------------------------------------------------------------------------------------
-def _read_mixtral(cfg: dict[str, Any]) -> ModelSpec:
+def _read_mixtral(family: Family, cfg: dict[str, Any]) -> ModelSpec:
     width = config_int(cfg, "intermediate_size")
     moe = MoESpec(_num_experts(cfg), config_int(cfg, "num_experts_per_tok", "top_k"), width, "renormalized")
-    return ModelSpec(family="mixtral", intermediate_size=width, moe=moe,
+    return ModelSpec(family=family.name, intermediate_size=width, moe=moe,
                      sliding_window=config_int(cfg, "sliding_window", default=None),
                      **common_spec_fields(cfg))
 
 
-def _write_mixtral(spec: ModelSpec) -> dict[str, Any]:
+def _write_mixtral(family: Family, spec: ModelSpec) -> dict[str, Any]:
     moe = spec.moe
-    return {**common_config_fields(spec, MIXTRAL), "intermediate_size": moe.expert_width,
+    return {**common_config_fields(spec, family), "intermediate_size": moe.expert_width,
             "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
             "sliding_window": spec.sliding_window}
 
@@ -98,9 +98,10 @@ def _mixtral_limits(spec: ModelSpec) -> list[str]:
 
 
 # --- Qwen2-MoE / Qwen3-MoE ---------------------------------------------------------------------------
-def _read_qwen_moe(cfg: dict[str, Any], family: str) -> ModelSpec:
+def _read_qwen_moe(family: Family, cfg: dict[str, Any]) -> ModelSpec:
+    """Qwen2-MoE (a gated shared expert; q/k/v biases) or Qwen3-MoE (q/k norms; `attention_bias`)."""
     shared = 0
-    if family == "qwen2_moe":
+    if family.shared_experts == "gated":
         shared = config_int(cfg, "shared_expert_intermediate_size", "shared_width", default=0)
     moe = MoESpec(
         _num_experts(cfg), config_int(cfg, "num_experts_per_tok", "top_k"),
@@ -108,27 +109,26 @@ def _read_qwen_moe(cfg: dict[str, Any], family: str) -> ModelSpec:
         "renormalized" if config_bool(cfg, "norm_topk_prob") else "unnormalized",
         shared_width=shared, num_shared_experts=1 if shared else 0, shared_gated=bool(shared),
     )
-    if family == "qwen2_moe":
+    if family.neutral_qkv_bias:  # Qwen2-style attention: q/k/v biases, no q/k norms
         bias = dict(qkv_bias=config_bool(cfg, "qkv_bias", True))
     else:
         b = config_bool(cfg, "attention_bias")
         bias = dict(qkv_bias=b, o_bias=b, qk_norm=True)
-    return ModelSpec(family=family, intermediate_size=config_int(cfg, "intermediate_size"), moe=moe,
+    return ModelSpec(family=family.name, intermediate_size=config_int(cfg, "intermediate_size"), moe=moe,
                      dense_layers=_qwen_dense_layers(cfg),
                      sliding_window=config_int(cfg, "sliding_window", default=None),
                      layer_types=read_layer_types(cfg), **bias, **common_spec_fields(cfg))
 
 
-def _write_qwen_moe(spec: ModelSpec, family: Family) -> dict[str, Any]:
+def _write_qwen_moe(family: Family, spec: ModelSpec) -> dict[str, Any]:
     moe = spec.moe
     cfg = {**common_config_fields(spec, family), "num_experts": moe.num_experts,
            "num_experts_per_tok": moe.top_k, "moe_intermediate_size": moe.expert_width,
            "norm_topk_prob": moe.router == "renormalized", "decoder_sparse_step": 1,
            "mlp_only_layers": list(spec.dense_layers), **sliding_fields(spec)}
-    if family is QWEN2_MOE:
-        cfg.update(shared_expert_intermediate_size=moe.shared_width, qkv_bias=spec.qkv_bias)
-    else:
-        cfg.update(attention_bias=spec.qkv_bias)
+    if family.shared_experts == "gated":
+        cfg.update(shared_expert_intermediate_size=moe.shared_width)
+    cfg.update({"qkv_bias" if family.neutral_qkv_bias else "attention_bias": spec.qkv_bias})
     return cfg
 
 
@@ -153,7 +153,7 @@ def _qwen3_moe_limits(spec: ModelSpec) -> list[str]:
 
 
 # --- GLM-4-MoE -----------------------------------------------------------------------------------------
-def _read_glm4_moe(cfg: dict[str, Any]) -> ModelSpec:
+def _read_glm4_moe(family: Family, cfg: dict[str, Any]) -> ModelSpec:
     groups = config_int(cfg, "n_group", low=0, default=1), config_int(cfg, "topk_group", low=0, default=1)
     if not config_bool(cfg, "norm_topk_prob", True) or max(groups) > 1:
         raise SpecError("only GLM-4-MoE routers with norm_topk_prob true and n_group = topk_group = 1 are "
@@ -170,14 +170,14 @@ def _read_glm4_moe(cfg: dict[str, Any]) -> ModelSpec:
         common["partial_rotary_factor"] = 0.5  # transformers' Glm4MoeConfig default
     b = config_bool(cfg, "attention_bias")
     first_dense = config_int(cfg, "first_k_dense_replace", low=0, high=common["num_layers"], default=0)
-    return ModelSpec(family="glm4_moe", intermediate_size=config_int(cfg, "intermediate_size"), moe=moe,
+    return ModelSpec(family=family.name, intermediate_size=config_int(cfg, "intermediate_size"), moe=moe,
                      qkv_bias=b, qk_norm=config_bool(cfg, "use_qk_norm"),
                      dense_layers=tuple(range(first_dense)), **common)
 
 
-def _write_glm4_moe(spec: ModelSpec) -> dict[str, Any]:
+def _write_glm4_moe(family: Family, spec: ModelSpec) -> dict[str, Any]:
     moe = spec.moe
-    return {**common_config_fields(spec, GLM4_MOE), "n_routed_experts": moe.num_experts,
+    return {**common_config_fields(spec, family), "n_routed_experts": moe.num_experts,
             "num_experts_per_tok": moe.top_k, "moe_intermediate_size": moe.expert_width,
             "n_shared_experts": moe.num_shared_experts, "routed_scaling_factor": moe.routed_scaling_factor,
             "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
@@ -222,11 +222,17 @@ _MIXTRAL_NAMES = {
     "moe.experts.down_proj": "block_sparse_moe.experts.{e}.w2.weight",
 }
 
-MIXTRAL = Family("mixtral", "MixtralForCausalLM", "mixtral", _read_mixtral, _write_mixtral,
-                 _MIXTRAL_NAMES, _mixtral_limits, is_moe=True)
-QWEN2_MOE = Family("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2_moe", lambda c: _read_qwen_moe(c, "qwen2_moe"),
-                   lambda s: _write_qwen_moe(s, QWEN2_MOE), _QWEN2_NAMES, _qwen2_moe_limits, is_moe=True)
-QWEN3_MOE = Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", lambda c: _read_qwen_moe(c, "qwen3_moe"),
-                   lambda s: _write_qwen_moe(s, QWEN3_MOE), _QWEN_MOE_NAMES, _qwen3_moe_limits, is_moe=True)
-GLM4_MOE = Family("glm4_moe", "Glm4MoeForCausalLM", "glm4_moe", _read_glm4_moe, _write_glm4_moe,
-                  _GLM_NAMES, _glm4_moe_limits, is_moe=True, sliding_window=False)
+MIXTRAL = Family(name="mixtral", architecture="MixtralForCausalLM", model_type="mixtral",
+                 config_reader=_read_mixtral, config_writer=_write_mixtral, moe_names=_MIXTRAL_NAMES,
+                 limits=_mixtral_limits, is_moe=True, auto_rank=0)
+QWEN3_MOE = Family(name="qwen3_moe", architecture="Qwen3MoeForCausalLM", model_type="qwen3_moe",
+                   config_reader=_read_qwen_moe, config_writer=_write_qwen_moe, moe_names=_QWEN_MOE_NAMES,
+                   limits=_qwen3_moe_limits, is_moe=True, auto_rank=1)
+QWEN2_MOE = Family(name="qwen2_moe", architecture="Qwen2MoeForCausalLM", model_type="qwen2_moe",
+                   config_reader=_read_qwen_moe, config_writer=_write_qwen_moe, moe_names=_QWEN2_NAMES,
+                   limits=_qwen2_moe_limits, is_moe=True, shared_experts="gated", auto_rank=2,
+                   neutral_qkv_bias=True)
+GLM4_MOE = Family(name="glm4_moe", architecture="Glm4MoeForCausalLM", model_type="glm4_moe",
+                  config_reader=_read_glm4_moe, config_writer=_write_glm4_moe, moe_names=_GLM_NAMES,
+                  limits=_glm4_moe_limits, is_moe=True, sliding_window=False, default_router="sigmoid",
+                  shared_experts="count", routed_scaling=True, auto_rank=3, neutral_router_bias=True)

@@ -16,8 +16,9 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.families import family_for_config
-from upcycler.io.checkpoint import MANIFEST, SIDE_FILES, Checkpoint
+from upcycler.io.checkpoint import SIDE_FILES, Checkpoint
 from upcycler.io.integrity import DigestWatch, file_watch, recorded_digests
+from upcycler.io.manifest import MANIFEST, read_manifest, read_step
 from upcycler.io.safetensors_file import TensorEntry, lazy_tensor, read_header
 from upcycler.layout import declare_params
 from upcycler.spec import ModelSpec
@@ -126,8 +127,7 @@ def read_hf(path: Path) -> Checkpoint:
             f"({len(extra)} unexpected); check that config.json belongs to these weights"
         )
     lineage = _previous_lineage(path)
-    step = {"step": "read", "source": str(path), "format": "hf", "revision": _hub_revision(path),
-            "files": {f.name: f.stat().st_size for f in shards}}
+    step = read_step(path, "hf", revision=_hub_revision(path), files={f.name: f.stat().st_size for f in shards})
     side = tuple(path / n for n in SIDE_FILES if (path / n).is_file())
     for name in ("config.json", INDEX, *(f.name for f in side)):
         if name in watches:
@@ -138,10 +138,9 @@ def read_hf(path: Path) -> Checkpoint:
 
 def _manifest_watches(path: Path, shards: list[Path]) -> dict[str, DigestWatch]:
     """A digest watch per file the manifest records (none when the directory has no manifest)."""
-    manifest = path / MANIFEST
-    if not manifest.is_file():
+    if not (path / MANIFEST).is_file():
         return {}
-    records = recorded_digests(read_json(manifest).get("files"), manifest, "files")
+    records = recorded_digests(read_manifest(path).files, path / MANIFEST, "files")
     watches = {}
     for name, (size, sha) in records.items():
         file = path / name
@@ -191,13 +190,9 @@ def _check_entry(root: Path, entries: dict[str, TensorEntry], name: str, shape: 
 
 
 def _previous_lineage(path: Path) -> tuple[dict, ...]:
-    manifest = path / MANIFEST
-    if not manifest.is_file():
+    if not (path / MANIFEST).is_file():
         return ()
-    lineage = read_json(manifest).get("lineage", [])
-    if not isinstance(lineage, list) or not all(isinstance(step, dict) for step in lineage):
-        raise UpcyclerError(f"{shown_path(manifest)}: 'lineage' must be a list of steps; fix the manifest")
-    return tuple(lineage)
+    return read_manifest(path).lineage
 
 
 def _hub_revision(path: Path) -> str | None:

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -26,13 +25,14 @@ import numpy as np
 from tqdm import tqdm
 
 from upcycler.families import Family, conform, family_named
-from upcycler.io.checkpoint import MANIFEST, Checkpoint
+from upcycler.io.checkpoint import Checkpoint
 from upcycler.io.hashing import sha256_file
 from upcycler.io.hf_read import INDEX, SINGLE
+from upcycler.io.manifest import write_manifest
 from upcycler.io.safetensors_file import ShardWriter
 from upcycler.io.staging import staged_directory
 from upcycler.layout import declare_params
-from upcycler.tensors import dtype_name
+from upcycler.tensors import cut_in_order, dtype_name, read_ahead
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3
 
@@ -71,15 +71,7 @@ def plan_items(ckpt: Checkpoint, family: Family) -> list[_Item]:
 
 def split_shards(items: list[_Item], shard_size: int) -> list[list[_Item]]:
     """Greedy cut into shards of at most `shard_size` bytes (a larger tensor gets a shard of its own)."""
-    shards: list[list[_Item]] = [[]]
-    size = 0
-    for item in items:
-        if shards[-1] and size + item.nbytes > shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += item.nbytes
-    return shards
+    return cut_in_order(items, lambda item: item.nbytes, shard_size)
 
 
 def write_hf(
@@ -117,10 +109,8 @@ def write_hf(
         for side in ckpt.side_files:
             shutil.copyfile(side, tmp / side.name)
             files[side.name] = None
-        manifest = {"format": 1, "spec": json.loads(spec.to_json()), "lineage": list(ckpt.lineage),
-                    **(extra_manifest or {})}
-        manifest["files"] = {name: _file_record(tmp / name, sha) for name, sha in files.items()}
-        _write_json(tmp / MANIFEST, manifest)
+        write_manifest(tmp, spec, ckpt.lineage, extra=extra_manifest,
+                       files={name: _file_record(tmp / name, sha) for name, sha in files.items()})
         ckpt.check_inputs()
     return out
 
@@ -132,7 +122,7 @@ def _shard_names(n: int) -> list[str]:
 def _write_shards(tmp: Path, shards: list[list[_Item]], total: int, progress: bool) -> dict[str, str]:
     """Write every shard; return the sha256 of each, computed while its bytes streamed out."""
     hashes = {}
-    arrays = _prefetched([item for shard in shards for item in shard])
+    arrays = read_ahead([item.produce for shard in shards for item in shard])
     with tqdm(total=total, unit="B", unit_scale=True, desc="writing", disable=not progress or None) as bar:
         for name, shard in zip(_shard_names(len(shards)), shards):
             writer = ShardWriter(tmp / name, [(i.name, i.shape, i.dtype) for i in shard], {"format": "pt"})
@@ -145,17 +135,6 @@ def _write_shards(tmp: Path, shards: list[list[_Item]], total: int, progress: bo
                 writer.abort()
                 raise
     return hashes
-
-
-def _prefetched(items: list[_Item]) -> Iterator[np.ndarray]:
-    """Each item's array in order; the next one is produced on a worker thread while this one is written."""
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(items[0].produce) if items else None
-        for k in range(len(items)):
-            array = pending.result()
-            pending = pool.submit(items[k + 1].produce) if k + 1 < len(items) else None
-            yield array
-            del array
 
 
 def _write_json(path: Path, data: dict) -> None:

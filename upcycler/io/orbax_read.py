@@ -1,4 +1,4 @@
-"""Read an Orbax output directory (layout: `upcycler.io.orbax_io`) lazily into a `Checkpoint`.
+"""Read an Orbax output directory (layout: `upcycler.io.orbax_layout`) lazily into a `Checkpoint`.
 
 Everything is checked before a tensor byte is read: the manifest parses and holds a valid spec, the
 params directory holds an Orbax pytree whose leaves are exactly the tensors the spec declares, with the
@@ -12,7 +12,6 @@ manifest records for it (`upcycler.io.integrity`), before a writer renames its o
 
 from __future__ import annotations
 
-import json
 from math import prod
 from pathlib import Path
 from typing import Any
@@ -20,20 +19,20 @@ from typing import Any
 import numpy as np
 
 from upcycler.errors import UpcyclerError
-from upcycler.io.checkpoint import MANIFEST, SIDE_FILES, Checkpoint
+from upcycler.io.checkpoint import SIDE_FILES, Checkpoint
 from upcycler.io.integrity import DigestWatch, file_watch, recorded_digests
-from upcycler.io.orbax_io import PARAMS, REWRITE, TREE
+from upcycler.io.manifest import MANIFEST, REWRITE, read_manifest, read_step
+from upcycler.io.orbax_layout import PARAMS, TREE
 from upcycler.layout import declare_params
-from upcycler.spec import ModelSpec
 from upcycler.tensors import LazyTensor, TensorMap, dtype_name
-from upcycler.untrusted import describe, load_json_object, shown_path
+from upcycler.untrusted import load_json_object, shown_path
 
 
 def read_orbax(path: str | Path) -> Checkpoint:
     """Read an Orbax output directory lazily: metadata only here, each leaf's bytes when it is loaded."""
     path = Path(path)
-    manifest = _read_manifest(path / MANIFEST)
-    spec = _spec(manifest, path / MANIFEST)
+    manifest = read_manifest(path, fix=f"an Orbax output needs the manifest written with it; {REWRITE}")
+    spec = manifest.spec()
     tree_dir = _tree_dir(path / PARAMS)
     metadata = _read_json(tree_dir / "_METADATA", f"the Orbax checkpoint is damaged; {REWRITE}")
     stored = _leaf_names(metadata, tree_dir)
@@ -49,7 +48,7 @@ def read_orbax(path: str | Path) -> Checkpoint:
         raise UpcyclerError(f"{tree_dir}: tensor {extra[0]!r} is not part of the model {MANIFEST} describes "
                             f"({len(extra)} unexpected); the params do not match the spec; {REWRITE}")
     stores = _open_leaves(tree_dir, metadata, [d.name for d in decls])
-    recorded = manifest.get("tensors") if isinstance(manifest.get("tensors"), dict) else {}
+    recorded = manifest.tensors
     digests = recorded_digests({n: {"sha256": r.get("sha256"), "bytes": None} for n, r in recorded.items()
                                 if isinstance(r, dict) and "sha256" in r}, path / MANIFEST, "tensors")
     watches: list[DigestWatch] = []
@@ -71,14 +70,14 @@ def read_orbax(path: str | Path) -> Checkpoint:
                                 f"but {MANIFEST} records {record['dtype']}; the params do not match; "
                                 f"{REWRITE}")
         tensors[decl.name] = tensor
-    step = {"step": "read", "source": str(path), "format": "orbax"}
+    step = read_step(path, "orbax")
     side = tuple(path / n for n in SIDE_FILES if (path / n).is_file())
-    for name, (_, sha) in recorded_digests(manifest.get("files"), path / MANIFEST, "files").items():
+    for name, (_, sha) in recorded_digests(manifest.files, path / MANIFEST, "files").items():
         if path / name in side:
             watch = file_watch(path / name, (path / name).stat().st_size, sha)
             watch.touch()  # copied whole by the writer
             watches.append(watch)
-    return Checkpoint(spec, TensorMap(tensors), path, (*manifest["lineage"], step), side, inputs=(path,),
+    return Checkpoint(spec, TensorMap(tensors), path, (*manifest.lineage, step), side, inputs=(path,),
                       watches=tuple(watches))
 
 
@@ -110,30 +109,6 @@ def _watched(tensor: LazyTensor, store: Any, label: str, sha: str) -> tuple[Lazy
 
 def _read_json(path: Path, fix: str) -> dict[str, Any]:
     return load_json_object(path, fix=fix)
-
-
-def _read_manifest(path: Path) -> dict[str, Any]:
-    manifest = _read_json(path, f"an Orbax output needs the manifest written with it; {REWRITE}")
-    if manifest.get("format") != 1:
-        raise UpcyclerError(f"{shown_path(path)}: unknown manifest format {describe(manifest.get('format'))}; "
-                            "upgrade upcycler")
-    lineage = manifest.setdefault("lineage", [])
-    if not isinstance(lineage, list) or not all(isinstance(step, dict) for step in lineage):
-        raise UpcyclerError(f"{shown_path(path)}: 'lineage' must be a list of steps; fix the manifest or "
-                            f"{REWRITE}")
-    return manifest
-
-
-def _spec(manifest: dict[str, Any], path: Path) -> ModelSpec:
-    if not isinstance(manifest.get("spec"), dict):
-        raise UpcyclerError(f"{path}: no 'spec' object; fix the manifest or {REWRITE}")
-    try:
-        return ModelSpec.from_json(json.dumps(manifest["spec"]))
-    except UpcyclerError as err:  # SpecError: says what is wrong and how to fix it, not where
-        raise UpcyclerError(f"{shown_path(path)}: 'spec' is not a valid model spec: {err}") from None
-    except (TypeError, ValueError, KeyError, AttributeError) as err:
-        raise UpcyclerError(f"{shown_path(path)}: 'spec' is not a valid model spec "
-                            f"({describe(str(err), 160)}); fix the manifest or {REWRITE}") from None
 
 
 def _tree_dir(params: Path) -> Path:

@@ -24,9 +24,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from upcycler.errors import UpcyclerError
+from upcycler.io.manifest import MANIFEST
 from upcycler.untrusted import shown_path
 
-MANIFEST = "upcycler.json"
 _PARTIAL = "partial"
 _OLD = "old"
 

@@ -15,8 +15,7 @@ merge can be repeated exactly.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -25,7 +24,7 @@ import numpy as np
 from upcycler.io.checkpoint import Checkpoint
 from upcycler.merge.averaging import weighted_average
 from upcycler.merge.plan import MergePlan, stacked_names
-from upcycler.tensors import LazyTensor, TensorMap, dtype_name, stack
+from upcycler.tensors import LazyTensor, TensorMap, dtype_name, read_ahead, stack
 
 
 def merge(plan: MergePlan) -> Checkpoint:
@@ -95,16 +94,3 @@ def merge_tensor(plan: MergePlan, name: str, part: int | None, dtype: np.dtype) 
     return m.fn(arrays, **kwargs).astype(dtype, copy=False)
 
 
-def read_ahead(readers: list[Callable[[], np.ndarray]]) -> Iterator[np.ndarray]:
-    """Each reader's array in order, the next one read on a worker thread while this one is used.
-
-    Overlaps reading with merging at the cost of one more input tensor in memory, whatever the count,
-    provided the consumer drops each array before asking for the next.
-    """
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        pending = pool.submit(readers[0]) if readers else None
-        for k in range(len(readers)):
-            array = pending.result()
-            pending = pool.submit(readers[k + 1]) if k + 1 < len(readers) else None
-            yield array
-            del array

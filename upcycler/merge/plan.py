@@ -22,8 +22,8 @@ from upcycler.io.checkpoint import Checkpoint
 from upcycler.layout import declare_params
 from upcycler.merge.registry import Method, get_method
 from upcycler.spec import ModelSpec
-from upcycler.summary import human_bytes, human_count
 from upcycler.tensors import dtype_name, parse_dtype
+from upcycler.units import human_bytes, human_count
 
 WEIGHT_SUM_TOLERANCE = 1e-6
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from upcycler.errors import UpcyclerError
-from upcycler.io.checkpoint import detect_format
+from upcycler.io import detect_format
 
 STEP_DIR = re.compile(r"(?:step_|checkpoint-)?(\d+)")
 

@@ -26,10 +26,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from upcycler.errors import UpcyclerError
-from upcycler.train.data_prepare import (
+from upcycler.train.data.format import (
     FORMAT_VERSION,
     META_SUFFIX,
     NPY_HEADER_BYTES,
+    TOKEN_DTYPES,
     TOKENS_SUFFIX,
     npy_header,
 )
@@ -39,7 +40,6 @@ if TYPE_CHECKING:
     import grain
 
 MATERIALISE_BELOW = 1 << 20
-TOKEN_DTYPES = ("uint16", "uint32")
 _FIX = "re-run upcycle prepare-data"
 
 

@@ -3,10 +3,8 @@
 Every function takes arrays and returns arrays; none holds parameters or knows the mesh. Weights arrive in the
 canonical Hugging Face `[out, in]` orientation (`upcycler.layout`) and are contracted as such.
 
-Dimension key:
-    B batch            L query positions     S key positions      D model width
-    H query heads      K key/value heads     G query heads per kv head (H = K·G)
-    h head dim         R rotary dims (≤ h)   F MLP width          V vocabulary
+Shape suffixes follow the dimension key of `upcycler.train.model` (here: B, L, S, D, H, K, G, N, h, R,
+r, F, V, and O, I for a linear layer's output and input width).
 """
 
 from __future__ import annotations

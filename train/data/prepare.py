@@ -1,8 +1,8 @@
 """Tokenise text sources once into memory-mappable token arrays (the engine of `upcycle prepare-data`).
 
-A prepared directory holds, per named source:
-- `NAME.tokens.npy`: a 1-D uint16 array (uint32 when the vocabulary has more than 65536 entries) with
-  every document's tokens followed by one EOS id, documents in file order, files in sorted order;
+A prepared directory holds, per named source (the layout is `upcycler.train.data.format`):
+- `NAME.tokens.npy`: every document's tokens followed by one EOS id, documents in file order, files in
+  sorted order;
 - `NAME.meta.json`: token and document counts, vocab size, EOS id, the tokenizer's sha256 and every
   input file with its size and sha256.
 Documents are tokenised in small batches and appended to a temporary file, so memory stays bounded by
@@ -23,23 +23,16 @@ from typing import Self
 import numpy as np
 
 from upcycler.errors import UpcyclerError
-from upcycler.train.data_config import SOURCE_NAME
-from upcycler.train.data_readers import detect_format, expand_pattern, read_documents
-from upcycler.train.data_tokenizer import TokenizerInfo, sha256_file
+from upcycler.io.hashing import sha256_file
+from upcycler.train.data.config import SOURCE_NAME
+from upcycler.train.data.format import FORMAT_VERSION, META_SUFFIX, TOKENS_SUFFIX, npy_header, token_dtype
+from upcycler.train.data.readers import detect_format, expand_pattern, read_documents
+from upcycler.train.data.tokenizer import TokenizerInfo
 from upcycler.train.outputs import staged_files
 from upcycler.untrusted import describe, shown_path
 
-FORMAT_VERSION = 1
-TOKENS_SUFFIX = ".tokens.npy"
-META_SUFFIX = ".meta.json"
-NPY_HEADER_BYTES = 128
 _BATCH_DOCS = 256
 _BATCH_CHARS = 4 << 20
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The narrowest unsigned dtype that holds every id of a `vocab_size` vocabulary."""
-    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
 def parse_sources(specs: Iterable[str]) -> dict[str, list[Path]]:
@@ -180,13 +173,6 @@ def _encode(tok: TokenizerInfo, docs: list[str]) -> tuple[np.ndarray, int]:
             flat.append(tok.eos_id)
             count += 1
     return np.asarray(flat, dtype=np.int64), count
-
-
-def npy_header(dtype: np.dtype, count: int) -> bytes:
-    """A version-1.0 `.npy` header for a 1-D array, always `NPY_HEADER_BYTES` long so it can be rewritten."""
-    text = repr({"descr": np.dtype(dtype).str, "fortran_order": False, "shape": (count,)}).encode("latin1")
-    size = NPY_HEADER_BYTES - 10
-    return b"\x93NUMPY\x01\x00" + size.to_bytes(2, "little") + text + b" " * (size - len(text) - 1) + b"\n"
 
 
 class _TokenFile:

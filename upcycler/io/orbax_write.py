@@ -1,33 +1,18 @@
-"""Write and read a `Checkpoint` as an Orbax directory: the canonical pytree the JAX trainer loads.
+"""Write a `Checkpoint` as an Orbax directory (layout: `upcycler.io.orbax_layout`), streaming.
 
-Layout of an Orbax output `OUT/`:
-
-    OUT/upcycler.json      manifest: the HF writer's {format, spec, lineage, files: {name: {bytes, sha256}}}
-                           (`files`: the side files) plus tensors: {name: {dtype, shape, sha256}}, the
-                           sha256 of each tensor's C-order bytes, whatever Orbax's storage layout
-    OUT/params/            an Orbax checkpoint (orbax-checkpoint v1 layout); the pytree is in params/state/
-    OUT/params/state/      OCDBT key-value store of zarr3 arrays, uncompressed, one key prefix per leaf
-    OUT/tokenizer.json …   side files (tokenizer, generation config), copied
-
-The tree is the canonical names split on "." into nested dicts, e.g. `{"embed": …, "layers": {"0": {"attn":
-{"q_proj": …}}}}`, each leaf a host numpy array of the tensor's own dtype (bf16 stays bf16), with routed
-experts stacked `[E, …]` and chunked one expert per chunk, so reading expert `e` reads only its bytes.
-The trainer restores it with `orbax.checkpoint.experimental.v1.load(OUT / "params", abstract_tree)`.
-
-- Writing streams: leaves are produced in canonical order and saved in groups of about `group_bytes` with
+- Leaves are produced in canonical order and saved in groups of about `group_bytes` with
   `partial.save_async`, the next group read while the previous one is written, so memory holds at most
   two groups (or one tensor when a tensor is larger); `partial.finalize` merges the groups. Each group is
-  hashed from memory on a worker thread while Orbax writes it, so nothing is read back. Everything goes
-  to a temporary sibling that is renamed to OUT only when complete (`staged_directory`).
-- Reading is lazy (`upcycler.io.orbax_read`): the manifest and the stored tree are checked against the
-  spec, then each leaf is opened with tensorstore, reading metadata only; `load()` reads one leaf and
-  `part(e)` one expert slice.
+  hashed from memory on a worker thread while Orbax writes it, so nothing is read back.
+- Everything goes to a temporary sibling that is renamed to OUT only when complete
+  (`upcycler.io.staging`); a full disk gives one error and leaves nothing behind.
+- Reading is lazy and lives in `upcycler.io.orbax_read`; the trainer reads an Orbax output through it
+  (`read_checkpoint`), one tensor at a time.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import shutil
 import sys
@@ -41,17 +26,15 @@ import numpy as np
 from tqdm import tqdm
 
 from upcycler.errors import UpcyclerError
-from upcycler.io.checkpoint import MANIFEST, Checkpoint
+from upcycler.io.checkpoint import Checkpoint
 from upcycler.io.hashing import sha256_file
+from upcycler.io.manifest import write_manifest
+from upcycler.io.orbax_layout import CHUNK_BYTES, PARAMS
 from upcycler.io.staging import staged_directory
 from upcycler.layout import ParamDecl, declare_params
-from upcycler.tensors import LazyTensor, TensorMap, dtype_name
+from upcycler.tensors import LazyTensor, TensorMap, cut_in_order, dtype_name
 
-PARAMS = "params"
-TREE = "state"  # the v1 layout keeps the pytree of a checkpoint in this subdirectory
 DEFAULT_GROUP_BYTES = 512 * 1024**2
-CHUNK_BYTES = 64 * 1024**2
-REWRITE = "re-write it with `upcycle convert SRC OUT --to orbax`"
 
 
 def write_orbax(
@@ -83,9 +66,7 @@ def write_orbax(
             files[side.name] = {"bytes": copy.stat().st_size, "sha256": sha256_file(copy)}
         tensors = {d.name: {"dtype": dtype_name(ckpt.tensors[d.name].dtype), "shape": list(d.shape),
                             "sha256": digests[d.name]} for d in decls}
-        manifest = {"format": 1, "spec": json.loads(ckpt.spec.to_json()), "lineage": list(ckpt.lineage),
-                    **(extra_manifest or {}), "files": files, "tensors": tensors}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        write_manifest(tmp, ckpt.spec, ckpt.lineage, files=files, tensors=tensors, extra=extra_manifest)
         ckpt.check_inputs()
     return out
 
@@ -103,16 +84,7 @@ def _checked_decls(ckpt: Checkpoint) -> list[ParamDecl]:
 
 def _groups(decls: list[ParamDecl], tensors: TensorMap, group_bytes: int) -> list[list[ParamDecl]]:
     """Consecutive declarations cut into groups of at most `group_bytes` (a larger tensor stands alone)."""
-    groups: list[list[ParamDecl]] = [[]]
-    size = 0
-    for decl in decls:
-        nbytes = tensors[decl.name].nbytes
-        if groups[-1] and size + nbytes > group_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(decl)
-        size += nbytes
-    return groups
+    return cut_in_order(decls, lambda decl: tensors[decl.name].nbytes, group_bytes)
 
 
 def _produce(decl: ParamDecl, tensor: LazyTensor) -> np.ndarray:
@@ -274,10 +246,3 @@ def _quiet_failed_writes() -> None:
     """Route `sys.stderr` through `_WithoutClosedLoopReports` (once per process)."""
     if not isinstance(sys.stderr, _WithoutClosedLoopReports):
         sys.stderr = _WithoutClosedLoopReports(sys.stderr)
-
-
-def read_orbax(path: str | Path) -> Checkpoint:
-    """Read an Orbax output directory lazily (see `upcycler.io.orbax_read`)."""
-    from upcycler.io.orbax_read import read_orbax as read
-
-    return read(path)

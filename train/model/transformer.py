@@ -1,4 +1,4 @@
-"""The decoder-only transformer: pure functions over the parameter tree of `upcycler.train.params`.
+"""The decoder-only transformer: pure functions over the parameter tree of `upcycler.train.model.params`.
 
 What it computes is decided by the `ModelSpec` alone (the architecture, read from a checkpoint); how it
 computes is decided by `ModelConfig` (compute dtype, attention and MoE implementations, rematerialisation).
@@ -6,17 +6,16 @@ One function covers every supported family:
 
 - GQA attention with RoPE (default, linear, llama3 or yarn scaling; partial rotary), optional q/k/v and o
   biases, optional per-head q/k RMSNorm before RoPE, optional sliding window per layer;
-- pre-norm residual blocks with a SwiGLU MLP, or an MoE block (`upcycler.train.moe`: softmax-renormalised,
-  softmax or sigmoid routers) with an optional shared expert (gated by `sigmoid(shared_gate · x)` or not);
+- pre-norm residual blocks with a SwiGLU MLP, or an MoE block (`upcycler.train.model.moe`:
+  softmax-renormalised, softmax or sigmoid routers) with an optional shared expert (gated by
+  `sigmoid(shared_gate · x)` or not);
 - tied or untied embeddings; causal masking, optionally restricted to segments (packing, padding).
 
 Layers of one kind are stacked and run under `jax.lax.scan`, one scan per run of consecutive layers
 (dense first layers, then MoE layers: two scans). Parameters stay in their dtype and are cast to the compute
 dtype where they are used; norms, softmaxes, routers and logits are computed in fp32.
 
-Dimension key:
-    B batch     L sequence    D model width    H query heads    K kv heads    h head dim
-    F MLP width V vocabulary  E routed experts k experts per token   M MoE layers
+Shape suffixes follow the dimension key of `upcycler.train.model`.
 """
 
 from __future__ import annotations
@@ -29,10 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from upcycler.spec import ModelSpec
-from upcycler.train import layers as nn
-from upcycler.train import moe
-from upcycler.train.params import Params, Run, layer_runs, layers_of_kind
-from upcycler.train.sharding import constrain
+from upcycler.train import sharding  # a module import: `sharding` imports `params` from this package
+from upcycler.train.model import layers as nn
+from upcycler.train.model import moe
+from upcycler.train.model.params import Params, Run, layer_runs, layers_of_kind
 
 ACTIVATION_AXES = ("batch", "seq", "act_embed")
 
@@ -44,7 +43,7 @@ class ModelConfig:
     compute_dtype: str = "float32"  # "float32" or "bfloat16"
     attention: str = "einsum"  # "einsum" (explicit, exact) or "dot_product" (jax.nn.dot_product_attention)
     moe_impl: str = "dropless"  # "dropless" (sort → grouped matmul) or "reference" (one-hot, for tests)
-    gmm_backend: str = "auto"  # see upcycler.train.gmm
+    gmm_backend: str = "auto"  # see upcycler.train.model.gmm
     remat: bool = False  # recompute each layer's activations in the backward pass
 
     @property
@@ -172,7 +171,7 @@ def _scan_run(stack: Params, x_BLD: jax.Array, run: Run, spec: ModelSpec, cfg: M
 
 def _layer(x_BLD, layer, *, kind: str, spec: ModelSpec, cfg: ModelConfig, ctx: _Context, windowed: bool):
     p, window = layer
-    x_BLD = constrain(x_BLD, ACTIVATION_AXES)
+    x_BLD = sharding.constrain(x_BLD, ACTIVATION_AXES)
     if windowed:
         visible_BLS = nn.window_mask(ctx.visible_BLS, ctx.distance_LS, window)
     else:
@@ -213,14 +212,14 @@ def _moe(
         logits_TE, moe_spec.top_k, moe_spec.router, moe_spec.routed_scaling_factor, p.get("router_bias")
     )
     experts = p["experts"]  # canonical [E, out, in]; the MoE kernels take [E, in, out], gate and up fused
-    w_gate_up_EDH = moe.fuse_gate_up(
+    w_gate_up_EDU = moe.fuse_gate_up(
         *(jnp.swapaxes(experts[name], 1, 2).astype(x_BLD.dtype) for name in ("gate_proj", "up_proj"))
     )
     w_down_EFD = jnp.swapaxes(experts["down_proj"], 1, 2).astype(x_BLD.dtype)
     if cfg.moe_impl == "dropless":
-        y_TD = moe.dropless_moe(x_TD, w_gate_up_EDH, w_down_EFD, routing, backend=cfg.gmm_backend)
+        y_TD = moe.dropless_moe(x_TD, w_gate_up_EDU, w_down_EFD, routing, backend=cfg.gmm_backend)
     elif cfg.moe_impl == "reference":
-        y_TD = moe.onehot_moe_reference(x_TD, w_gate_up_EDH, w_down_EFD, routing)
+        y_TD = moe.onehot_moe_reference(x_TD, w_gate_up_EDU, w_down_EFD, routing)
     else:
         raise ValueError(f"moe_impl must be dropless or reference, not {cfg.moe_impl!r}")
     y_BLD = y_TD.reshape(B, L, D)
@@ -229,5 +228,5 @@ def _moe(
         if moe_spec.shared_gated:
             shared_BLD = jax.nn.sigmoid(nn.linear(x_BLD, p["shared_gate"])) * shared_BLD
         y_BLD = y_BLD + shared_BLD
-    aux = (logits_TE.reshape(B, L, -1), routing.expert_TK.reshape(B, L, -1))
+    aux = (logits_TE.reshape(B, L, -1), routing.expert_Tk.reshape(B, L, -1))
     return y_BLD, aux

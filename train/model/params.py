@@ -158,14 +158,14 @@ def _init(key: jax.Array, spec: ModelSpec, dtype: Any, std: float) -> Params:
     infos = _infos(spec)
     random = [i for i in infos if _kind(i) == "normal"]
     sizes = [int(np.prod(i.shape)) for i in random]
-    draws_N = std * jax.random.normal(key, (sum(sizes),), jnp.float32)
+    draws = std * jax.random.normal(key, (sum(sizes),), jnp.float32)
     offsets = dict(zip(random, np.cumsum([0, *sizes[:-1]]).tolist()))
     leaves = []
     for info, size in zip(infos, (int(np.prod(i.shape)) for i in infos)):
         leaf_dtype = _leaf_dtype(info, dtype)
         if _kind(info) == "normal":
             start = offsets[info]
-            leaves.append(draws_N[start : start + size].reshape(info.shape).astype(leaf_dtype))
+            leaves.append(draws[start : start + size].reshape(info.shape).astype(leaf_dtype))
         else:
             leaves.append(jnp.full(info.shape, 1.0 if _kind(info) == "ones" else 0.0, leaf_dtype))
     return jax.tree.unflatten(jax.tree.structure(declare_tree(spec), is_leaf=_is_info), leaves)
@@ -261,7 +261,7 @@ def load_params(path: Any, *, dtype: Any = None, shardings_for: Any = None) -> t
 
     `shardings_for(spec)` may return the shardings to place the parameters with (see `from_tensors`).
     """
-    from upcycler.io.checkpoint import read_checkpoint
+    from upcycler.io import read_checkpoint
 
     ckpt = read_checkpoint(path)
     shardings = shardings_for(ckpt.spec) if shardings_for is not None else None

@@ -12,8 +12,8 @@ weighted round-robin, so every prefix of a phase holds each source within one ex
 The rows of each batch are then permuted by a permutation seeded from (seed, step). All examples carry L
 targets except the one short example per epoch of a source, so example shares are token shares.
 
-Batch format (one process's rows R = global_batch_size / process_count):
-    inputs [R, L] int32, targets [R, L] int32, mask [R, L] float32, source_id [R] int32,
+Batch format (one process's rows B = global_batch_size / process_count):
+    inputs [B, L] int32, targets [B, L] int32, mask [B, L] float32, source_id [B] int32,
 with `source_id` indexing `DataIterator.source_names`.
 """
 
@@ -27,8 +27,8 @@ import grain
 import numpy as np
 
 from upcycler.errors import UpcyclerError
-from upcycler.train.data_config import MAX_STEP, DataConfig, Phase
-from upcycler.train.data_sources import (
+from upcycler.train.data.config import MAX_STEP, DataConfig, Phase
+from upcycler.train.data.sources import (
     ExampleStream,
     TokenSource,
     Windows,

@@ -10,14 +10,13 @@ sha256 recorded is that of exactly the bytes the tokenizer was built from.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
 from upcycler.errors import UpcyclerError
-from upcycler.untrusted import describe, escape, load_json_object, open_regular, read_bytes, shown_path
+from upcycler.untrusted import describe, escape, load_json_object, read_bytes, shown_path
 
 _EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|end|>")
 MAX_TOKENIZER_BYTES = 512 * 1024**2  # the largest tokenizer.json files are tens of MB
@@ -111,11 +110,3 @@ def _read_json(path: Path) -> dict:
         return {}
     return load_json_object(path, fix="fix it, or pass --eos TOKEN_OR_ID", what="tokenizer config")
 
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of the bytes of the regular file `path`, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with os.fdopen(open_regular(path, "file"), "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -1,0 +1,41 @@
+"""Training data: text sources tokenised once on disk, then blended by phase into deterministic batches.
+
+The face of the package: `DataConfig`/`Phase` (the `data:` section of a training config),
+`prepare_sources`/`parse_sources`/`load_tokenizer` (what `upcycle prepare-data` runs) and
+`make_data_iterator`/`DataIterator` (what the trainer reads). Inside, one module per step:
+
+    readers.py    documents out of text, JSONL and Parquet files
+    tokenizer.py  the tokenizer file, its EOS id and its sha256
+    format.py     the prepared-data layout on disk (shared by writer and reader)
+    prepare.py    the writer: documents -> `NAME.tokens.npy` + `NAME.meta.json`
+    sources.py    the reader: one prepared source as an endless, reshuffled stream of examples
+    mix.py        the blend of sources, phase by phase, into global batches
+    config.py     the `data:` schema
+
+`DataConfig` and `Phase` are imported at once (the config is checked before JAX is loaded); the rest is
+imported on first use, because the iterator brings in Grain and with it JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from upcycler.train.data.config import DataConfig, Phase
+
+_LAZY = {
+    "DataIterator": "mix",
+    "make_data_iterator": "mix",
+    "parse_sources": "prepare",
+    "prepare_sources": "prepare",
+    "load_tokenizer": "tokenizer",
+    "open_source": "sources",
+}
+
+__all__ = ["DataConfig", "Phase", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)

@@ -1,0 +1,166 @@
+"""The manifest `upcycler.json`: the one owner of its format, and of the lineage steps it records.
+
+Every directory upcycler writes (HF, Orbax, a training step) holds one:
+
+    {"format": 1,
+     "spec":    ModelSpec as JSON,
+     "lineage": [step, …],                         # what was read and done, oldest first
+     "files":   {name: {"bytes": n, "sha256": h}}, # every file written beside it (HF: all; Orbax: side files)
+     "tensors": {name: {"dtype", "shape", "sha256"}},   # Orbax only: digest of each tensor's C-order bytes
+     …}                                             # extra keys a writer adds (e.g. "verification")
+
+`read_manifest` is the only parser (bounded, validated, one-line errors naming the file); `write_manifest`
+the only writer. A lineage step is a JSON object whose "step" names its kind; the `*_step` functions below
+build each kind, so its fields are declared once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NotRequired, TypedDict
+
+from upcycler.errors import UpcyclerError
+from upcycler.families import family_named
+from upcycler.spec import ModelSpec
+from upcycler.untrusted import describe, load_json_object, shown_path
+
+_SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+
+MANIFEST = "upcycler.json"
+FORMAT = 1
+REWRITE = "re-write the directory with upcycler"
+
+
+# --- lineage steps -----------------------------------------------------------------------------------
+
+class ReadStep(TypedDict):
+    step: str  # "read"
+    source: str
+    format: str  # "hf" | "orbax"
+    revision: NotRequired[str | None]  # the commit of a Hub cache snapshot
+    files: NotRequired[dict[str, int]]  # weight file sizes
+    config_only: NotRequired[bool]
+
+
+class ConvertStep(TypedDict):
+    step: str  # "convert"
+    to: str
+    family: str
+    dtype: str | None
+
+
+class TransformStep(TypedDict):
+    step: str  # the transform's name, e.g. "depth"
+    config: dict[str, Any]
+    function_preserving: bool
+    notes: list[str]
+
+
+class RecipeStep(TypedDict):
+    step: str  # "recipe"
+    recipe: dict[str, Any]
+    function_preserving: bool
+
+
+LineageStep = Mapping[str, Any]  # one of the above, a merge or a training step, or one from a newer version
+
+
+def read_step(source: Path, fmt: str, **details: Any) -> ReadStep:
+    """A checkpoint was read from `source` in format `fmt` (details: revision, files, config_only)."""
+    return ReadStep(step="read", source=str(source), format=fmt, **details)  # type: ignore[typeddict-item]
+
+
+def convert_step(to: str, family: str, dtype: str | None) -> ConvertStep:
+    """The checkpoint was written in another format, family or dtype."""
+    return ConvertStep(step="convert", to=to, family=family, dtype=dtype)
+
+
+def transform_step(name: str, config: dict[str, Any], exact: bool, notes: Sequence[str]) -> TransformStep:
+    """Transform `name` was applied with `config`; `exact` when it preserves the function."""
+    return TransformStep(step=name, config=config, function_preserving=exact, notes=list(notes))
+
+
+def recipe_step(recipe: dict[str, Any], exact: bool) -> RecipeStep:
+    """The transforms above came from this recipe, applied in one pass."""
+    return RecipeStep(step="recipe", recipe=recipe, function_preserving=exact)
+
+
+# --- the manifest ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed `upcycler.json`; `spec()` validates the model spec only when asked."""
+
+    path: Path
+    raw_spec: Any
+    lineage: tuple[dict[str, Any], ...]
+    files: dict[str, dict[str, Any]]
+    tensors: dict[str, dict[str, Any]]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def file_records(self, fix: str = REWRITE) -> dict[str, tuple[int, str]]:
+        """`files` as {name: (bytes, sha256)}, every record checked (a 64-hex digest, a byte count)."""
+        out = {}
+        for name, record in self.files.items():
+            size, sha = record.get("bytes"), record.get("sha256")
+            if not (isinstance(size, int) and not isinstance(size, bool) and 0 <= size < 2**63
+                    and isinstance(sha, str) and _SHA256.fullmatch(sha)):
+                raise UpcyclerError(f"{shown_path(self.path)}: 'files' must map names to {{sha256, bytes}}; "
+                                    f"the record of {describe(name)} is {describe(record)}; {fix}")
+            out[name] = (size, sha)
+        return out
+
+    def spec(self, fix: str = REWRITE) -> ModelSpec:
+        """The recorded ModelSpec, or one line naming the manifest and what is wrong."""
+        if not isinstance(self.raw_spec, dict):
+            raise UpcyclerError(f"{shown_path(self.path)}: no 'spec' object; fix the manifest or {fix}")
+        try:
+            spec = ModelSpec.from_json(json.dumps(self.raw_spec))
+            family_named(spec.family)
+            return spec
+        except UpcyclerError as err:  # SpecError: what is wrong and how to fix it, not where
+            raise UpcyclerError(f"{shown_path(self.path)}: 'spec' is not a valid model spec: {err}") from None
+        except (TypeError, ValueError, KeyError, AttributeError) as err:
+            raise UpcyclerError(f"{shown_path(self.path)}: 'spec' is not a valid model spec "
+                                f"({describe(str(err), 160)}); fix the manifest or {fix}") from None
+
+
+def read_manifest(directory: Path, *, fix: str = REWRITE) -> Manifest:
+    """The manifest of `directory`, read bounded; format, lineage and record tables checked for shape."""
+    path = directory / MANIFEST
+    raw = load_json_object(path, fix=fix, what="manifest")
+    if raw.get("format") != FORMAT:
+        raise UpcyclerError(f"{shown_path(path)}: unknown manifest format {describe(raw.get('format'))}; "
+                            "upgrade upcycler")
+    lineage = raw.get("lineage", [])
+    if not isinstance(lineage, list) or not all(isinstance(step, dict) for step in lineage):
+        raise UpcyclerError(f"{shown_path(path)}: 'lineage' must be a list of steps; fix the manifest or {fix}")
+    tables = {}
+    for key in ("files", "tensors"):
+        table = raw.get(key, {})
+        if not isinstance(table, dict) or not all(isinstance(r, dict) for r in table.values()):
+            raise UpcyclerError(f"{shown_path(path)}: '{key}' must map names to records, not "
+                                f"{describe(table)}; fix the manifest or {fix}")
+        tables[key] = table
+    extra = {k: v for k, v in raw.items() if k not in ("format", "spec", "lineage", "files", "tensors")}
+    return Manifest(path, raw.get("spec"), tuple(lineage), tables["files"], tables["tensors"], extra)
+
+
+def write_manifest(directory: Path, spec: ModelSpec, lineage: Sequence[LineageStep], *,
+                   files: Mapping[str, Mapping[str, Any]] | None = None,
+                   tensors: Mapping[str, Mapping[str, Any]] | None = None,
+                   extra: Mapping[str, Any] | None = None) -> Path:
+    """Write `directory/upcycler.json` (the caller stages the directory); returns its path."""
+    manifest: dict[str, Any] = {"format": FORMAT, "spec": json.loads(spec.to_json()),
+                                "lineage": [dict(step) for step in lineage], **(extra or {})}
+    if files is not None:
+        manifest["files"] = {name: dict(record) for name, record in files.items()}
+    if tensors is not None:
+        manifest["tensors"] = {name: dict(record) for name, record in tensors.items()}
+    path = directory / MANIFEST
+    path.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    return path

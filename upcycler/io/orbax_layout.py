@@ -1,0 +1,20 @@
+"""The Orbax output layout: what `orbax_write` writes and `orbax_read` reads.
+
+    OUT/upcycler.json      the manifest (`upcycler.io.manifest`): spec, lineage, `files` (the side files)
+                           and `tensors`: {name: {dtype, shape, sha256}}, the sha256 of each tensor's
+                           C-order bytes, whatever Orbax's storage layout
+    OUT/params/            an Orbax checkpoint (orbax-checkpoint v1 layout); the pytree is in params/state/
+    OUT/params/state/      OCDBT key-value store of zarr3 arrays, uncompressed, one key prefix per leaf
+    OUT/tokenizer.json …   side files (tokenizer, generation config), copied
+
+The tree is the canonical names split on "." into nested dicts, e.g. `{"embed": …, "layers": {"0": {"attn":
+{"q_proj": …}}}}`, each leaf a host numpy array of the tensor's own dtype (bf16 stays bf16), with routed
+experts stacked `[E, …]` and chunked one expert per chunk, so reading expert `e` reads only its bytes.
+Training steps (`upcycler.train.checkpointing`) use the same tree and manifest, without digests.
+"""
+
+from __future__ import annotations
+
+PARAMS = "params"
+TREE = "state"  # the v1 layout keeps the pytree of a checkpoint in this subdirectory
+CHUNK_BYTES = 64 * 1024**2  # Orbax chunk size; routed experts are additionally chunked one expert per chunk
