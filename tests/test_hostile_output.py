@@ -259,3 +259,21 @@ def test_a_full_disk_gives_one_line_and_leaves_nothing(work, tiny_disk, to):
     proc = run_cli("convert", work / "hf", tiny_disk / "out", "--to", to, check=False)
     assert_clean_failure(proc, mentions="disk full")
     assert list(tiny_disk.iterdir()) == []
+
+
+def test_staged_files_reclaims_dead_writers_inside_and_beside_the_output(tmp_path):
+    from upcycler.io.staging import staged_files
+
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "web.meta.json").write_text("{}")
+    dead, alive = _dead_pid(), os.getpid()
+    inside_dead, inside_alive = out / f".partial-{dead}-00000000", out / f".partial-{alive}-11111111"
+    beside_dead = tmp_path / f".data.partial-{dead}-22222222"
+    for d in (inside_dead, inside_alive, beside_dead):
+        d.mkdir()
+        (d / "x.tokens.npy").write_bytes(b"\0" * 64)
+    with staged_files(out, "--out") as stage:
+        (stage / "code.meta.json").write_text("{}")
+    assert sorted(p.name for p in out.iterdir()) == sorted(["web.meta.json", "code.meta.json", inside_alive.name])
+    assert not beside_dead.exists()

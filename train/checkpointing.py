@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycler.errors import UpcyclerError
-from upcycler.io.manifest import MANIFEST
+from upcycler.io.manifest import MANIFEST, write_manifest
 from upcycler.spec import ModelSpec
 from upcycler.train.model.params import ParamInfo, Params, declare_tree
 from upcycler.train.preflight import committed_steps
@@ -187,19 +187,9 @@ class RunCheckpoints:
                 src = self.tokenizer.parent / name
                 if src.is_file():
                     shutil.copyfile(src, step_dir / name)
+        # no `files` or `tensors` digests: hashing every parameter byte at every checkpoint would cost more
+        # than the save, and `read_checkpoint` does not need them
         write_manifest(step_dir, ModelSpec.from_json(json.dumps(meta["spec"])), meta["lineage"])
-
-
-def write_manifest(step_dir: Path, spec: ModelSpec, lineage: Sequence[Mapping[str, Any]]) -> None:
-    """Write `step_dir/upcycler.json` atomically: the spec and lineage of the params beside it.
-
-    The format is `upcycler.io.orbax_write`'s manifest without the `files` table (hashing every parameter
-    byte at every checkpoint would cost more than the save); `read_checkpoint` does not need it.
-    """
-    manifest = {"format": 1, "spec": json.loads(spec.to_json()), "lineage": [dict(x) for x in lineage]}
-    tmp = step_dir / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(step_dir / MANIFEST)
 
 
 def _canonical_abstract(spec: ModelSpec, abstract_params: Params, shardings: Params) -> Params:

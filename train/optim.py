@@ -76,7 +76,7 @@ def make_schedule(o: OptimizerConfig) -> Schedule:
 
 def trainable_mask(spec: ModelSpec) -> Params:
     """True for every leaf the optimiser may change (everything but buffers)."""
-    return jax.tree.map(lambda info: not _is_buffer(info), declare_tree(spec), is_leaf=_is_info)
+    return jax.tree.map(lambda info: not info.is_buffer, declare_tree(spec), is_leaf=_is_info)
 
 
 def decay_mask(spec: ModelSpec) -> Params:
@@ -84,7 +84,7 @@ def decay_mask(spec: ModelSpec) -> Params:
 
     def decays(info: ParamInfo) -> bool:
         axes = info.axes[1:] if info.stacked else info.axes
-        return len(axes) >= 2 and not _is_buffer(info)
+        return len(axes) >= 2 and not info.is_buffer
 
     return jax.tree.map(decays, declare_tree(spec), is_leaf=_is_info)
 
@@ -126,7 +126,3 @@ def opt_state_shardings(
 
 def _is_info(x: Any) -> bool:
     return isinstance(x, ParamInfo)
-
-
-def _is_buffer(info: ParamInfo) -> bool:
-    return info.names[0].endswith("router_bias")

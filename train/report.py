@@ -26,7 +26,7 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.train.metrics import METRICS_FILE, read_metrics
-from upcycler.train.outputs import staged_files
+from upcycler.io.staging import staged_files
 from upcycler.untrusted import shown_path
 
 

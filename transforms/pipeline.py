@@ -22,6 +22,7 @@ from upcycler.io import detect_format, read_checkpoint, write_checkpoint
 from upcycler.io.checkpoint import Checkpoint
 from upcycler.io.hf_read import read_json, read_spec, weight_files_present
 from upcycler.io.hf_write import plan_items, split_shards
+from upcycler.io.manifest import read_step, recipe_step, transform_step
 from upcycler.io.safetensors_file import encode_header
 from upcycler.layout import declare_params
 from upcycler.spec import ModelSpec
@@ -110,8 +111,7 @@ def plan(recipe: Recipe, *, allow_config_only: bool = False) -> Plan:
             raise UpcyclerError(f"{shown_path(recipe.source)}: {err}") from None
         result = StepResult(step.transform.name, config_dict(step.config), applied.notes)
         results.append(result)
-        record = {"step": result.name, "config": result.config, "function_preserving": result.exact,
-                  "notes": [n.text for n in result.notes]}
+        record = transform_step(result.name, result.config, result.exact, [n.text for n in result.notes])
         ckpt = ckpt.with_step(record, applied.spec, applied.tensors)
     out = recipe.output
     if out.dtype:
@@ -119,8 +119,7 @@ def plan(recipe: Recipe, *, allow_config_only: bool = False) -> Plan:
     exact = all(r.exact for r in results)
     recorded = recipe.to_dict()
     recorded["output"].pop("path")  # the output is the directory the record lives in
-    ckpt = ckpt.replace(lineage=(*ckpt.lineage, {"step": "recipe", "recipe": recorded,
-                                                 "function_preserving": exact}))
+    ckpt = ckpt.replace(lineage=(*ckpt.lineage, recipe_step(recorded, exact)))
     if out.format != "hf":
         return Plan(recipe, ckpt, tuple(results), config_only, None, ckpt.tensors.nbytes, 1)
     family = family_named(out.family or ckpt.spec.family)
@@ -152,7 +151,7 @@ def read_source(path: Path, *, allow_config_only: bool) -> tuple[Checkpoint, boo
         if not allow_config_only:
             raise UpcyclerError(f"{path}: has config.json but no weights; only --dry-run can plan from it")
         spec = read_spec(path)
-        step = {"step": "read", "source": str(path), "format": "hf", "config_only": True}
+        step = read_step(path, "hf", config_only=True)
         return Checkpoint(spec, placeholders(spec, _config_dtype(path)), path, (step,)), True
     return read_checkpoint(path), False
 

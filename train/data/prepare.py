@@ -28,7 +28,7 @@ from upcycler.train.data.config import SOURCE_NAME
 from upcycler.train.data.format import FORMAT_VERSION, META_SUFFIX, TOKENS_SUFFIX, npy_header, token_dtype
 from upcycler.train.data.readers import detect_format, expand_pattern, read_documents
 from upcycler.train.data.tokenizer import TokenizerInfo
-from upcycler.train.outputs import staged_files
+from upcycler.io.staging import staged_files
 from upcycler.untrusted import describe, shown_path
 
 _BATCH_DOCS = 256

@@ -39,6 +39,7 @@ class ParamInfo:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     names: tuple[str, ...]
+    is_buffer: bool = False  # as declared (`upcycler.layout`): not trained, kept in float32
 
     @property
     def stacked(self) -> bool:
@@ -86,14 +87,15 @@ def declare_tree(spec: ModelSpec) -> Params:
             _, layer, suffix = decl.name.split(".", 2)
             stacks.setdefault((layer_kind(spec, int(layer)), suffix), []).append(decl)
         else:
-            _insert(tree, (decl.name,), ParamInfo(decl.shape, decl.axes, (decl.name,)))
+            _insert(tree, (decl.name,), ParamInfo(decl.shape, decl.axes, (decl.name,), decl.is_buffer))
     for (kind, suffix), decls in stacks.items():
         first = decls[0]
         if any(d.shape != first.shape or d.axes != first.axes for d in decls):
             raise ValueError(f"layers of kind {kind} disagree on the shape of {suffix}")
         if len(decls) != len(layers_of_kind(spec, kind)):
             raise ValueError(f"{suffix} is missing from some {kind} layers")
-        info = ParamInfo((len(decls), *first.shape), ("layers", *first.axes), tuple(d.name for d in decls))
+        info = ParamInfo((len(decls), *first.shape), ("layers", *first.axes), tuple(d.name for d in decls),
+                         first.is_buffer)
         _insert(tree, ("layers", kind, *suffix.split(".")), info)
     return tree
 
@@ -127,7 +129,7 @@ def abstract_params(spec: ModelSpec, dtype: Any = jnp.float32) -> Params:
 
 
 def _leaf_dtype(info: ParamInfo, dtype: Any) -> Any:
-    return jnp.float32 if info.names[0].endswith("router_bias") else dtype
+    return jnp.float32 if info.is_buffer else dtype
 
 
 # --- initialisation --------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import click
 
 from upcycler.cli.options import output_options, write_output
 from upcycler.io import read_checkpoint
+from upcycler.io.manifest import convert_step
 
 
 @click.command("convert")
@@ -17,8 +18,7 @@ from upcycler.io import read_checkpoint
 def command(src: Path, dst: Path, **options) -> None:
     """Convert the checkpoint at SRC (HF or Orbax) into DST, one tensor in memory at a time."""
     ckpt = read_checkpoint(src)
-    step = {"step": "convert", "to": options["to"], "family": options["family"] or ckpt.spec.family,
-            "dtype": options["dtype"]}
+    step = convert_step(options["to"], options["family"] or ckpt.spec.family, options["dtype"])
     ckpt = ckpt.with_step(step, ckpt.spec, ckpt.tensors)
     out = write_output(ckpt, dst, **options)
     click.echo(f"wrote {out}")

@@ -154,7 +154,7 @@ def write_manifest(directory: Path, spec: ModelSpec, lineage: Sequence[LineageSt
                    files: Mapping[str, Mapping[str, Any]] | None = None,
                    tensors: Mapping[str, Mapping[str, Any]] | None = None,
                    extra: Mapping[str, Any] | None = None) -> Path:
-    """Write `directory/upcycler.json` (the caller stages the directory); returns its path."""
+    """Write `directory/upcycler.json` atomically (a temporary name, then a rename); returns its path."""
     manifest: dict[str, Any] = {"format": FORMAT, "spec": json.loads(spec.to_json()),
                                 "lineage": [dict(step) for step in lineage], **(extra or {})}
     if files is not None:
@@ -162,5 +162,7 @@ def write_manifest(directory: Path, spec: ModelSpec, lineage: Sequence[LineageSt
     if tensors is not None:
         manifest["tensors"] = {name: dict(record) for name, record in tensors.items()}
     path = directory / MANIFEST
-    path.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    tmp = directory / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
     return path

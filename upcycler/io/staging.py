@@ -10,6 +10,8 @@ The rules every writing command obeys (HF and Orbax checkpoints, merges, recipes
 - The work happens in `.OUT.partial-<pid>-<random>` beside OUT; a replaced OUT is first renamed to
   `.OUT.old-<pid>-<random>` and then removed. A write that is killed leaves such directories behind;
   the next write to the same OUT removes those whose writer process is gone (`reclaim_leftovers`).
+- Commands that add files to a directory (prepare-data, report) stage them in `OUT/.partial-<pid>-…`
+  (or beside a new OUT) and move them in only when all are complete (`staged_files`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from upcycler.errors import UpcyclerError
@@ -93,8 +95,13 @@ def prepare_output(out: Path, *, overwrite: bool, sources: Iterable[Path] = ()) 
         raise UpcyclerError(f"{shown_path(parent)}: not writable; choose an output directory you can write to")
 
 
+def _tag(kind: str) -> str:
+    """`kind-<pid>-<random>`: whose a temporary directory is, so leftovers of dead writers can be found."""
+    return f"{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 def _sibling(out: Path, kind: str) -> Path:
-    return out.parent / f".{out.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return out.parent / f".{out.name}.{_tag(kind)}"
 
 
 def _writer_alive(name: str, prefix: str) -> bool:
@@ -194,3 +201,95 @@ def _remove(path: Path) -> None:
     shutil.rmtree(path, onerror=make_writable_and_retry)
     if path.exists():
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _reclaim_inside(out: Path) -> None:
+    """Remove `OUT/.partial-<pid>-…` staging directories of `staged_files` writers that are gone."""
+    prefix = f".{_PARTIAL}-"
+    try:
+        entries = list(os.scandir(out))
+    except OSError:
+        return
+    for entry in entries:
+        if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False) \
+                and not _writer_alive(entry.name, prefix):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+@contextmanager
+def staged_files(
+    out: Path, option: str, is_marker: Callable[[str], bool] = lambda name: False
+) -> Iterator[Path]:
+    """An empty hidden directory to write into; its files land in `out` (a directory) if the block succeeds.
+
+    `option` names the flag that chose `out` in messages (`--out`). Every refusal (OUT is a file, its
+    parent cannot be written) happens on entry, before the caller does any work.
+    """
+    if out.exists() and not out.is_dir():
+        raise UpcyclerError(f"{shown_path(out)}: exists and is not a directory; choose another {option}")
+    existed = out.is_dir()
+    created = [] if existed else _make_parents(out.parent, option)
+    reclaim_leftovers(out)
+    if existed:
+        _reclaim_inside(out)
+    stage = out / f".{_tag(_PARTIAL)}" if existed else _sibling(out, _PARTIAL)
+    try:
+        try:
+            stage.mkdir()
+        except OSError as err:
+            raise UpcyclerError(
+                f"{shown_path(out if existed else out.parent)}: cannot write here ({err.strerror}); "
+                f"choose a writable {option}"
+            ) from None
+        yield stage
+        _publish(stage, out, is_marker, option)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        for directory in reversed(created):
+            with suppress(OSError):
+                directory.rmdir()
+        raise
+
+
+def _make_parents(directory: Path, option: str) -> list[Path]:
+    """Create `directory` and its missing parents (like `mkdir -p`); returns those created, outermost
+    first."""
+    missing = []
+    while not directory.exists():
+        missing.append(directory)
+        if directory.parent == directory:
+            break
+        directory = directory.parent
+    if not directory.is_dir():
+        raise UpcyclerError(f"{shown_path(directory)}: is a file, not a directory; choose another {option}")
+    created = []
+    for path in reversed(missing):
+        try:
+            path.mkdir()
+        except OSError as err:
+            for done in reversed(created):
+                with suppress(OSError):
+                    done.rmdir()
+            raise UpcyclerError(
+                f"{shown_path(path)}: cannot create it ({err.strerror}); choose a writable {option}"
+            ) from None
+        created.append(path)
+    return created
+
+
+def _publish(stage: Path, out: Path, is_marker: Callable[[str], bool], option: str) -> None:
+    """Move the staged files into `out`: one rename for a new `out`, else file by file, markers last."""
+    try:
+        if not out.exists():
+            os.rename(stage, out)
+            return
+        names = sorted(os.listdir(stage), key=lambda name: (is_marker(name), name))
+        for name in names:
+            if is_marker(name):
+                (out / name).unlink(missing_ok=True)
+        for name in names:
+            os.replace(stage / name, out / name)
+        stage.rmdir()
+    except OSError as err:
+        why = "disk full" if err.errno == errno.ENOSPC else f"cannot write ({err.strerror})"
+        raise UpcyclerError(f"{shown_path(out)}: {why}; free space or choose another {option}") from None
