@@ -24,7 +24,7 @@ from upcycler.untrusted import shown_path
 
 
 @dataclass(frozen=True)
-class Checked:
+class RunInputs:
     """What `prepare` learnt while checking: the model's spec and lineage, the tokenizer, the init path."""
 
     spec: ModelSpec
@@ -33,7 +33,7 @@ class Checked:
     init: Path
 
 
-def prepare(config: TrainConfig, resume: bool) -> Checked:
+def prepare(config: TrainConfig, resume: bool) -> RunInputs:
     """All file checks of a run (no devices, no tensor bytes): raises `UpcyclerError` on the first problem."""
     refuse_run_dir_overlap(config)
     if os.path.lexists(config.run_dir) and not config.run_dir.is_dir():
@@ -72,7 +72,7 @@ def prepare(config: TrainConfig, resume: bool) -> Checked:
         raise UpcyclerError(
             f"{shown_path(config.run_dir)}: no checkpoint to resume from; drop --resume to start a new run"
         )
-    return Checked(init.spec, tuple(init.lineage), tokenizer.absolute(), config.model.init)
+    return RunInputs(init.spec, tuple(init.lineage), tokenizer.absolute(), config.model.init)
 
 
 def refuse_run_dir_overlap(config: TrainConfig) -> None:

@@ -40,7 +40,7 @@ from upcycler.train.data.mix import DataIterator, make_data_iterator
 from upcycler.train.metrics import MetricsLog, Progress, flops_per_token, step_record
 from upcycler.train.model.params import abstract_params, from_tensors
 from upcycler.train.optim import make_optimizer, opt_state_shardings
-from upcycler.train.preflight import Checked, prepare
+from upcycler.train.preflight import RunInputs, prepare
 from upcycler.train.train_step import TrainState, compile_step, global_batch, make_train_step
 from upcycler.untrusted import shown_path
 
@@ -54,7 +54,7 @@ class RunResult:
     preempted: bool = False
 
 
-def train(config: TrainConfig, *, resume: bool = False, checked: Checked | None = None) -> RunResult:
+def train(config: TrainConfig, *, resume: bool = False, checked: RunInputs | None = None) -> RunResult:
     """Run (or resume) continued pretraining to `config.steps`; see the module docstring for guarantees.
 
     `checked` is the result of `prepare(config, resume)` when the caller already ran it."""
@@ -77,7 +77,7 @@ def train(config: TrainConfig, *, resume: bool = False, checked: Checked | None 
 class _Run:
     """The pieces of one run: mesh, shardings, optimiser, data, checkpoints, compiled step."""
 
-    def __init__(self, config: TrainConfig, checked: Checked, mesh: Mesh, data: DataIterator):
+    def __init__(self, config: TrainConfig, checked: RunInputs, mesh: Mesh, data: DataIterator):
         self.config, self.checked, self.mesh, self.data = config, checked, mesh, data
         self.spec = spec = checked.spec
         m = config.model

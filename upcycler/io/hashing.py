@@ -5,13 +5,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-_CHUNK = 8 * 1024 * 1024
-
 
 def sha256_file(path: Path) -> str:
-    """The hex sha256 of a file, read in 8 MiB chunks."""
-    digest = hashlib.sha256()
+    """The hex sha256 of a file, streamed by `hashlib.file_digest` (which releases the GIL while hashing)."""
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
