@@ -30,6 +30,7 @@ from jax.sharding import Mesh
 
 from upcycler.errors import UpcyclerError
 from upcycler.io import read_checkpoint
+from upcycler.io.manifest import PretrainStep, pretrain_step
 from upcycler.spec import ModelSpec
 from upcycler.train import mesh as mesh_lib
 from upcycler.train import model as model_lib
@@ -217,17 +218,13 @@ def _make_run_dir(config: TrainConfig, primary: bool) -> None:
         ) from None
 
 
-def _lineage_step(config: TrainConfig, step: int) -> dict[str, Any]:
-    return {
-        "step": "continued-pretrain",
-        "trained_steps": step,
-        "tokens": step * config.data.global_batch_size * config.data.seq_len,
-        "data": {
-            "sources": list(config.data.source_names),
-            "phases": [{"until_step": p.until_step, "weights": dict(p.weights)} for p in config.data.phases],
-        },
-        "optimizer": {"lr": config.optimizer.lr, "schedule": [vars(p) for p in config.optimizer.schedule]},
-    }
+def _lineage_step(config: TrainConfig, step: int) -> PretrainStep:
+    return pretrain_step(
+        step, step * config.data.global_batch_size * config.data.seq_len,
+        data={"sources": list(config.data.source_names),
+              "phases": [{"until_step": p.until_step, "weights": dict(p.weights)} for p in config.data.phases]},
+        optimizer={"lr": config.optimizer.lr, "schedule": [vars(p) for p in config.optimizer.schedule]},
+    )
 
 
 class _SigtermFlag:

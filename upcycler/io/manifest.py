@@ -66,7 +66,26 @@ class RecipeStep(TypedDict):
     function_preserving: bool
 
 
-LineageStep = Mapping[str, Any]  # one of the above, a merge or a training step, or one from a newer version
+class MergeStep(TypedDict):
+    step: str  # "merge"
+    method: str
+    options: dict[str, Any]
+    weights: list[float] | None
+    inputs: list[dict[str, Any]]  # {source, step, lineage} of each input, oldest first
+    base: NotRequired[dict[str, Any]]  # {source, lineage} of the base model (task-vector methods)
+    seed: NotRequired[int]
+    dtype: NotRequired[str]
+
+
+class PretrainStep(TypedDict):
+    step: str  # "continued-pretrain"
+    trained_steps: int
+    tokens: int
+    data: dict[str, Any]  # {sources, phases}
+    optimizer: dict[str, Any]  # {lr, schedule}
+
+
+LineageStep = Mapping[str, Any]  # one of the above, or a step written by a newer version
 
 
 def read_step(source: Path, fmt: str, **details: Any) -> ReadStep:
@@ -87,6 +106,19 @@ def transform_step(name: str, config: dict[str, Any], exact: bool, notes: Sequen
 def recipe_step(recipe: dict[str, Any], exact: bool) -> RecipeStep:
     """The transforms above came from this recipe, applied in one pass."""
     return RecipeStep(step="recipe", recipe=recipe, function_preserving=exact)
+
+
+def merge_step(method: str, options: dict[str, Any], weights: Sequence[float] | None,
+               inputs: Sequence[dict[str, Any]], **details: Any) -> MergeStep:
+    """Checkpoints were merged with `method` (details: base, seed, dtype)."""
+    return MergeStep(step="merge", method=method, options=options,  # type: ignore[typeddict-item]
+                     weights=None if weights is None else list(weights), inputs=list(inputs), **details)
+
+
+def pretrain_step(trained_steps: int, tokens: int, data: dict[str, Any], optimizer: dict[str, Any]) -> PretrainStep:
+    """The model was trained on for `trained_steps` steps (`tokens` tokens) with this data and optimiser."""
+    return PretrainStep(step="continued-pretrain", trained_steps=trained_steps, tokens=tokens, data=data,
+                        optimizer=optimizer)
 
 
 # --- the manifest ------------------------------------------------------------------------------------

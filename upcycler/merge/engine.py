@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from upcycler.io.checkpoint import Checkpoint
+from upcycler.io.manifest import MergeStep, merge_step
 from upcycler.merge.averaging import weighted_average
 from upcycler.merge.plan import MergePlan, stacked_names
 from upcycler.tensors import LazyTensor, TensorMap, dtype_name, read_ahead, stack
@@ -45,22 +46,18 @@ def tensor_rng(seed: int, name: str, part: int | None) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode()), (-1 if part is None else part) + 1])
 
 
-def lineage_step(plan: MergePlan) -> dict[str, Any]:
+def lineage_step(plan: MergePlan) -> MergeStep:
     """The lineage entry of this merge (JSON-ready)."""
-    step: dict[str, Any] = {
-        "step": "merge",
-        "method": plan.method.name,
-        "options": {k.rstrip("_"): v for k, v in plan.options.items()},
-        "weights": list(plan.weights) if plan.weights is not None else None,
-        "inputs": [{"source": i.label, "step": i.step, "lineage": list(i.checkpoint.lineage)} for i in plan.inputs],
-    }
+    details: dict[str, Any] = {}
     if plan.base is not None:
-        step["base"] = {"source": str(plan.base.source), "lineage": list(plan.base.lineage)}
+        details["base"] = {"source": str(plan.base.source), "lineage": list(plan.base.lineage)}
     if plan.method.seeded:
-        step["seed"] = plan.seed
+        details["seed"] = plan.seed
     if plan.dtype is not None:
-        step["dtype"] = dtype_name(plan.dtype)
-    return step
+        details["dtype"] = dtype_name(plan.dtype)
+    return merge_step(plan.method.name, {k.rstrip("_"): v for k, v in plan.options.items()}, plan.weights,
+                      [{"source": i.label, "step": i.step, "lineage": list(i.checkpoint.lineage)}
+                       for i in plan.inputs], **details)
 
 
 def _merged(plan: MergePlan, name: str, like: LazyTensor, is_stacked: bool) -> LazyTensor:
