@@ -17,6 +17,7 @@ from typing import Any
 from upcycler.errors import UpcyclerError
 from upcycler.io import read_checkpoint
 from upcycler.io.hashing import sha256_file
+from upcycler.io.staging import overlap
 from upcycler.spec import ModelSpec
 from upcycler.train.config import TrainConfig
 from upcycler.train.data.sources import open_source
@@ -77,16 +78,9 @@ def prepare(config: TrainConfig, resume: bool) -> RunInputs:
 
 def refuse_run_dir_overlap(config: TrainConfig) -> None:
     """Refuse a run_dir that is, contains or lies inside model.init or data.dir (symlinks resolved)."""
-    run_dir = Path(os.path.realpath(config.run_dir))
     for option, source in (("model.init", config.model.init), ("data.dir", config.data.dir)):
-        real = Path(os.path.realpath(source))
-        if real == run_dir:
-            why = "is"
-        elif real in run_dir.parents:
-            why = "lies inside"
-        elif run_dir in real.parents:
-            why = "contains"
-        else:
+        why = overlap(config.run_dir, source)
+        if why is None:
             continue
         raise UpcyclerError(
             f"{shown_path(config.run_dir)}: run_dir {why} {option} {shown_path(source)}; the run would write "

@@ -33,21 +33,25 @@ _PARTIAL = "partial"
 _OLD = "old"
 
 
+def overlap(out: Path, source: Path) -> str | None:
+    """How `out` overlaps `source` ("is", "contains", "lies inside"), after resolving symlinks; or None."""
+    target, real = Path(os.path.realpath(out)), Path(os.path.realpath(source))
+    if real == target:
+        return "is"
+    if target in real.parents:
+        return "contains"
+    if real in target.parents:
+        return "lies inside"
+    return None
+
+
 def refuse_overlap(out: Path, sources: Iterable[Path], *, option: str = "OUT") -> None:
     """Refuse an output that is a source, contains one, or lies inside one (after resolving symlinks)."""
-    target = Path(os.path.realpath(out))
     for source in sources:
-        real = Path(os.path.realpath(source))
-        if real == target:
-            why = "is the source"
-        elif target in real.parents:
-            why = "contains the source"
-        elif real in target.parents:
-            why = "lies inside the source"
-        else:
-            continue
-        raise UpcyclerError(f"{shown_path(out)}: {why} {shown_path(source)}; choose an {option} outside "
-                            "every input")
+        how = overlap(out, source)
+        if how:
+            raise UpcyclerError(f"{shown_path(out)}: {how} the source {shown_path(source)}; choose an {option} "
+                                "outside every input")
 
 
 def check_replaceable(out: Path) -> None:
