@@ -4,7 +4,7 @@ Every module of the package (`upcycler/`, plus `train/` and `transforms/` instal
 `upcycler.train` and `upcycler.transforms`) is parsed with `ast`; every import counts, also the ones
 inside functions. The layers, lowest first:
 
-    core        spec, layout, tensors, errors, untrusted, units
+    core        spec, layout, tensors, errors, untrusted, units, schema
     adapters    families, io
     operations  transforms, merge, summary, hub, model_card
     trainer     train, verify (runs checkpoints through the JAX model)
@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"upcycler": ROOT / "upcycler", "upcycler.train": ROOT / "train",
             "upcycler.transforms": ROOT / "transforms"}
 LAYERS = [
-    ("core", ("upcycler", "upcycler.spec", "upcycler.layout", "upcycler.tensors", "upcycler.errors", "upcycler.untrusted",
-              "upcycler.units")),
+    ("core", ("upcycler.spec", "upcycler.layout", "upcycler.tensors", "upcycler.errors", "upcycler.untrusted",
+              "upcycler.units", "upcycler.schema")),
     ("adapters", ("upcycler.families", "upcycler.io")),
     ("operations", ("upcycler.transforms", "upcycler.merge", "upcycler.summary", "upcycler.hub",
                     "upcycler.model_card")),
@@ -78,6 +78,8 @@ def graph() -> dict[str, set[str]]:
 
 
 def layer(module: str) -> int:
+    if module == "upcycler":  # the package's own face re-exports core types
+        return 0
     for rank, (_, prefixes) in enumerate(LAYERS):
         if any(module == p or module.startswith(p + ".") for p in prefixes):
             return rank

@@ -10,6 +10,7 @@ Schema (every section but `model` and `data` is optional; defaults shown):
       compute_dtype: float32           # float32 | bfloat16 (master weights are always float32)
       attention: einsum                # einsum | dot_product
       moe_impl: dropless               # dropless | reference (one-hot)
+      gmm_backend: auto                # auto | tiled | ragged_dot (the dropless expert matmul)
       remat: false
     data: {...}                        # see upcycler.train.data.config
     optimizer:
@@ -29,109 +30,131 @@ Schema (every section but `model` and `data` is optional; defaults shown):
     checkpoint: {every: 100, keep: 3, async: true}
     metrics: {peak_flops: null, expert_load_every: 1, progress: true}
 
+Each option is declared once, as a field below (type, default, choices, range, help); the YAML reader
+(`upcycler.schema.from_mapping`) and the `continued-pretrain` flags are derived from those fields.
 Everything here is checked without touching the disk or the devices (`load_config`); what needs them
 (files, tokenizer, device count) is checked by `upcycler.train.preflight.prepare` before anything runs.
 The file and every `--set` value are parsed by `upcycler.untrusted` (size-capped, aliases and nesting
 bounded); every value is checked for its exact type and range (an integer option takes no bool, float
-or string; a float option takes no NaN or infinity), so any document yields a `TrainConfig` or one
-`UpcyclerError` line naming the file and the option.
+or string; a float option takes no NaN or infinity), and `check` adds what involves several options,
+so any document yields a `TrainConfig` or one `UpcyclerError` line naming the file and the option.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import types
-import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from upcycler.errors import UpcyclerError
-from upcycler.train.data.config import MAX_STEP, DataConfig, key_names, path_value
-from upcycler.untrusted import describe, escape, integer, load_yaml, parse_yaml, real, shown_path
+from upcycler.schema import Range, field, from_mapping, to_plain
+from upcycler.train.data.config import MAX_STEP, DataConfig
+from upcycler.untrusted import describe, escape, load_yaml, parse_yaml, shown_path
 
 SCHEDULE_KINDS = ("warmup", "constant", "cosine", "linear")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("einsum", "dot_product")
 MOE_IMPLS = ("dropless", "reference")
+GMM_BACKENDS = ("auto", "tiled", "ragged_dot")  # the grouped-matmul kernels of `upcycler.train.model.gmm`
 MAX_DEVICES = 1 << 20
 _FIX = "fix the config (or the flag that sets it)"
+_STEPS = Range(1, MAX_STEP)
+_NON_NEGATIVE = Range(0, None)
 
 
 @dataclass(frozen=True)
-class ModelSection:
-    init: Path
-    tokenizer: Path | None = None
-    compute_dtype: str = "float32"
-    attention: str = "einsum"
-    moe_impl: str = "dropless"
-    remat: bool = False
+class ModelConfig:
+    """How to run a model: compute dtype, implementations, rematerialisation (not the architecture, which
+    the checkpoint's `ModelSpec` decides). Hashable: it is a static argument of the jitted forward."""
+
+    compute_dtype: str = field("float32", choices=COMPUTE_DTYPES,
+                               help="Compute dtype; master weights stay float32.")
+    attention: str = field("einsum", choices=ATTENTION_IMPLS,
+                           help="einsum (explicit, exact) or dot_product (jax.nn.dot_product_attention).")
+    moe_impl: str = field("dropless", choices=MOE_IMPLS,
+                          help="dropless (sort, then grouped matmul) or reference (one-hot, for tests).")
+    gmm_backend: str = field("auto", choices=GMM_BACKENDS,
+                             help="Grouped matmul of the dropless MoE: auto, tiled (CPU) or ragged_dot.")
+    remat: bool = field(False, help="Recompute each layer's activations in the backward pass.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSection(ModelConfig):
+    """`model:`: the checkpoint to start from, its tokenizer, and how to run it (every `ModelConfig` option)."""
+
+    init: Path = field(help="The checkpoint to start from (HF or Orbax).")
+    tokenizer: Path | None = field(None, help="tokenizer.json or its directory (default: init/tokenizer.json).")
+
+    def run_config(self) -> ModelConfig:
+        """The `ModelConfig` part alone: what the jitted forward is specialised on."""
+        return ModelConfig(**{f.name: getattr(self, f.name) for f in fields(ModelConfig)})
 
 
 @dataclass(frozen=True)
 class SchedulePhase:
     """One piece of the learning-rate schedule, ending at `until_step` with learning rate `lr`."""
 
-    kind: str
-    until_step: int
-    lr: float | None = None
+    kind: str = field(choices=SCHEDULE_KINDS, help="How the learning rate moves within the phase.")
+    until_step: int = field(range=_STEPS, help="The absolute step the phase ends at.")
+    lr: float | None = field(None, range=_NON_NEGATIVE, help="Learning rate at the end (default: the peak).")
 
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = 3e-4
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0
-    schedule: tuple[SchedulePhase, ...] = ()
+    lr: float = field(3e-4, range=_NON_NEGATIVE, help="Peak learning rate.")
+    b1: float = field(0.9, range=Range(0, 1, hi_open=True), help="Adam b1.")
+    b2: float = field(0.95, range=Range(0, 1, hi_open=True), help="Adam b2.")
+    eps: float = field(1e-8, range=_NON_NEGATIVE, help="Adam epsilon.")
+    weight_decay: float = field(0.1, range=_NON_NEGATIVE, help="Decoupled weight decay, on matrices only.")
+    clip_norm: float = field(1.0, range=_NON_NEGATIVE, help="Global-norm clipping (0: off).")
+    schedule: tuple[SchedulePhase, ...] = field((), help="Phases in absolute steps (empty: constant lr).")
 
 
 @dataclass(frozen=True)
 class LossConfig:
-    lb_coef: float = 0.01
-    z_coef: float = 0.001
+    lb_coef: float = field(0.01, range=_NON_NEGATIVE, help="Weight of the load-balancing loss.")
+    z_coef: float = field(0.001, range=_NON_NEGATIVE, help="Weight of the router z-loss.")
 
 
 @dataclass(frozen=True)
 class MeshConfig:
-    data: int = 1
-    fsdp: int = -1
-    expert: int = 1
+    data: int = field(1, range=Range(-1, MAX_DEVICES), help="Data-parallel size (-1: the remaining devices).")
+    fsdp: int = field(-1, range=Range(-1, MAX_DEVICES), help="FSDP size (-1: the remaining devices).")
+    expert: int = field(1, range=Range(-1, MAX_DEVICES), help="Expert-parallel size (-1: the remaining devices).")
 
 
 @dataclass(frozen=True)
 class DistributedConfig:
     """`coordinator` host:port starts `jax.distributed`; "auto" lets JAX detect the cluster (SLURM, TPU)."""
 
-    coordinator: str | None = None
-    num_processes: int | None = None
-    process_id: int | None = None
+    coordinator: str | None = field(None, help="host:port of process 0 (or auto) to run on several processes.")
+    num_processes: int | None = field(None, range=Range(1, MAX_DEVICES), help="How many processes.")
+    process_id: int | None = field(None, range=Range(0, MAX_DEVICES), help="This process's id.")
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 100
-    keep: int = 3
-    async_save: bool = field(default=True, metadata={"key": "async"})
+    every: int = field(100, range=_STEPS, help="Save every this many steps.")
+    keep: int = field(3, range=_STEPS, help="Keep the newest this many checkpoints.")
+    async_save: bool = field(True, key="async", help="Save in the background.")
 
 
 @dataclass(frozen=True)
 class MetricsConfig:
-    peak_flops: float | None = None  # per device, FLOP/s; MFU is reported only when set
-    expert_load_every: int = 1
-    progress: bool = True
+    peak_flops: float | None = field(None, range=Range(0, None, lo_open=True),
+                                     help="Per-device peak FLOP/s; MFU is reported only when set.")
+    expert_load_every: int = field(1, range=_STEPS, help="Log the expert load every this many steps.")
+    progress: bool = field(True, help="Show a progress bar.")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    run_dir: Path
-    steps: int
-    model: ModelSection
-    data: DataConfig
+    run_dir: Path = field(help="Where checkpoints, metrics.jsonl and config.yaml go.")
+    steps: int = field(range=_STEPS, help="Train until this absolute step.")
+    model: ModelSection = field(help="The checkpoint to start from and how to run it.")
+    data: DataConfig = field(help="The prepared data and its mixture; see upcycler.train.data.config.")
     optimizer: OptimizerConfig = OptimizerConfig()
     loss: LossConfig = LossConfig()
     mesh: MeshConfig = MeshConfig()
@@ -141,76 +164,22 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML-able data that `from_dict` turns back into an equal config."""
-        return _plain(self)
+        return to_plain(self)
 
     @classmethod
     def from_dict(cls, raw: Any, origin: str = "config") -> TrainConfig:
         """Build and check a config from parsed YAML; raises `UpcyclerError` with one line naming `origin`."""
-        if not isinstance(raw, Mapping):
-            raise UpcyclerError(
-                f"{origin}: the config must be a mapping of sections, not {describe(raw)}; "
-                "see the documented schema"
-            )
-        raw = dict(raw)
-        for key in ("run_dir", "steps", "model", "data"):
-            if key not in raw:
-                raise UpcyclerError(f"{origin}: missing {key!r}; add it (or pass it as a flag)")
-        data = DataConfig.from_dict(raw.pop("data"), f"{origin}: data")
-        optimizer = dict(_mapping(raw.pop("optimizer", {}), origin, "optimizer"))
-        schedule = optimizer.pop("schedule", []) or []
-        if not isinstance(schedule, list):
-            raise UpcyclerError(
-                f"{origin}: optimizer.schedule must be a list of {{kind, until_step, lr}} phases"
-            )
-        phases = tuple(
-            _build(SchedulePhase, p, origin, f"optimizer.schedule[{k}]") for k, p in enumerate(schedule)
-        )
-        sections = {
-            "model": ModelSection,
-            "optimizer": OptimizerConfig,
-            "loss": LossConfig,
-            "mesh": MeshConfig,
-            "distributed": DistributedConfig,
-            "checkpoint": CheckpointConfig,
-            "metrics": MetricsConfig,
-        }
-        built = {"data": data}
-        for name, kind in sections.items():
-            section = optimizer if name == "optimizer" else raw.pop(name, {})
-            extra = {"schedule": phases} if name == "optimizer" else {}
-            built[name] = _build(kind, section, origin, name, extra)
-        top = _build(_Top, raw, origin, "")
-        config = cls(run_dir=top.run_dir, steps=top.steps, **built)
+        config = from_mapping(cls, raw, origin, fix=_FIX)
         check(config, origin)
         return config
 
 
-@dataclass(frozen=True)
-class _Top:
-    run_dir: Path
-    steps: int
-
-
 def check(config: TrainConfig, origin: str = "config") -> None:
-    """Raise `UpcyclerError` unless every value is in range and the config is consistent in itself
-    (no files or devices consulted)."""
-    integer(config.steps, "steps", origin, low=1, high=MAX_STEP, fix=_FIX)
-    m = config.model
-    _choice(m.compute_dtype, COMPUTE_DTYPES, f"{origin}: model.compute_dtype")
-    _choice(m.attention, ATTENTION_IMPLS, f"{origin}: model.attention")
-    _choice(m.moe_impl, MOE_IMPLS, f"{origin}: model.moe_impl")
+    """Raise `UpcyclerError` unless the options agree with each other (each option's own type and range
+    are checked by `from_mapping`; no files or devices consulted)."""
+    config.data.check(origin=f"{origin}: data")
     check_schedule(config.optimizer, origin)
-    o = config.optimizer
-    for name in ("eps", "weight_decay", "clip_norm"):
-        real(getattr(o, name), f"optimizer.{name}", origin, low=0, fix=_FIX)
-    for name in ("b1", "b2"):
-        if real(getattr(o, name), f"optimizer.{name}", origin, low=0, high=1, fix=_FIX) == 1:
-            raise UpcyclerError(f"{origin}: optimizer.{name} must be below 1, not 1; {_FIX}")
-    for name in ("lb_coef", "z_coef"):
-        real(getattr(config.loss, name), f"loss.{name}", origin, low=0, fix=_FIX)
     sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.expert]
-    for name, size in zip(("data", "fsdp", "expert"), sizes):
-        integer(size, f"mesh.{name}", origin, low=-1, high=MAX_DEVICES, fix=_FIX)
     if any(s == 0 for s in sizes) or sizes.count(-1) > 1:
         raise UpcyclerError(
             f"{origin}: mesh sizes must be positive, with at most one -1 (all remaining devices)"
@@ -222,45 +191,30 @@ def check(config: TrainConfig, origin: str = "config") -> None:
             f"(data × fsdp × expert = {known}); make it a multiple of {known}"
         )
     _check_distributed(config.distributed, origin)
-    c = config.checkpoint
-    integer(c.every, "checkpoint.every", origin, low=1, high=MAX_STEP, fix=_FIX)
-    integer(c.keep, "checkpoint.keep", origin, low=1, high=MAX_STEP, fix=_FIX)
-    integer(config.metrics.expert_load_every, "metrics.expert_load_every", origin, low=1, high=MAX_STEP,
-            fix=_FIX)
-    peak = config.metrics.peak_flops
-    if peak is not None and real(peak, "metrics.peak_flops", origin, low=0, fix=_FIX) == 0:
-        raise UpcyclerError(f"{origin}: metrics.peak_flops must be positive (FLOP/s per device) or null")
 
 
 def _check_distributed(d: DistributedConfig, origin: str) -> None:
-    """`coordinator` is host:port or auto; process counts and ids are in range."""
-    coordinator = d.coordinator
-    if coordinator not in (None, "auto") and (not isinstance(coordinator, str) or ":" not in coordinator):
+    """`coordinator` is host:port or auto; the process id is below the number of processes."""
+    if d.coordinator not in (None, "auto") and ":" not in d.coordinator:
         raise UpcyclerError(
             f"{origin}: distributed.coordinator {describe(d.coordinator)} must be host:port or auto"
         )
-    if d.num_processes is not None:
-        integer(d.num_processes, "distributed.num_processes", origin, low=1, high=MAX_DEVICES, fix=_FIX)
-    if d.process_id is not None:
-        last = d.num_processes - 1 if d.num_processes is not None else MAX_DEVICES
-        integer(d.process_id, "distributed.process_id", origin, low=0, high=last, fix=_FIX)
+    if d.process_id is not None and d.num_processes is not None and d.process_id >= d.num_processes:
+        raise UpcyclerError(
+            f"{origin}: distributed.process_id {d.process_id} must be below distributed.num_processes "
+            f"{d.num_processes}; {_FIX}"
+        )
 
 
 def check_schedule(o: OptimizerConfig, origin: str) -> None:
-    """Phase kinds known, `until_step` strictly increasing from 0, learning rates non-negative."""
-    real(o.lr, "optimizer.lr", origin, low=0, fix=_FIX)
+    """`until_step` strictly increasing from 0 over the phases."""
     previous = 0
     for k, phase in enumerate(o.schedule):
-        where = f"{origin}: optimizer.schedule[{k}]"
-        _choice(phase.kind, SCHEDULE_KINDS, f"{where}.kind")
-        if isinstance(phase.until_step, bool) or not isinstance(phase.until_step, int) \
-                or not previous < phase.until_step <= MAX_STEP:
+        if not previous < phase.until_step:
             raise UpcyclerError(
-                f"{where}.until_step is {describe(phase.until_step)}; "
+                f"{origin}: optimizer.schedule[{k}].until_step is {describe(phase.until_step)}; "
                 f"phase steps must increase strictly from {previous} (at most {MAX_STEP:,})"
             )
-        if phase.lr is not None:
-            real(phase.lr, f"optimizer.schedule[{k}].lr", origin, low=0, fix=_FIX)
         previous = phase.until_step
 
 
@@ -295,88 +249,3 @@ def _assign(raw: dict, dotted: str, value: Any, path: Path) -> None:
             )
         raw = child
     raw[last] = value
-
-
-def _build(cls: type, raw: Any, origin: str, section: str, extra: Mapping[str, Any] = {}) -> Any:
-    """An instance of dataclass `cls` from a mapping, with each value's type checked against the field's.
-
-    `section` is the dotted name of the mapping in the config ("" for the top level)."""
-    raw = _mapping(raw, origin, section)
-    where = f"{origin}: {section}" if section else origin
-    hints = typing.get_type_hints(cls)
-    fields = {f.metadata.get("key", f.name): f for f in dataclasses.fields(cls) if f.name not in extra}
-    unknown = sorted(key_names(raw) - set(fields))
-    if unknown:
-        raise UpcyclerError(
-            f"{where}: unknown key {describe(unknown[0])}; allowed: {', '.join(sorted(fields))}"
-        )
-    values = dict(extra)
-    for key, f in fields.items():
-        if key in raw:
-            values[f.name] = _coerce(raw[key], hints[f.name], f"{section}.{key}" if section else key, origin)
-        elif f.default is dataclasses.MISSING:
-            raise UpcyclerError(f"{where}: missing {key!r}; add it")
-    return cls(**values)
-
-
-def _coerce(value: Any, hint: Any, name: str, origin: str) -> Any:
-    """`value` as the field type `hint` (bool, int, float, str, Path, maybe None), else `UpcyclerError`."""
-    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    if value is None:
-        if type(None) in options:
-            return None
-        raise UpcyclerError(f"{origin}: {name} must be set, not null; {_FIX}")
-    if float in options and isinstance(value, str):
-        value = _yaml_float(value)  # PyYAML reads 3e-4 (no dot) as a string
-    for kind in options:
-        if kind is bool and isinstance(value, bool):
-            return value
-        if kind is int and isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return real(value, name, origin, fix=_FIX)
-        if kind is str and isinstance(value, str):
-            return value
-        if kind is Path and isinstance(value, (str, Path)):
-            return path_value(value, name, origin, "a file or directory")
-    names = " or ".join(_KINDS.get(k, str(k)) for k in options if k is not type(None))
-    raise UpcyclerError(f"{origin}: {name} must be {names}, not {describe(value)}; {_FIX}")
-
-
-_KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "text", Path: "a path"}
-
-
-def _yaml_float(text: str) -> float | str:
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
-def _mapping(raw: Any, origin: str, section: str) -> Mapping:
-    if raw is None:
-        return {}
-    if not isinstance(raw, Mapping):
-        what = f"{origin}: {section}" if section else origin
-        raise UpcyclerError(f"{what} must be a mapping of keys to values, not {describe(raw)}")
-    return raw
-
-
-def _choice(value: str, allowed: Sequence[str], where: str) -> None:
-    if value not in allowed:
-        raise UpcyclerError(f"{where} is {describe(value)}; use one of {', '.join(allowed)}")
-
-
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        out = {}
-        for f in dataclasses.fields(value):
-            out[f.metadata.get("key", f.name)] = _plain(getattr(value, f.name))
-        return out
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return [_plain(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    return value

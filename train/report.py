@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from upcycler.errors import UpcyclerError
-from upcycler.train.metrics import METRICS_FILE, read_metrics
 from upcycler.io.staging import staged_files
+from upcycler.train.metrics import METRICS_FILE, read_metrics
 from upcycler.untrusted import shown_path
 
 

@@ -33,7 +33,6 @@ from upcycler.io import read_checkpoint
 from upcycler.io.manifest import PretrainStep, pretrain_step
 from upcycler.spec import ModelSpec
 from upcycler.train import mesh as mesh_lib
-from upcycler.train import model as model_lib
 from upcycler.train import sharding
 from upcycler.train.checkpointing import RunCheckpoints
 from upcycler.train.config import TrainConfig
@@ -81,10 +80,7 @@ class _Run:
     def __init__(self, config: TrainConfig, checked: RunInputs, mesh: Mesh, data: DataIterator):
         self.config, self.checked, self.mesh, self.data = config, checked, mesh, data
         self.spec = spec = checked.spec
-        m = config.model
-        self.model_cfg = model_lib.ModelConfig(
-            compute_dtype=m.compute_dtype, attention=m.attention, moe_impl=m.moe_impl, remat=m.remat
-        )
+        self.model_cfg = config.model.run_config()
         self.tx, self.schedule = make_optimizer(config.optimizer, spec)
         self.param_shardings = sharding.param_shardings(spec, mesh)
         self.abstract = jax.tree.map(

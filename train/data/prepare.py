@@ -24,11 +24,11 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.hashing import sha256_file
+from upcycler.io.staging import staged_files
 from upcycler.train.data.config import SOURCE_NAME
 from upcycler.train.data.format import FORMAT_VERSION, META_SUFFIX, TOKENS_SUFFIX, npy_header, token_dtype
 from upcycler.train.data.readers import detect_format, expand_pattern, read_documents
 from upcycler.train.data.tokenizer import TokenizerInfo
-from upcycler.io.staging import staged_files
 from upcycler.untrusted import describe, shown_path
 
 _BATCH_DOCS = 256

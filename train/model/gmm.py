@@ -36,8 +36,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from upcycler.train.config import GMM_BACKENDS
+
 Backend = Literal["auto", "tiled", "ragged_dot"]
-BACKENDS: tuple[str, ...] = ("auto", "tiled", "ragged_dot")
+BACKENDS: tuple[str, ...] = GMM_BACKENDS  # declared with the config, which must not import JAX
 DEFAULT_TILE_ROWS: tuple[int, ...] = (512, 256, 128, 64)
 
 

@@ -1,7 +1,8 @@
 """The decoder-only transformer: pure functions over the parameter tree of `upcycler.train.model.params`.
 
 What it computes is decided by the `ModelSpec` alone (the architecture, read from a checkpoint); how it
-computes is decided by `ModelConfig` (compute dtype, attention and MoE implementations, rematerialisation).
+computes is decided by `ModelConfig` (declared in `upcycler.train.config`: compute dtype, attention and
+MoE implementations, grouped-matmul backend, rematerialisation).
 One function covers every supported family:
 
 - GQA attention with RoPE (default, linear, llama3 or yarn scaling; partial rotary), optional q/k/v and o
@@ -22,33 +23,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from upcycler.spec import ModelSpec
 from upcycler.train import sharding  # a module import: `sharding` imports `params` from this package
+from upcycler.train.config import ModelConfig  # declared with the training options, without JAX
 from upcycler.train.model import layers as nn
 from upcycler.train.model import moe
 from upcycler.train.model.params import Params, Run, layer_runs, layers_of_kind
 
 ACTIVATION_AXES = ("batch", "seq", "act_embed")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """How to run a model (hashable: it is a static argument of the jitted forward)."""
-
-    compute_dtype: str = "float32"  # "float32" or "bfloat16"
-    attention: str = "einsum"  # "einsum" (explicit, exact) or "dot_product" (jax.nn.dot_product_attention)
-    moe_impl: str = "dropless"  # "dropless" (sort → grouped matmul) or "reference" (one-hot, for tests)
-    gmm_backend: str = "auto"  # see upcycler.train.model.gmm
-    remat: bool = False  # recompute each layer's activations in the backward pass
-
-    @property
-    def dtype(self) -> Any:
-        return jnp.dtype(self.compute_dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -131,7 +118,7 @@ def hidden_states(
     visible_BLS, distance_LS = nn.attention_mask(segment_ids_BL, B, L)
     ctx = _Context(cos_BLR, sin_BLR, visible_BLS, distance_LS, segment_ids_BL is None)
 
-    x_BLD = jnp.take(params["embed"], ids_BL, axis=0).astype(cfg.dtype)
+    x_BLD = jnp.take(params["embed"], ids_BL, axis=0).astype(jnp.dtype(cfg.compute_dtype))
     logits, ids = [], []
     for run in layer_runs(spec):
         x_BLD, run_aux = _scan_run(params["layers"][run.kind], x_BLD, run, spec, cfg, ctx)

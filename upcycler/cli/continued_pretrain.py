@@ -1,5 +1,11 @@
 """`upcycle continued-pretrain --config train.yaml`: train a checkpoint on, with flags overriding the file.
 
+Besides `--config`, `--resume` and `--set KEY=VALUE` (any key), the flags are generated from the config's
+own fields (`upcycler.train.config`), like the options of the transform commands: every option at the
+top level and in the `model`, `distributed` and `metrics` sections is a flag named after it (`--steps`,
+`--init`, `--gmm-backend`, `--peak-flops`, `--process-id`, …) with the field's type, choices and help.
+A flag left out keeps the file's value.
+
 The config and every file it names are checked (`upcycler.train.config.load_config`, then
 `upcycler.train.preflight.prepare`) before the trainer, and with it JAX, is imported, so a bad config,
 flag, checkpoint or data directory fails in about a second.
@@ -7,9 +13,41 @@ flag, checkpoint or data directory fails in about a second.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import click
+
+from upcycler.cli.transforms import click_option
+from upcycler.schema import options
+from upcycler.train.config import DistributedConfig, MetricsConfig, ModelSection, TrainConfig, load_config
+
+FLAG_SECTIONS = {"": TrainConfig, "model": ModelSection, "distributed": DistributedConfig, "metrics": MetricsConfig}
+
+
+def _flags() -> dict[str, str]:
+    """{flag's parameter name: dotted config key} for every scalar option of the flagged sections."""
+    out: dict[str, str] = {}
+    for section, cls in FLAG_SECTIONS.items():
+        for opt in options(cls):
+            if opt.type in (bool, int, float, str, Path):
+                name = opt.name
+                if name in out or name in ("config_path", "resume", "sets"):
+                    raise ValueError(f"config option {name!r} would give two flags the same name")
+                out[name] = f"{section}.{opt.key}" if section else opt.key
+    return out
+
+
+def config_options(fn: Callable) -> Callable:
+    """A click option per flagged config option, None unless given."""
+    keys = _flags()
+    for section, cls in reversed(FLAG_SECTIONS.items()):
+        for opt in reversed(options(cls)):
+            if opt.name in keys:
+                fn = click_option(replace(opt, help=f"{opt.help} ({keys[opt.name]})"), override=True)(fn)
+    return fn
 
 
 @click.command("continued-pretrain")
@@ -21,20 +59,7 @@ import click
     help="Training config (YAML); see upcycler.train.config for the schema.",
 )
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in run_dir.")
-@click.option("--run-dir", default=None, help="Override run_dir.")
-@click.option("--steps", type=int, default=None, help="Override steps (train until this absolute step).")
-@click.option("--init", default=None, help="Override model.init (the checkpoint to start from).")
-@click.option("--tokenizer", default=None, help="Override model.tokenizer.")
-@click.option(
-    "--peak-flops", type=float, default=None, help="Per-device peak FLOP/s for MFU (metrics.peak_flops)."
-)
-@click.option(
-    "--coordinator", default=None, help="host:port of process 0 (or auto) to run on several processes."
-)
-@click.option(
-    "--num-processes", type=int, default=None, help="How many processes (distributed.num_processes)."
-)
-@click.option("--process-id", type=int, default=None, help="This process's id (distributed.process_id).")
+@config_options
 @click.option(
     "--set",
     "sets",
@@ -42,33 +67,10 @@ import click
     metavar="KEY=VALUE",
     help="Override any config key, e.g. --set optimizer.lr=1e-4 (value parsed as YAML); repeatable.",
 )
-def command(
-    config_path: Path,
-    resume: bool,
-    run_dir: str | None,
-    steps: int | None,
-    init: str | None,
-    tokenizer: str | None,
-    peak_flops: float | None,
-    coordinator: str | None,
-    num_processes: int | None,
-    process_id: int | None,
-    sets: tuple[str, ...],
-) -> None:
+def command(config_path: Path, resume: bool, sets: tuple[str, ...], **flags: Any) -> None:
     """Continue pretraining a dense or upcycled MoE checkpoint on prepared data; checkpoints go to run_dir."""
-    from upcycler.train.config import load_config
-
-    overrides = {
-        "run_dir": run_dir,
-        "steps": steps,
-        "model.init": init,
-        "model.tokenizer": tokenizer,
-        "metrics.peak_flops": peak_flops,
-        "distributed.coordinator": coordinator,
-        "distributed.num_processes": num_processes,
-        "distributed.process_id": process_id,
-    }
-    config = load_config(config_path, overrides, sets)
+    keys = _flags()
+    config = load_config(config_path, {keys[name]: value for name, value in flags.items()}, sets)
     from upcycler.train.preflight import prepare
 
     checked = prepare(config, resume)

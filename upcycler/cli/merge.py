@@ -19,12 +19,13 @@ from upcycler.cli.options import output_options, write_output
 from upcycler.errors import UpcyclerError
 from upcycler.io import read_checkpoint
 from upcycler.io.staging import check_output
-from upcycler.merge import METHODS, Arg, MergeInput, describe_plan, find_checkpoints, merge, plan_merge
+from upcycler.merge import METHODS, MergeInput, describe_plan, find_checkpoints, merge, plan_merge
+from upcycler.schema import Option
 
 
-def _method_args() -> dict[str, tuple[Arg, dict[str, Any]]]:
+def _method_args() -> dict[str, tuple[Option, dict[str, Any]]]:
     """Each method option once, with the default of every method that takes it."""
-    out: dict[str, tuple[Arg, dict[str, Any]]] = {}
+    out: dict[str, tuple[Option, dict[str, Any]]] = {}
     for method in METHODS.values():
         for arg in method.args:
             out.setdefault(arg.name, (arg, {}))[1][method.name] = arg.default

@@ -16,11 +16,12 @@ import click
 
 from upcycler.cli.options import output_options
 from upcycler.io.staging import check_output
+from upcycler.schema import Option
 from upcycler.transforms import TRANSFORMS
-from upcycler.transforms.registry import OptionInfo, Transform
+from upcycler.transforms.registry import Transform
 from upcycler.units import parse_size
 
-_CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING}
+_CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, Path: click.Path(path_type=Path)}
 _RESERVED = {"src", "out", "to", "family", "dtype", "shard_size", "overwrite", "dry_run", "as_json"}
 
 
@@ -33,14 +34,27 @@ def run_options(fn: Callable) -> Callable:
                              "read no tensor bytes (a config-only source works).")(fn)
 
 
-def _option(info: OptionInfo) -> Callable:
-    if info.name in _RESERVED:
-        raise ValueError(f"transform option {info.name!r} collides with a command option")
-    if info.type is bool:
-        return click.option(info.flag, info.name, is_flag=True, default=bool(info.default), help=info.help)
-    kind = click.Choice(info.choices) if info.choices else _CLICK_TYPES[info.type]
-    return click.option(info.flag, info.name, type=kind, required=info.required, default=info.default,
-                        show_default=info.default is not None, metavar=info.metavar, help=info.help)
+def click_option(opt: Option, dest: str | None = None, *, override: bool = False) -> Callable:
+    """The click option of a config option: its flag, type, choices, default and help.
+
+    `override=True` makes a flag that is None unless given (a bool becomes `--x/--no-x`), for commands
+    whose config file holds the defaults.
+    """
+    dest = dest or opt.name
+    if opt.type is bool:
+        flag = f"{opt.flag}/--no-{opt.flag[2:]}" if override else opt.flag
+        return click.option(flag, dest, is_flag=True, default=None if override else bool(opt.default),
+                            help=opt.help)
+    kind = click.Choice(opt.choices) if opt.choices else _CLICK_TYPES[opt.type]
+    default = None if override else opt.default
+    return click.option(opt.flag, dest, type=kind, required=opt.required and not override, default=default,
+                        show_default=default is not None, metavar=opt.metavar, help=opt.help)
+
+
+def _option(opt: Option) -> Callable:
+    if opt.name in _RESERVED:
+        raise ValueError(f"transform option {opt.name!r} collides with a command option")
+    return click_option(opt)
 
 
 def finish(p, *, dry_run: bool, as_json: bool, overwrite: bool) -> None:

@@ -12,7 +12,9 @@ Two kinds of method exist:
   modify them in place).
 
 A method's options are its keyword-only parameters, annotated `Annotated[float, Range(…), "help"]`
-with a default; the command line derives `--option` flags from them (`lambda_` becomes `--lambda`).
+with a default. They are read as `upcycler.schema.Option`s and checked by `upcycler.schema.read_options`
+like every other option; the command line derives `--option` flags from them (`lambda_` becomes
+`--lambda`).
 Parameters named `base`, `weights` and `rng` in the signature say that the method needs a base model,
 takes per-input weights, and draws random numbers (seeded per tensor, see `upcycler.merge.plan`).
 """
@@ -28,45 +30,11 @@ from typing import Any, Literal
 import numpy as np
 
 from upcycler.errors import UpcyclerError
-from upcycler.untrusted import describe, integer, real
+from upcycler.schema import Option, Range, read_options
+from upcycler.untrusted import describe
 
 Tensors = Iterator[np.ndarray]
 Kind = Literal["average", "tensor"]
-
-
-@dataclass(frozen=True)
-class Range:
-    """Allowed values of a numeric option: `lo`/`hi` bounds (None = unbounded), each open or closed."""
-
-    lo: float | None = None
-    hi: float | None = None
-    lo_open: bool = False
-    hi_open: bool = False
-
-    def contains(self, value: float) -> bool:
-        above = self.lo is None or (value > self.lo if self.lo_open else value >= self.lo)
-        below = self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
-        return above and below
-
-    def __str__(self) -> str:
-        lo = "-inf" if self.lo is None else f"{self.lo:g}"
-        hi = "inf" if self.hi is None else f"{self.hi:g}"
-        return f"{'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
-
-
-@dataclass(frozen=True)
-class Arg:
-    """One option of a method: its parameter name, type, default, allowed range and help text."""
-
-    name: str
-    type: type
-    default: Any
-    help: str
-    range: Range | None = None
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.rstrip("_").replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -77,7 +45,7 @@ class Method:
     kind: Kind
     fn: Callable[..., np.ndarray]
     paper: str
-    args: tuple[Arg, ...]
+    args: tuple[Option, ...]
     needs_base: bool
     weights: Literal["required", "optional", "none"]
     seeded: bool
@@ -92,26 +60,12 @@ class Method:
     def bind(self, given: dict[str, Any]) -> dict[str, Any]:
         """Every option of this method, from `given` or its default; refuses options it does not take, and
         values that are not finite numbers or are outside the option's range."""
-        known = {a.name: a for a in self.args}
         for name in given:
-            if name not in known:
-                flag = Arg(name, float, None, "").flag
+            if name not in {a.name for a in self.args}:
+                flag = Option(name, float).flag
                 raise UpcyclerError(f"method {self.name} takes no {flag}; see `upcycle merge --help`")
-        out = {}
-        for arg in self.args:
-            value = given.get(arg.name, arg.default)
-            if arg.type is float:  # NaN and inf are refused: they would silently fill the merge with NaN
-                value = real(value, arg.flag, f"merge --method {self.name}",
-                             fix=f"give {arg.flag} a finite number")
-            elif arg.type is int:
-                value = integer(value, arg.flag, f"merge --method {self.name}", low=-(2**63), high=2**63 - 1,
-                                fix=f"give {arg.flag} an integer")
-            else:
-                value = arg.type(value)
-            if arg.range is not None and not arg.range.contains(value):
-                raise UpcyclerError(f"{arg.flag} {value:g} is outside {arg.range} for method {self.name}")
-            out[arg.name] = value
-        return out
+        return read_options(self.args, given, f"merge --method {self.name}", flags=True,
+                            fix="see `upcycle merge --help`")
 
 
 METHODS: dict[str, Method] = {}
@@ -155,7 +109,7 @@ def _register(name: str, kind: Kind, paper: str, *, min_inputs: int, max_inputs:
     return decorate
 
 
-def _args(fn: Callable) -> tuple[Arg, ...]:
+def _args(fn: Callable) -> tuple[Option, ...]:
     """The keyword-only parameters of `fn`, read from their `Annotated[type, Range?, help]` hints."""
     hints = typing.get_type_hints(fn, include_extras=True)
     out = []
@@ -166,5 +120,5 @@ def _args(fn: Callable) -> tuple[Arg, ...]:
         base, *meta = typing.get_args(hint)
         rng = next((m for m in meta if isinstance(m, Range)), None)
         text = next((m for m in meta if isinstance(m, str)), "")
-        out.append(Arg(p.name, base, p.default, text, rng))
+        out.append(Option(p.name, base, p.default, text, range=rng))
     return tuple(out)
