@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 DEMO = Path(__file__).resolve().parents[1] / "upcycler" / "data" / "demo"
-ARCH = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, rope_theta=10000.0)
+ARCH = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 1024, "tie_word_embeddings": True, "rope_theta": 10000.0}
 WEIGHTS = {"code": 0.5, "prose": 0.3, "math": 0.2}
 
 

@@ -72,8 +72,8 @@ def graph() -> dict[str, set[str]]:
     found = modules()
     known = set(found)
     edges = {name: imports(name, path, known) for name, path in found.items()}
-    for name in edges:  # `from pkg import sub` also names pkg itself: keep only the most specific target
-        edges[name] = {t for t in edges[name] if not any(o.startswith(t + ".") for o in edges[name])}
+    for name, targets in edges.items():  # `from pkg import sub` also names pkg: keep the most specific target
+        edges[name] = {t for t in targets if not any(o.startswith(t + ".") for o in targets)}
     return edges
 
 

@@ -386,8 +386,8 @@ def test_merge_float_option_must_be_finite(tmp_path, models, method, option, val
 
 # --- in-process: the spec itself ----------------------------------------------------------------------
 def tiny_spec(**changes: Any) -> ModelSpec:
-    base = dict(family="llama", vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                head_dim=16, intermediate_size=128)
+    base = {"family": "llama", "vocab_size": 128, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                "head_dim": 16, "intermediate_size": 128}
     return ModelSpec(**{**base, **changes})
 
 

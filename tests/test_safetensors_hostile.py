@@ -499,7 +499,7 @@ def duplicated(pairs, data):
 
 
 def huge_shape(pairs, data):
-    name, info = next(p for p in pairs if p[0] != "__metadata__")
+    _name, info = next(p for p in pairs if p[0] != "__metadata__")
     info["shape"] = [Raw("1e400")]
     return frame(js(pairs), data)
 

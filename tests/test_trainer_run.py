@@ -86,6 +86,21 @@ def test_non_finite_loss_stops_naming_the_step_and_last_good_checkpoint(ws, tmp_
     assert [r["step"] for r in F.metrics(tmp_path / "run")] == [0]
 
 
+def test_a_corrupted_init_is_refused_before_the_first_step(ws, tmp_path):
+    import shutil
+
+    init = tmp_path / "init"
+    shutil.copytree(ws["dense"], init)
+    shard = max(init.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 64] = bytes(b ^ 0x5A for b in data[len(data) // 2: len(data) // 2 + 64])
+    shard.write_bytes(bytes(data))
+    with pytest.raises(UpcyclerError, match=f"{shard.name}: contents differ from the sha256"):
+        train(config(tmp_path, init, ws))
+    run = tmp_path / "run"
+    assert not run.exists() or not [p for p in run.iterdir() if p.name.isdigit()], "a step was committed"
+
+
 def test_step_directory_converts_to_hf_and_matches_transformers(ws, moe_run, tmp_path):
     import tiny_models
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-_BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256)
+_BASE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 256}
 CONFIGS = {
     "llama": ("LlamaConfig", {}),
     "mistral": ("MistralConfig", {"sliding_window": None}),

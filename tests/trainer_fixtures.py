@@ -56,17 +56,17 @@ def tiny_spec(moe: bool = False, **changes: Any):
     """A width-32 llama (or a qwen3_moe with 4 experts, top-2, the first layer dense) over VOCAB tokens."""
     from upcycler.spec import ModelSpec, MoESpec
 
-    base = dict(
-        family="llama",
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        max_position_embeddings=256,
-    )
+    base = {
+        "family": "llama",
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 64,
+        "max_position_embeddings": 256,
+    }
     if moe:
         base.update(
             family="qwen3_moe",

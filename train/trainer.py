@@ -100,9 +100,14 @@ class _Run:
         )
 
     def initial_state(self) -> TrainState:
-        """Step 0: the init checkpoint's tensors as float32, each device reading only its shards."""
-        tensors = read_checkpoint(self.checked.init).tensors
-        params = from_tensors(self.spec, tensors, dtype=np.float32, shardings=self.param_shardings)
+        """Step 0: the init checkpoint's tensors as float32, each device reading only its shards.
+
+        When the init is an upcycler output, what was read is checked against its manifest's digests
+        before the first step: a corrupted init is refused, naming the file.
+        """
+        init = read_checkpoint(self.checked.init)
+        params = from_tensors(self.spec, init.tensors, dtype=np.float32, shardings=self.param_shardings)
+        init.check_inputs()
         opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
         return TrainState(jnp.asarray(0, jnp.int32), params, opt_state)
 

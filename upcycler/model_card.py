@@ -31,7 +31,7 @@ from upcycler.untrusted import parse_yaml, read_text, shown_path
 MAX_README_BYTES = 4 * 1024**2
 MAX_SOURCE = 4096  # characters of a source name that are treated as a path or repo id (PATH_MAX)
 CONFIG = "config.json"
-_FRONT_MATTER = re.compile(r"\s*---[ \t]*\r?\n(.*?)\r?\n---[ \t]*(?:\r?\n|$)", re.S)
+_FRONT_MATTER = re.compile(r"\s*---[ \t]*\r?\n(.*?)\r?\n---[ \t]*(?:\r?\n|$)", re.DOTALL)
 
 
 def render_model_card(directory: str | os.PathLike[str], *, repo_id: str | None = None) -> str:

@@ -32,7 +32,8 @@ _LAZY = {
     "open_source": "sources",
 }
 
-__all__ = ["DataConfig", "Phase", *_LAZY]
+__all__ = ["DataConfig", "DataIterator", "Phase", "load_tokenizer", "make_data_iterator", "open_source",
+           "parse_sources", "prepare_sources"]
 
 
 def __getattr__(name: str) -> Any:

@@ -58,7 +58,7 @@ class _Group(click.Group):
         kwargs.pop("standalone_mode", None)
         try:
             super().main(*args, standalone_mode=False, **kwargs)
-            return None
+            return
         except click.exceptions.Exit as done:
             sys.exit(done.exit_code)
         except click.UsageError as err:

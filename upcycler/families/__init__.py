@@ -120,7 +120,6 @@ def conform(spec: ModelSpec, tensors: TensorMap, family: Family) -> tuple[ModelS
         )
     dtype = tensors["embed"].dtype
     for decl in declare_params(spec):
-        if decl.name not in tensors:
-            if decl.name.endswith("_bias"):
-                added[decl.name] = zeros(decl.shape, np.float32 if decl.is_buffer else dtype)
+        if decl.name not in tensors and decl.name.endswith("_bias"):
+            added[decl.name] = zeros(decl.shape, np.float32 if decl.is_buffer else dtype)
     return spec, tensors.updated(added) if added else tensors

@@ -182,22 +182,22 @@ def common_spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     if scaling and scaling.get("rope_type", scaling.get("type")) == "default":
         scaling = None
     hidden_act = cfg.get("hidden_act")
-    return dict(
-        vocab_size=config_int(cfg, "vocab_size"),
-        hidden_size=hidden,
-        num_layers=config_int(cfg, "num_hidden_layers", "num_layers"),
-        num_heads=heads,
-        num_kv_heads=config_int(cfg, "num_key_value_heads", "num_kv_heads", default=heads),
-        head_dim=config_int(cfg, "head_dim", low=0, default=0) or hidden // heads,  # 0: unset, as in HF
-        rms_norm_eps=config_real(cfg, "rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling=freeze_mapping(scaling),
-        partial_rotary_factor=partial,
-        max_position_embeddings=config_int(cfg, "max_position_embeddings", default=2048),
-        hidden_act="silu" if hidden_act is None else hidden_act,
-        tie_embeddings=config_bool(cfg, "tie_word_embeddings"),
-        extras=checked_extras({k: v for k, v in cfg.items() if k not in _INTERPRETED}),
-    )
+    return {
+        "vocab_size": config_int(cfg, "vocab_size"),
+        "hidden_size": hidden,
+        "num_layers": config_int(cfg, "num_hidden_layers", "num_layers"),
+        "num_heads": heads,
+        "num_kv_heads": config_int(cfg, "num_key_value_heads", "num_kv_heads", default=heads),
+        "head_dim": config_int(cfg, "head_dim", low=0, default=0) or hidden // heads,  # 0: unset, as in HF
+        "rms_norm_eps": config_real(cfg, "rms_norm_eps", 1e-6),
+        "rope_theta": theta,
+        "rope_scaling": freeze_mapping(scaling),
+        "partial_rotary_factor": partial,
+        "max_position_embeddings": config_int(cfg, "max_position_embeddings", default=2048),
+        "hidden_act": "silu" if hidden_act is None else hidden_act,
+        "tie_embeddings": config_bool(cfg, "tie_word_embeddings"),
+        "extras": checked_extras({k: v for k, v in cfg.items() if k not in _INTERPRETED}),
+    }
 
 
 def _rope_field(cfg: dict[str, Any], rope: dict[str, Any], key: str, default: float) -> float:

@@ -110,10 +110,10 @@ def _read_qwen_moe(family: Family, cfg: dict[str, Any]) -> ModelSpec:
         shared_width=shared, num_shared_experts=1 if shared else 0, shared_gated=bool(shared),
     )
     if family.neutral_qkv_bias:  # Qwen2-style attention: q/k/v biases, no q/k norms
-        bias = dict(qkv_bias=config_bool(cfg, "qkv_bias", True))
+        bias = {"qkv_bias": config_bool(cfg, "qkv_bias", True)}
     else:
         b = config_bool(cfg, "attention_bias")
-        bias = dict(qkv_bias=b, o_bias=b, qk_norm=True)
+        bias = {"qkv_bias": b, "o_bias": b, "qk_norm": True}
     return ModelSpec(family=family.name, intermediate_size=config_int(cfg, "intermediate_size"), moe=moe,
                      dense_layers=_qwen_dense_layers(cfg),
                      sliding_window=config_int(cfg, "sliding_window", default=None),
