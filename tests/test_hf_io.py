@@ -61,6 +61,18 @@ def test_tied_and_untied_embeddings(tied, tmp_path):
     np.testing.assert_array_equal(logits(src, ids), logits(out, ids))
 
 
+def test_storage_only_config_fields_are_not_carried(tmp_path):
+    """A dequantised save (GGUF → float) keeps quantization_config; our float output must not claim it."""
+    src = make_tiny("llama", tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gguf", "gguf_file": "model.gguf", "dequantize": False}
+    config["bos_token_id"] = 7  # an ordinary uninterpreted field is still carried
+    (src / "config.json").write_text(json.dumps(config))
+    out = write_checkpoint(read_checkpoint(src), tmp_path / "out", progress=False)
+    written = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in written and written["bos_token_id"] == 7
+
+
 def test_bf16_round_trip_and_dtype_cast(tmp_path):
     src = make_tiny("mistral", tmp_path / "src", dtype="bfloat16")
     out = tmp_path / "out"

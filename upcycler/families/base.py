@@ -65,6 +65,10 @@ _INTERPRETED = {
     "decoder_sparse_step", "use_qk_norm", "num_nextn_predict_layers", "transformers_version",
     "torch_dtype", "dtype", "id2label", "label2id", "output_router_logits",
 }
+# Config fields about how the source's weights were stored, not about the model: upcycler reads and writes
+# plain floating-point tensors, so an output never carries them (a GGUF-dequantised save keeps
+# `quantization_config`, and transformers would then treat our float weights as quantized).
+_STORAGE_ONLY = {"quantization_config"}
 
 
 SharedExperts = Literal["none", "gated", "count"]
@@ -196,7 +200,7 @@ def common_spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         "max_position_embeddings": config_int(cfg, "max_position_embeddings", default=2048),
         "hidden_act": "silu" if hidden_act is None else hidden_act,
         "tie_embeddings": config_bool(cfg, "tie_word_embeddings"),
-        "extras": checked_extras({k: v for k, v in cfg.items() if k not in _INTERPRETED}),
+        "extras": checked_extras({k: v for k, v in cfg.items() if k not in _INTERPRETED | _STORAGE_ONLY}),
     }
 
 
