@@ -17,7 +17,7 @@ import numpy as np
 from upcycler.errors import UpcyclerError
 from upcycler.families import family_for_config
 from upcycler.io.checkpoint import SIDE_FILES, Checkpoint
-from upcycler.io.integrity import DigestWatch, file_watch, recorded_digests
+from upcycler.io.integrity import DigestWatch, file_watch
 from upcycler.io.manifest import MANIFEST, read_manifest, read_step
 from upcycler.io.safetensors_file import TensorEntry, lazy_tensor, read_header
 from upcycler.layout import declare_params
@@ -140,7 +140,7 @@ def _manifest_watches(path: Path, shards: list[Path]) -> dict[str, DigestWatch]:
     """A digest watch per file the manifest records (none when the directory has no manifest)."""
     if not (path / MANIFEST).is_file():
         return {}
-    records = recorded_digests(read_manifest(path).files, path / MANIFEST, "files")
+    records = read_manifest(path).file_records()
     watches = {}
     for name, (size, sha) in records.items():
         file = path / name

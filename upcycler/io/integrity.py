@@ -19,9 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from upcycler.errors import UpcyclerError
-from upcycler.untrusted import describe, shown_path
-
-_SHA256_HEX = frozenset("0123456789abcdef")
+from upcycler.untrusted import shown_path
 
 _HEADER_LIMIT = 1 << 20  # a file's unread prefix up to this size (its header) is read at the first range
 _CHUNK = 8 * 1024 * 1024
@@ -86,27 +84,6 @@ class DigestWatch:
                                     "(corrupted or modified after it was written); re-copy or re-download it, "
                                     "or if you changed it on purpose, remove its entry from upcycler.json")
             self._used = False  # checked: a second check() is free
-
-
-def recorded_digests(records: object, manifest: Path, what: str) -> dict[str, tuple[int, str]]:
-    """`{name: (bytes, sha256)}` from a manifest's `files` or `tensors` record (absent: empty)."""
-    if records is None:
-        return {}
-    if not isinstance(records, dict):
-        raise UpcyclerError(f"{shown_path(manifest)}: '{what}' must be a mapping, not {describe(records)}; "
-                            "fix the manifest or re-write the checkpoint")
-    out = {}
-    for name, record in records.items():
-        size = record.get("bytes") if isinstance(record, dict) else None
-        sha = record.get("sha256") if isinstance(record, dict) else None
-        if sha is None and isinstance(record, dict) and "bytes" not in record:
-            continue  # a record without a digest (older writers): nothing to check
-        if not (isinstance(size, int) and not isinstance(size, bool) and size >= 0 or size is None) \
-                or not (isinstance(sha, str) and len(sha) == 64 and set(sha) <= _SHA256_HEX):
-            raise UpcyclerError(f"{shown_path(manifest)}: the {what} record of {describe(name)} is malformed "
-                                f"({describe(record)}); fix the manifest or re-write the checkpoint")
-        out[name] = (size, sha)
-    return out
 
 
 def file_watch(path: Path, size: int, sha: str) -> DigestWatch:

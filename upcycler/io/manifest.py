@@ -141,10 +141,25 @@ class Manifest:
             size, sha = record.get("bytes"), record.get("sha256")
             if not (isinstance(size, int) and not isinstance(size, bool) and 0 <= size < 2**63
                     and isinstance(sha, str) and _SHA256.fullmatch(sha)):
-                raise UpcyclerError(f"{shown_path(self.path)}: 'files' must map names to {{sha256, bytes}}; "
-                                    f"the record of {describe(name)} is {describe(record)}; {fix}")
-            out[name] = (size, sha)
+                raise self._malformed("files", name, record, fix)
+            out[name] = (size, sha.lower())
         return out
+
+    def tensor_digests(self, fix: str = REWRITE) -> dict[str, str]:
+        """`tensors` as {name: sha256} for the records that carry a digest (each checked: 64 hex digits)."""
+        out = {}
+        for name, record in self.tensors.items():
+            if "sha256" not in record:
+                continue  # written without digests: nothing to check
+            sha = record["sha256"]
+            if not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
+                raise self._malformed("tensors", name, record, fix)
+            out[name] = sha.lower()
+        return out
+
+    def _malformed(self, table: str, name: object, record: object, fix: str) -> UpcyclerError:
+        return UpcyclerError(f"{shown_path(self.path)}: the '{table}' record of {describe(name)} is malformed "
+                             f"({describe(record)}); fix the manifest or {fix}")
 
     def spec(self, fix: str = REWRITE) -> ModelSpec:
         """The recorded ModelSpec, or one line naming the manifest and what is wrong."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.checkpoint import SIDE_FILES, Checkpoint
-from upcycler.io.integrity import DigestWatch, file_watch, recorded_digests
+from upcycler.io.integrity import DigestWatch, file_watch
 from upcycler.io.manifest import MANIFEST, REWRITE, read_manifest, read_step
 from upcycler.io.orbax_layout import PARAMS, TREE
 from upcycler.layout import declare_params
@@ -49,8 +49,7 @@ def read_orbax(path: str | Path) -> Checkpoint:
                             f"({len(extra)} unexpected); the params do not match the spec; {REWRITE}")
     stores = _open_leaves(tree_dir, metadata, [d.name for d in decls])
     recorded = manifest.tensors
-    digests = recorded_digests({n: {"sha256": r.get("sha256"), "bytes": None} for n, r in recorded.items()
-                                if isinstance(r, dict) and "sha256" in r}, path / MANIFEST, "tensors")
+    digests = manifest.tensor_digests()
     watches: list[DigestWatch] = []
     tensors = {}
     for decl in decls:
@@ -62,7 +61,7 @@ def read_orbax(path: str | Path) -> Checkpoint:
         tensor = _lazy(store, decl.name, tree_dir)
         if decl.name in digests:
             tensor, watch = _watched(tensor, store, f"{shown_path(tree_dir)}: tensor {decl.name!r}",
-                                     digests[decl.name][1])
+                                     digests[decl.name])
             watches.append(watch)
         record = recorded.get(decl.name)
         if isinstance(record, dict) and record.get("dtype") not in (None, dtype_name(tensor.dtype)):
@@ -72,7 +71,7 @@ def read_orbax(path: str | Path) -> Checkpoint:
         tensors[decl.name] = tensor
     step = read_step(path, "orbax")
     side = tuple(path / n for n in SIDE_FILES if (path / n).is_file())
-    for name, (_, sha) in recorded_digests(manifest.files, path / MANIFEST, "files").items():
+    for name, (_, sha) in manifest.file_records().items():
         if path / name in side:
             watch = file_watch(path / name, (path / name).stat().st_size, sha)
             watch.touch()  # copied whole by the writer
