@@ -31,9 +31,9 @@ def cache(ws):
     yield from F.compile_cache(ws)
 
 
-def one_device_run(ws, model: str, root) -> tuple[list, dict]:
+def one_device_run(ws, model: str, root, **changes) -> tuple[list, dict]:
     """The single-device run of `model` ("dense" or "moe"): its metrics and final parameters."""
-    train(TrainConfig.from_dict(F.config_dict(root, ws[model], ws["data"], steps=STEPS)))
+    train(TrainConfig.from_dict(F.config_dict(root, ws[model], ws["data"], steps=STEPS, **changes)))
     return F.metrics(root / "run"), F.step_params(root / "run" / str(STEPS))
 
 
@@ -51,10 +51,10 @@ def finish(procs) -> None:
         assert f"finished at step {STEPS}" in out
 
 
-def assert_same_run(run_dir, reference) -> None:
+def assert_same_run(run_dir, reference, keys=("loss", "lb_loss", "z_loss", "grad_norm")) -> None:
     ref_metrics, ref_params = reference
     metrics = F.metrics(run_dir)
-    for key in ("loss", "lb_loss", "z_loss", "grad_norm"):
+    for key in keys:
         if key in ref_metrics[0]:
             np.testing.assert_allclose(
                 [r[key] for r in metrics], [r[key] for r in ref_metrics], rtol=2e-5, err_msg=key
@@ -76,6 +76,20 @@ def test_eight_devices_match_one(ws, cache, tmp_path):
     finish(procs)
     for name in meshes:
         assert_same_run(tmp_path / name / "run", reference)
+
+
+def test_memory_options_on_four_devices_match_plain_one_device(ws, cache, tmp_path):
+    """Microbatches (each device splitting its own rows), full remat, chunked cross-entropy and chunked
+    attention on mesh fsdp=4, against the plain step on one device (the load-balancing loss off: it is a
+    per-microbatch statistic)."""
+    options = {"data.microbatches": 2, "model.remat": "full", "loss.ce_chunk": 8, "model.attention": "chunked",
+               "model.attention_chunk": 8}
+    cfg = F.config_dict(tmp_path / "options", ws["moe"], ws["data"], steps=STEPS, mesh={"data": 1, "fsdp": 4},
+                        **{"loss.lb_coef": 0.0}, **options)
+    procs = [start(F.write_config(tmp_path / "options.yaml", cfg), devices=4)]
+    reference = one_device_run(ws, "moe", tmp_path / "one", **{"loss.lb_coef": 0.0})
+    finish(procs)
+    assert_same_run(tmp_path / "options" / "run", reference, keys=("loss", "z_loss", "grad_norm"))
 
 
 def test_two_processes_match_one(ws, cache, tmp_path):

@@ -8,10 +8,12 @@ Schema (every section but `model` and `data` is optional; defaults shown):
       init: ckpt/                      # HF or Orbax checkpoint to start from (an upcycled MoE, say)
       tokenizer: null                  # tokenizer.json or its directory; default: init/tokenizer.json
       compute_dtype: float32           # float32 | bfloat16 (master weights are always float32)
-      attention: einsum                # einsum | dot_product
+      weights_dtype: float32           # dtype the forward reads the weights in (bfloat16: half the FSDP traffic)
+      attention: einsum                # einsum | dot_product | chunked (query blocks of attention_chunk)
+      attention_chunk: 512
       moe_impl: dropless               # dropless | reference (one-hot)
-      gmm_backend: auto                # auto | tiled | ragged_dot (the dropless expert matmul)
-      remat: false
+      gmm_backend: auto                # auto | tiled | ragged_dot | megablox (the dropless expert matmul)
+      remat: none                      # none | full | dots (which activations the backward recomputes)
     data: {...}                        # see upcycler.train.data.config
     optimizer:
       lr: 3.0e-4                       # peak learning rate
@@ -24,7 +26,7 @@ Schema (every section but `model` and `data` is optional; defaults shown):
         - {kind: warmup, until_step: 100}
         - {kind: constant, until_step: 900}
         - {kind: cosine, until_step: 1000, lr: 3.0e-5}
-    loss: {lb_coef: 0.01, z_coef: 0.001}
+    loss: {lb_coef: 0.01, z_coef: 0.001, ce_chunk: 0}   # ce_chunk: positions per logits block (0: all)
     mesh: {data: 1, fsdp: -1, expert: 1}   # -1: all remaining devices
     distributed: {coordinator: null, num_processes: null, process_id: null}
     checkpoint: {every: 100, keep: 3, async: true}
@@ -55,9 +57,10 @@ from upcycler.untrusted import describe, escape, load_yaml, parse_yaml, shown_pa
 
 SCHEDULE_KINDS = ("warmup", "constant", "cosine", "linear")
 COMPUTE_DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLS = ("einsum", "dot_product")
+ATTENTION_IMPLS = ("einsum", "dot_product", "chunked")
+REMAT_POLICIES = ("none", "full", "dots")
 MOE_IMPLS = ("dropless", "reference")
-GMM_BACKENDS = ("auto", "tiled", "ragged_dot")  # the grouped-matmul kernels of `upcycler.train.model.gmm`
+GMM_BACKENDS = ("auto", "tiled", "ragged_dot", "megablox")  # the grouped-matmul kernels of `upcycler.train.model.gmm`
 MAX_DEVICES = 1 << 20
 _FIX = "fix the config (or the flag that sets it)"
 _STEPS = Range(1, MAX_STEP)
@@ -71,13 +74,23 @@ class ModelConfig:
 
     compute_dtype: str = field("float32", choices=COMPUTE_DTYPES,
                                help="Compute dtype; master weights stay float32.")
+    weights_dtype: str = field("float32", choices=COMPUTE_DTYPES,
+                               help="dtype the forward reads the weights in, cast once per step before FSDP "
+                                    "gathers them (the router stays float32); the optimiser keeps float32 "
+                                    "master weights.")
     attention: str = field("einsum", choices=ATTENTION_IMPLS,
-                           help="einsum (explicit, exact) or dot_product (jax.nn.dot_product_attention).")
+                           help="einsum (explicit, exact), dot_product (jax.nn.dot_product_attention) or "
+                                "chunked (einsum over blocks of attention_chunk queries, recomputed in the "
+                                "backward pass: scores of one block at a time).")
+    attention_chunk: int = field(512, range=Range(1, 1 << 22), help="Queries per block of chunked attention.")
     moe_impl: str = field("dropless", choices=MOE_IMPLS,
                           help="dropless (sort, then grouped matmul) or reference (one-hot, for tests).")
     gmm_backend: str = field("auto", choices=GMM_BACKENDS,
                              help="Grouped matmul of the dropless MoE: auto, tiled (CPU) or ragged_dot.")
-    remat: bool = field(False, help="Recompute each layer's activations in the backward pass.")
+    remat: str = field("none", choices=REMAT_POLICIES,
+                       help="Activations the backward pass recomputes: none (all saved), full (each layer's "
+                            "input saved, the rest recomputed), dots (matmul outputs saved, the rest "
+                            "recomputed).")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +129,9 @@ class OptimizerConfig:
 class LossConfig:
     lb_coef: float = field(0.01, range=_NON_NEGATIVE, help="Weight of the load-balancing loss.")
     z_coef: float = field(0.001, range=_NON_NEGATIVE, help="Weight of the router z-loss.")
+    ce_chunk: int = field(0, range=Range(0, 1 << 22),
+                          help="Positions per block of the cross-entropy (0: all at once); with a block, "
+                               "the [tokens, vocab] logits never exist in full.")
 
 
 @dataclass(frozen=True)
@@ -184,12 +200,20 @@ def check(config: TrainConfig, origin: str = "config") -> None:
         raise UpcyclerError(
             f"{origin}: mesh sizes must be positive, with at most one -1 (all remaining devices)"
         )
-    known = math.prod(s for s in sizes if s != -1)
+    known = math.prod(s for s in sizes if s != -1) * config.data.microbatches
     if config.data.global_batch_size % known:
         raise UpcyclerError(
             f"{origin}: data.global_batch_size {config.data.global_batch_size} is not divisible by the mesh "
-            f"(data × fsdp × expert = {known}); make it a multiple of {known}"
+            f"(data × fsdp × expert) × data.microbatches = {known}; make it a multiple of {known}"
         )
+    blocks = {"loss.ce_chunk": config.loss.ce_chunk}
+    if config.model.attention == "chunked":
+        blocks["model.attention_chunk"] = config.model.attention_chunk
+    for option, block in blocks.items():
+        if block and config.data.seq_len % block:
+            raise UpcyclerError(
+                f"{origin}: {option} {block} does not divide data.seq_len {config.data.seq_len}; pick a divisor"
+            )
     _check_distributed(config.distributed, origin)
 
 

@@ -15,7 +15,7 @@ runs on any mesh. A mesh axis may appear only once in one array's sharding.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -37,6 +37,7 @@ RULES: dict[str, MeshAxes] = {
     "mlp": None,
     "experts": "expert",
     "expert_mlp": None,
+    "expert_embed": "fsdp",  # the model width of expert weights in kernel layout ([E, D, 2F], [E, F, D])
     "norm": None,
     "layers": None,
     # activations
@@ -129,3 +130,58 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
         return x
     return jax.lax.with_sharding_constraint(x, logical_to_spec(axes, x.shape, mesh))
+
+
+def active_mesh() -> Any | None:
+    """The mesh set by `jax.set_mesh` when it has our axes (an abstract mesh inside jit), else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+        return None
+    return mesh
+
+
+def target_platform() -> str:
+    """The platform the computation is compiled for: the active mesh's devices, else JAX's default backend.
+
+    An ahead-of-time compile for TPU from a CPU host has a TPU mesh and a CPU default backend."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        return mesh.abstract_device.platform
+    return jax.default_backend()
+
+
+def per_device(
+    fn: Callable[..., jax.Array],
+    args: Sequence[jax.Array],
+    axes: Sequence[Sequence[str | None]],
+    gathered: Sequence[bool],
+) -> jax.Array:
+    """`fn(*args)` run by every device on its own block of the arguments (`jax.shard_map`).
+
+    Each argument is laid out by its logical `axes`. Arguments marked `gathered` are all-gathered whole
+    inside (their gradient leaves as a reduce-scatter: FSDP); the others stay local, so `fn` must compute
+    each row of its output from the same rows of those arguments (a per-token function). The output is
+    laid out like the first argument. Without an active mesh, or when nothing is split, it is `fn(*args)`.
+    """
+    mesh = active_mesh()
+    if mesh is None:
+        return fn(*args)
+    specs = [logical_to_spec(a_axes, a.shape, mesh) for a, a_axes in zip(args, axes)]
+    if all(spec == PartitionSpec() for spec in specs):
+        return fn(*args)
+
+    def local(*blocks: jax.Array) -> jax.Array:
+        whole = [_gather(b, spec) if g else b for b, spec, g in zip(blocks, specs, gathered)]
+        return fn(*whole)
+
+    # check_vma off: Pallas kernels (the TPU grouped matmul) carry no varying-axes types
+    run = jax.shard_map(local, mesh=mesh, in_specs=tuple(specs), out_specs=specs[0], check_vma=False)
+    return run(*args)
+
+
+def _gather(block: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """The whole array from this device's `block` of an array laid out by `spec` (inside `shard_map`)."""
+    for dim, mesh_axes in enumerate(spec):
+        if mesh_axes is not None:
+            block = jax.lax.all_gather(block, mesh_axes, axis=dim, tiled=True)
+    return block

@@ -24,7 +24,7 @@ from upcycler.train import model as model_lib
 from upcycler.train import sharding
 from upcycler.train.config import LossConfig
 from upcycler.train.model import moe
-from upcycler.train.model.params import Params
+from upcycler.train.model.params import ParamInfo, Params, declare_tree
 from upcycler.train.optim import Schedule, grad_norm
 
 Batch = dict[str, jax.Array]
@@ -61,6 +61,30 @@ def router_terms(aux: model_lib.Aux, mask_BL: jax.Array, spec: ModelSpec) -> dic
     return {"lb_loss": lb_M.mean(), "z_loss": z_M.mean(), "expert_counts": counts_ME}
 
 
+def token_nll(
+    params: Params, hidden_BLD: jax.Array, targets_BL: jax.Array, spec: ModelSpec, chunk: int = 0
+) -> jax.Array:
+    """Per-token negative log-likelihood [B, L] fp32 of the targets under the logits of `hidden_BLD`.
+
+    With `chunk` (a divisor of L), the logits are made `chunk` positions at a time and recomputed in the
+    backward pass, so at most [B, chunk, V] logits exist at once; the result equals the unchunked one.
+    """
+    B, L, D = hidden_BLD.shape
+    if not chunk or chunk >= L:
+        return cross_entropy(model_lib.unembed(params, hidden_BLD, spec), targets_BL)
+    n = L // chunk
+
+    @jax.checkpoint
+    def block(args: tuple[jax.Array, jax.Array]) -> jax.Array:
+        hidden_BcD, targets_Bc = args
+        return cross_entropy(model_lib.unembed(params, hidden_BcD, spec), targets_Bc)
+
+    hidden_nBcD = jnp.moveaxis(hidden_BLD.reshape(B, n, chunk, D), 1, 0)
+    targets_nBc = jnp.moveaxis(targets_BL.reshape(B, n, chunk), 1, 0)
+    nll_nBc = jax.lax.map(block, (hidden_nBcD, targets_nBc))
+    return jnp.moveaxis(nll_nBc, 0, 1).reshape(B, L)
+
+
 def loss_fn(
     params: Params,
     batch: Batch,
@@ -69,13 +93,23 @@ def loss_fn(
     cfg: model_lib.ModelConfig,
     loss: LossConfig,
     num_sources: int,
+    step_tokens: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(total loss, metrics): masked mean cross-entropy over the whole batch plus weighted router losses."""
-    logits_BLV, aux = model_lib.forward(params, batch["inputs"], spec, cfg)
+    """(total loss, metrics): masked mean cross-entropy plus weighted router losses.
+
+    `params` are as the forward reads them (`model.weights_for_compute`). When `batch` is one microbatch
+    of a step, `step_tokens` is the step's count of real tokens: the cross-entropy is divided by it and
+    the router losses weighted by this microbatch's share of it, so the losses and metrics of the
+    microbatches add up to the step's (the cross-entropy and z-loss exactly those of one batch; the
+    load-balancing loss a token-weighted mean of the microbatches' own).
+    """
+    hidden_BLD, aux = model_lib.hidden_states(params, batch["inputs"], spec, cfg)
     mask_BL = batch["mask"].astype(jnp.float32)
-    nll_BL = cross_entropy(logits_BLV, batch["targets"]) * mask_BL
+    nll_BL = token_nll(params, hidden_BLD, batch["targets"], spec, loss.ce_chunk) * mask_BL
     tokens = mask_BL.sum()
-    ce = nll_BL.sum() / jnp.maximum(tokens, 1.0)
+    denominator = tokens if step_tokens is None else step_tokens
+    share = tokens / jnp.maximum(denominator, 1.0)
+    ce = nll_BL.sum() / jnp.maximum(denominator, 1.0)
     metrics = {
         "loss": ce,
         "tokens": tokens,
@@ -85,8 +119,9 @@ def loss_fn(
     total = ce
     if aux.router_logits is not None:
         terms = router_terms(aux, mask_BL, spec)
-        total = total + loss.lb_coef * terms["lb_loss"] + loss.z_coef * terms["z_loss"]
-        metrics.update(lb_loss=terms["lb_loss"], z_loss=terms["z_loss"], expert_counts=terms["expert_counts"])
+        lb, z = share * terms["lb_loss"], share * terms["z_loss"]
+        total = total + loss.lb_coef * lb + loss.z_coef * z
+        metrics.update(lb_loss=lb, z_loss=z, expert_counts=terms["expert_counts"])
     metrics["total_loss"] = total
     return total, metrics
 
@@ -98,20 +133,74 @@ def make_train_step(
     tx: optax.GradientTransformation,
     schedule: Schedule,
     num_sources: int,
+    microbatches: int = 1,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-    """The (unjitted) step: gradients of `loss_fn`, clipped AdamW update, metrics of the step."""
+    """The (unjitted) step: gradients of `loss_fn`, clipped AdamW update, metrics of the step.
+
+    With `microbatches` > 1 the rows run in that many parts under a `lax.scan`, gradients and metrics
+    summed in fp32: the same update as one batch (see `loss_fn`), with one part's activations alive.
+    """
+
+    def loss_of(weights: Params, batch: Batch, step_tokens: jax.Array | None):
+        return loss_fn(weights, batch, spec=spec, cfg=cfg, loss=loss, num_sources=num_sources,
+                       step_tokens=step_tokens)
+
+    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+
+    def gradients(state: TrainState, batch: Batch) -> tuple[Params, dict[str, jax.Array]]:
+        weights = model_lib.weights_for_compute(state.params, spec, cfg)  # once per step, before gathers
+        if microbatches == 1:
+            (_, metrics), grads = grad_fn(weights, batch, None)
+        else:
+            step_tokens = batch["mask"].astype(jnp.float32).sum()
+            micro = split_microbatches(batch, microbatches)
+            (_, metrics), grads = _accumulate(grad_fn, weights, micro, step_tokens, spec)
+        return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params), metrics
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-        (_, metrics), grads = grad_fn(
-            state.params, batch, spec=spec, cfg=cfg, loss=loss, num_sources=num_sources
-        )
+        grads, metrics = gradients(state, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics.update(grad_norm=grad_norm(grads, spec), lr=schedule(state.step))
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return step
+
+
+def split_microbatches(batch: Batch, microbatches: int) -> Batch:
+    """Every array [B, ...] as [microbatches, B / microbatches, ...], microbatch j holding rows j, j + k,
+    j + 2k, …: each device's block of rows splits into its own share of every microbatch, so no row moves
+    between devices."""
+
+    def split(x: jax.Array) -> jax.Array:
+        x = x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
+        x = jnp.swapaxes(x, 0, 1)
+        return sharding.constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
+
+    return {k: split(v) for k, v in batch.items()}
+
+
+def _accumulate(grad_fn, weights: Params, micro: Batch, step_tokens: jax.Array, spec: ModelSpec):
+    """Sum over the microbatches of ((loss, metrics), gradients): floats in fp32, the gradient sums laid
+    out like the parameters (never a whole replicated copy)."""
+
+    def body(carry, microbatch):
+        out = grad_fn(weights, microbatch, step_tokens)
+        return jax.tree.map(lambda c, x: c + x.astype(c.dtype), carry, out), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    (loss_shape, metric_shapes), grad_shapes = jax.eval_shape(lambda b: grad_fn(weights, b, step_tokens), first)
+    zeros = jax.tree.map(_zeros_like_summed, (loss_shape, metric_shapes))
+    grad_zeros = jax.tree.map(
+        lambda info, g: sharding.constrain(jnp.zeros(g.shape, jnp.float32), info.axes),
+        declare_tree(spec), grad_shapes, is_leaf=lambda x: isinstance(x, ParamInfo),
+    )
+    summed, _ = jax.lax.scan(body, (zeros, grad_zeros), micro)
+    return summed
+
+
+def _zeros_like_summed(s: jax.ShapeDtypeStruct) -> jax.Array:
+    return jnp.zeros(s.shape, jnp.float32 if jnp.issubdtype(s.dtype, jnp.floating) else s.dtype)
 
 
 def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:

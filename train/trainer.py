@@ -133,7 +133,8 @@ class _Run:
         start = step = int(state.step)
         sources = self.data.source_names
         step_fn = make_train_step(
-            self.spec, self.model_cfg, config.loss, self.tx, self.schedule, len(sources)
+            self.spec, self.model_cfg, config.loss, self.tx, self.schedule, len(sources),
+            microbatches=config.data.microbatches,
         )
         batch_tokens = config.data.global_batch_size * config.data.seq_len
         flops = flops_per_token(self.spec, config.data.seq_len) * batch_tokens

@@ -5,6 +5,7 @@ Schema (YAML, under `data:`):
     dir: prepared/                 # a directory written by `upcycle prepare-data`
     seq_len: 2048                  # L: each example is L+1 tokens, giving L inputs and L targets
     global_batch_size: 256         # rows per step, summed over all processes
+    microbatches: 1                # gradient accumulation: the step runs its rows in this many parts
     seed: 0
     sources: [web, code, math]     # optional: the source ids, in this order; default: first seen in phases
     shuffle: true                  # reshuffle each source's examples every epoch
@@ -64,6 +65,9 @@ class DataConfig:
     global_batch_size: int = field(range=Range(1, MAX_BATCH), help="Rows per step, over all processes.")
     phases: tuple[Phase, ...] = field(help="The mixture phases, in order of steps.")
     seed: int = field(0, range=Range(0, MAX_SEED), help="Seed of the shuffles.")
+    microbatches: int = field(1, range=Range(1, MAX_BATCH),
+                              help="Run each step's rows in this many parts, accumulating gradients "
+                                   "(the same update as one batch; less activation memory).")
     sources: tuple[str, ...] | None = field(None, help="Source ids in order (default: first seen in phases).")
     shuffle: bool = field(True, help="Reshuffle each source's examples every epoch.")
     prefetch: int = field(2, range=Range(0, MAX_PREFETCH), help="Batches prepared ahead (0: none).")

@@ -1,7 +1,7 @@
 """The JAX model: a decoder-only transformer as pure functions over a declared parameter tree.
 
 The face of the package is the forward pass and how to run it (`ModelConfig`, `forward`, `forward_jit`,
-`Aux`, `unsupported`). Inside:
+`Aux`, `unsupported`), and its parts the train step uses (`weights_for_compute`, `hidden_states`, `unembed`). Inside:
 
 - `transformer.py`: the decoder (attention block, dense or MoE block, scans over runs of layers). Named
   `transformer` rather than `model` so the package and the module inside it do not share a name;
@@ -24,6 +24,16 @@ file of the trainer (`upcycler.train`):
 calls it with rows X and groups E.
 """
 
-from upcycler.train.model.transformer import Aux, ModelConfig, forward, forward_jit, unsupported
+from upcycler.train.model.transformer import (
+    Aux,
+    ModelConfig,
+    forward,
+    forward_jit,
+    hidden_states,
+    unembed,
+    unsupported,
+    weights_for_compute,
+)
 
-__all__ = ["Aux", "ModelConfig", "forward", "forward_jit", "unsupported"]
+__all__ = ["Aux", "ModelConfig", "forward", "forward_jit", "hidden_states", "unembed", "unsupported",
+           "weights_for_compute"]

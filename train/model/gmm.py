@@ -11,8 +11,15 @@ The weight layout is `[G, in, out]` (input dimension first, like a Flax kernel).
 projections as `[out, in]`; a caller holding weights in that orientation swaps the last two axes first.
 
 Backends:
-- `"ragged_dot"`: `jax.lax.ragged_dot`, native on TPU and GPU. On CPU it expands to a masked dense product
-  over all G groups (G times the FLOPs and memory), so it is only usable there at toy sizes.
+- `"megablox"`: the Pallas TPU kernel `jax.experimental.pallas.ops.tpu.megablox.gmm`, through the
+  adapter in `gmm_megablox.py` (padding to TPU tiles, masking rows past the groups). It computes only
+  the row tiles that hold some group's rows. On a platform other than TPU it runs in the Pallas
+  interpreter: correct but very slow, for tests only.
+- `"ragged_dot"`: `jax.lax.ragged_dot`, native on GPU. On CPU it expands to a masked dense product over
+  all G groups (G times the FLOPs and memory), so it is only usable there at toy sizes. On TPU (JAX 0.10
+  with its libtpu) the forward product and dx compile to XLA's own grouped kernels, but the weight
+  gradient, whose contraction runs over the grouped rows, compiles to a masked dense product over all G
+  groups: G times the work of that third of the matmuls. Hence megablox on TPU.
 - `"tiled"`: the CPU implementation. Each group's rows are cut into tiles anchored at the group's first
   row, so no tile mixes groups and nothing is padded: whole tiles of the sizes in `tile_rows`,
   largest first (a greedy binary cut), then the rest in masked tiles of the smallest size. The wasted work
@@ -24,7 +31,14 @@ Backends:
   The default sizes (512, 256, 128, 64) were the fastest of those tried on a 2-core x86 CPU at
   T·K = 65536 rows and 64 experts: matmuls of a few hundred rows run near peak there, while shallower
   contractions (the dW products) slow down sharply below about 256 rows.
-- `"auto"`: `"tiled"` on CPU, `"ragged_dot"` elsewhere.
+- `"auto"`: chosen for the TARGET platform, the one the code is compiled for, not the host's:
+  `"megablox"` on TPU, `"ragged_dot"` on GPU, `"tiled"` on CPU. The target is the platform of the mesh
+  set by `jax.set_mesh` when there is one (so an ahead-of-time compile for a TPU slice from a CPU host
+  gets the TPU kernel), else JAX's default backend. On TPU, one exception: XLA cannot partition a Pallas
+  kernel across devices, so megablox needs code that runs whole on each device (a one-device mesh, or
+  inside a `jax.shard_map` that makes every mesh axis manual); under automatic partitioning over several
+  devices `"auto"` takes `"ragged_dot"` and an explicit `"megablox"` is refused. A jit placed on devices
+  only by its argument shardings, with no mesh set, is not seen: it gets the default backend's choice.
 """
 
 from __future__ import annotations
@@ -38,9 +52,10 @@ from jax import lax
 
 from upcycler.train.config import GMM_BACKENDS
 
-Backend = Literal["auto", "tiled", "ragged_dot"]
+Backend = Literal["auto", "tiled", "ragged_dot", "megablox"]
 BACKENDS: tuple[str, ...] = GMM_BACKENDS  # declared with the config, which must not import JAX
 DEFAULT_TILE_ROWS: tuple[int, ...] = (512, 256, 128, 64)
+AUTO_BACKENDS: dict[str, str] = {"tpu": "megablox", "cpu": "tiled"}  # any other platform: "ragged_dot"
 
 
 def gmm(
@@ -59,20 +74,58 @@ def gmm(
     """
     _check_shapes(x_sorted, w, group_sizes)
     group_sizes = group_sizes.astype(jnp.int32)
-    resolved = resolve_backend(backend)
+    platform = target_platform()
+    resolved = resolve_backend(backend, platform)
+    if resolved == "megablox":
+        # imported here: the Pallas TPU kernels are only loaded by the code paths that use them
+        from upcycler.train.model.gmm_megablox import megablox_gmm
+
+        interpret = platform != "tpu"
+        if not interpret and not runs_unpartitioned():
+            raise ValueError(
+                "the megablox gmm backend is a Pallas kernel XLA cannot partition: call it inside "
+                f"jax.shard_map over every axis of the mesh {jax.sharding.get_abstract_mesh()}, on a "
+                'one-device mesh, or use backend "auto" or "ragged_dot"'
+            )
+        return megablox_gmm(x_sorted, w, group_sizes, interpret=interpret)
     if resolved == "ragged_dot":
         out = lax.ragged_dot(x_sorted, w, group_sizes, preferred_element_type=jnp.float32)
         return out.astype(x_sorted.dtype)
     return _tiled_gmm(x_sorted, w, group_sizes, _normalise_tiles(tile_rows, x_sorted.shape[0]))
 
 
-def resolve_backend(backend: Backend) -> str:
-    """The concrete backend `backend` stands for on the current default JAX platform."""
+def resolve_backend(backend: Backend, platform: str | None = None) -> str:
+    """The concrete backend `backend` stands for when compiling for `platform` (default: `target_platform()`).
+
+    Only `"auto"` depends on the platform: megablox on TPU (ragged_dot there when the code is partitioned
+    across devices, see `runs_unpartitioned`), tiled on CPU, ragged_dot anywhere else.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"gmm backend must be one of {BACKENDS}, not {backend!r}")
-    if backend == "auto":
-        return "tiled" if jax.default_backend() == "cpu" else "ragged_dot"
-    return backend
+    if backend != "auto":
+        return backend
+    platform = target_platform() if platform is None else platform
+    if platform == "tpu" and not runs_unpartitioned():
+        return "ragged_dot"
+    return AUTO_BACKENDS.get(platform, "ragged_dot")
+
+
+def target_platform() -> str:
+    """The platform being compiled for: that of the mesh set by `jax.set_mesh` (also seen while tracing
+    under jit and shard_map), else JAX's default backend (the host's, for arrays without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    platform = getattr(device, "platform", None)
+    return platform if platform else jax.default_backend()
+
+
+def runs_unpartitioned() -> bool:
+    """Whether code traced here runs whole on each device (what a Pallas TPU kernel needs): no mesh, a
+    one-device mesh, or the body of a `jax.shard_map` that made every mesh axis manual."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return True
+    return set(mesh.manual_axes) == set(mesh.axis_names) or (mesh.size == 1 and not mesh.manual_axes)
 
 
 def _check_shapes(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> None:

@@ -146,11 +146,16 @@ def attention(
     visible_BLS: jax.Array | None,
     *,
     impl: str = "einsum",
+    chunk: int = 0,
 ) -> jax.Array:
     """Grouped-query softmax attention, scaled by h^-½; scores and softmax in fp32. Returns [B, L, H, h].
 
     `visible_BLS` None means plain causal attention (which lets "dot_product" use a fused kernel).
+    "chunked" computes the einsum attention over blocks of `chunk` queries (L a multiple of it), each block
+    recomputed in the backward pass: equal to "einsum", with the [L, S] scores of one block alive at a time.
     """
+    if impl == "chunked":
+        return _chunked_attention(q_BLHh, k_BSKh, v_BSKh, visible_BLS, chunk)
     if impl == "dot_product":
         if visible_BLS is None:
             return jax.nn.dot_product_attention(q_BLHh, k_BSKh, v_BSKh, is_causal=True)
@@ -168,6 +173,30 @@ def attention(
     probs_BKGLS = jax.nn.softmax(scores_BKGLS, axis=-1).astype(v_BSKh.dtype)
     out_BLKGh = jnp.einsum("bkgls,bskh->blkgh", probs_BKGLS, v_BSKh)
     return out_BLKGh.reshape(B, L, H, h)
+
+
+def _chunked_attention(q_BLHh, k_BSKh, v_BSKh, visible_BLS, chunk: int) -> jax.Array:
+    B, L, H, h = q_BLHh.shape
+    S = k_BSKh.shape[1]
+    if chunk <= 0 or chunk >= L:
+        return attention(q_BLHh, k_BSKh, v_BSKh, visible_BLS)
+    if L % chunk:
+        raise ValueError(f"chunked attention wants the length {L} to be a multiple of the chunk {chunk}")
+    n = L // chunk
+    q_nBcHh = jnp.moveaxis(q_BLHh.reshape(B, n, chunk, H, h), 1, 0)
+    if visible_BLS is None:  # causal: block i holds queries i·chunk … i·chunk + chunk − 1
+        rows_nc = jnp.arange(L).reshape(n, chunk)
+        visible_nBcS = (rows_nc[:, :, None] >= jnp.arange(S)[None, None, :])[:, None]
+    else:
+        visible_nBcS = jnp.moveaxis(visible_BLS.reshape(visible_BLS.shape[0], n, chunk, S), 1, 0)
+
+    @jax.checkpoint
+    def block(args):
+        q_BcHh, visible_BcS = args
+        return attention(q_BcHh, k_BSKh, v_BSKh, visible_BcS)
+
+    out_nBcHh = jax.lax.map(block, (q_nBcHh, visible_nBcS))
+    return jnp.moveaxis(out_nBcHh, 0, 1).reshape(B, L, H, h)
 
 
 # --- MLP -------------------------------------------------------------------------------------------------

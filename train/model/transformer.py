@@ -33,9 +33,11 @@ from upcycler.train import sharding  # a module import: `sharding` imports `para
 from upcycler.train.config import ModelConfig  # declared with the training options, without JAX
 from upcycler.train.model import layers as nn
 from upcycler.train.model import moe
-from upcycler.train.model.params import Params, Run, layer_runs, layers_of_kind
+from upcycler.train.model.params import ParamInfo, Params, Run, declare_tree, layer_runs, layers_of_kind
 
 ACTIVATION_AXES = ("batch", "seq", "act_embed")
+TOKEN_AXES = ("batch", "act_embed")  # [T, D]: tokens of the batch rows, flattened
+REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 @jax.tree_util.register_dataclass
@@ -77,6 +79,7 @@ def forward(
     padding its own id); `positions_BL` (optional, default 0..L-1) are the RoPE positions, e.g. restarting
     at every packed document.
     """
+    params = weights_for_compute(params, spec, cfg)
     hidden_BLD, aux = hidden_states(
         params, ids_BL, spec, cfg, segment_ids_BL=segment_ids_BL, positions_BL=positions_BL
     )
@@ -84,6 +87,27 @@ def forward(
 
 
 forward_jit = jax.jit(forward, static_argnames=("spec", "cfg"))
+
+
+def weights_for_compute(params: Params, spec: ModelSpec, cfg: ModelConfig) -> Params:
+    """The parameters as the forward pass reads them: every weight in `cfg.weights_dtype`, except what
+    the model computes in fp32 regardless (router weights, buffers).
+
+    Every other weight is cast to the compute dtype where it is used, so with `weights_dtype` equal to
+    `compute_dtype` the forward pass computes the same numbers; the cast happens once, on each device's
+    shard, before FSDP gathers it. Gradients flow back to the float32 master weights through the cast.
+    """
+    dtype = jnp.dtype(cfg.weights_dtype)
+    if dtype == jnp.float32:
+        return params
+
+    def cast(path, info: ParamInfo, leaf: jax.Array) -> jax.Array:
+        keep = info.is_buffer or getattr(path[-1], "key", None) == "router"
+        return leaf if keep else leaf.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(
+        cast, declare_tree(spec), params, is_leaf=lambda x: isinstance(x, ParamInfo)
+    )
 
 
 def unsupported(spec: ModelSpec) -> list[str]:
@@ -151,8 +175,8 @@ def _scan_run(stack: Params, x_BLD: jax.Array, run: Run, spec: ModelSpec, cfg: M
         stack = jax.tree.map(lambda a: jax.lax.slice_in_dim(a, run.start, run.start + run.length), stack)
     windows = tuple(layer_windows(spec)[i] for i in layer_ids)
     body = partial(_layer, kind=run.kind, spec=spec, cfg=cfg, ctx=ctx, windowed=any(windows))
-    if cfg.remat:
-        body = jax.checkpoint(body, prevent_cse=False)
+    if cfg.remat != "none":
+        body = jax.checkpoint(body, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat])
     return jax.lax.scan(body, x_BLD, (stack, jnp.asarray(windows, jnp.int32)))
 
 
@@ -183,7 +207,7 @@ def _attention(x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig, ctx: _Contex
         k_BLKh = nn.rms_norm(k_BLKh, p["k_norm"], spec.rms_norm_eps)
     q_BLHh = nn.apply_rope(q_BLHh, ctx.cos_BLR, ctx.sin_BLR)
     k_BLKh = nn.apply_rope(k_BLKh, ctx.cos_BLR, ctx.sin_BLR)
-    out_BLHh = nn.attention(q_BLHh, k_BLKh, v_BLKh, visible_BLS, impl=cfg.attention)
+    out_BLHh = nn.attention(q_BLHh, k_BLKh, v_BLKh, visible_BLS, impl=cfg.attention, chunk=cfg.attention_chunk)
     return nn.linear(out_BLHh.reshape(B, L, H * h), p["o_proj"], p.get("o_bias"))
 
 
@@ -204,7 +228,7 @@ def _moe(
     )
     w_down_EFD = jnp.swapaxes(experts["down_proj"], 1, 2).astype(x_BLD.dtype)
     if cfg.moe_impl == "dropless":
-        y_TD = moe.dropless_moe(x_TD, w_gate_up_EDU, w_down_EFD, routing, backend=cfg.gmm_backend)
+        y_TD = _dropless_per_device(x_TD, w_gate_up_EDU, w_down_EFD, routing, cfg.gmm_backend)
     elif cfg.moe_impl == "reference":
         y_TD = moe.onehot_moe_reference(x_TD, w_gate_up_EDU, w_down_EFD, routing)
     else:
@@ -217,3 +241,17 @@ def _moe(
         y_BLD = y_BLD + shared_BLD
     aux = (logits_TE.reshape(B, L, -1), routing.expert_Tk.reshape(B, L, -1))
     return y_BLD, aux
+
+
+def _dropless_per_device(x_TD, w_gate_up_EDU, w_down_EFD, routing: moe.Routing, backend: str) -> jax.Array:
+    """The dropless layer run by every device on its own tokens: each sorts and multiplies only its rows,
+    with the expert weights gathered whole (FSDP). Under GSPMD alone the sort and the grouped matmul
+    would run on the whole batch's token copies on every chip."""
+
+    def layer(x_TD, expert_Tk, weight_Tk, w_gate_up_EDU, w_down_EFD):
+        return moe.dropless_moe(x_TD, w_gate_up_EDU, w_down_EFD, moe.Routing(expert_Tk, weight_Tk), backend=backend)
+
+    args = (x_TD, routing.expert_Tk, routing.weight_Tk, w_gate_up_EDU, w_down_EFD)
+    axes = (TOKEN_AXES, ("batch", None), ("batch", None),
+            ("experts", "expert_embed", "expert_mlp"), ("experts", "expert_mlp", "expert_embed"))
+    return sharding.per_device(layer, args, axes, gathered=(False, False, False, True, True))

@@ -1,0 +1,186 @@
+"""The megablox grouped-matmul backend: results, backend choice for the target platform, TPU compiles.
+
+On a host without a TPU the Pallas kernel runs in interpret mode, so its results are checked against the
+tiled backend at tiny sizes. The TPU checks compile for a v5e-4 slice described by libtpu (no chip
+needed) and read the compiled HLO; they are skipped when libtpu is not installed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from upcycler.train.model import moe
+from upcycler.train.model.gmm import gmm, resolve_backend
+from upcycler.train.model.gmm_megablox import megablox_gmm, tile_for
+
+F32_TOL = {"rtol": 2e-5, "atol": 2e-5}
+BF16_TOL = {"rtol": 2e-2, "atol": 2e-2}
+
+# name: (rows M, in, out, group sizes, dtype); all but the "full_rows" case leave rows past the groups
+GMM_CASES = {
+    "aligned_with_empty_groups": (256, 128, 256, [60, 0, 100, 0, 40], jnp.float32),
+    "unaligned_dims_and_rows": (200, 100, 72, [30, 0, 0, 101, 45], jnp.float32),
+    "full_rows_group_crossing_tiles": (256, 128, 128, [0, 130, 126], jnp.float32),
+    "bfloat16": (128, 128, 128, [0, 77, 40], jnp.bfloat16),
+}
+
+
+@functools.cache
+def _with_grads(backend: str):
+    """One compiled function per backend: gmm's output and (dx, dw) of sum(out * cotangent)."""
+
+    def run(x, w, group_sizes, cotangent):
+        out, vjp = jax.vjp(lambda x, w: gmm(x, w, group_sizes, backend=backend), x, w)
+        return out, vjp(cotangent)
+
+    return jax.jit(run)
+
+
+def _case_arrays(m, k, n, sizes, dtype, seed=0):
+    """x, w, cotangent with entries of order 1 in the products; the cotangent is nonzero on every row."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(m, k)), dtype)
+    w = jnp.asarray(rng.normal(size=(len(sizes), k, n)) / np.sqrt(k), dtype)
+    cotangent = jnp.asarray(rng.normal(size=(m, n)), dtype)
+    return x, w, jnp.asarray(sizes, jnp.int32), cotangent
+
+
+@pytest.mark.parametrize("name", GMM_CASES)
+def test_megablox_matches_tiled_in_output_and_gradients(name: str) -> None:
+    m, k, n, sizes, dtype = GMM_CASES[name]
+    args = _case_arrays(m, k, n, sizes, dtype)
+    out, (dx, dw) = _with_grads("megablox")(*args)
+    want_out, (want_dx, want_dw) = _with_grads("tiled")(*args)
+    tol = BF16_TOL if dtype == jnp.bfloat16 else F32_TOL
+    assert out.dtype == dx.dtype == dw.dtype == dtype
+    assert out.shape == (m, n) and dx.shape == (m, k) and dw.shape == (len(sizes), k, n)
+    for got, want, what in ((out, want_out, "out"), (dx, want_dx, "dx"), (dw, want_dw, "dw")):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.all(np.isfinite(got)), what
+        np.testing.assert_allclose(got, want, err_msg=what, **tol)
+    # rows no group owns: output exactly zero, no gradient reaches x from them
+    np.testing.assert_array_equal(np.asarray(out[sum(sizes) :], np.float32), 0.0)
+    np.testing.assert_array_equal(np.asarray(dx[sum(sizes) :], np.float32), 0.0)
+
+
+def test_megablox_tiles_and_dtypes() -> None:
+    assert [tile_for(d) for d in (128, 256, 384, 512, 768, 1536, 4096)] == [128, 256, 128, 512, 256, 512, 512]
+    with pytest.raises(ValueError, match="multiple of 128"):
+        tile_for(200)
+    x, w = jnp.zeros((8, 4), jnp.float16), jnp.zeros((2, 4, 4), jnp.float16)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        megablox_gmm(x, w, jnp.array([4, 4], jnp.int32), interpret=True)
+
+
+def test_auto_backend_follows_the_host_without_a_mesh() -> None:
+    host = jax.default_backend()
+    assert resolve_backend("auto") == {"cpu": "tiled", "tpu": "megablox"}.get(host, "ragged_dot")
+    assert [resolve_backend("auto", p) for p in ("cpu", "tpu", "gpu")] == ["tiled", "megablox", "ragged_dot"]
+    with jax.set_mesh(Mesh(np.array(jax.devices()[:1]), ("data",))):
+        assert resolve_backend("auto") == resolve_backend("auto", host)
+        assert resolve_backend("ragged_dot") == "ragged_dot"
+
+
+# ---------------------------------------------------------------------------------- compiled for a TPU
+
+
+@functools.cache
+def _v5e_devices() -> list:
+    pytest.importorskip("libtpu", reason="TPU compiles need libtpu (the [tpu] extra)")
+    from upcycler.train.aot.topology import parse_slice, tpu_devices
+
+    return tpu_devices(parse_slice("v5e-4"))
+
+
+def _mesh(count: int) -> Mesh:
+    return Mesh(np.array(_v5e_devices()[:count]), ("data",))
+
+
+def _backend_traced_in_shard_map(mesh: Mesh) -> str:
+    """What "auto" resolves to while tracing the body of a shard_map over every axis of `mesh`."""
+    seen = []
+
+    def body(x):
+        seen.append(resolve_backend("auto"))
+        return x
+
+    spec = P("data")
+    jax.eval_shape(
+        jax.shard_map(body, in_specs=spec, out_specs=spec), jax.ShapeDtypeStruct((8,), jnp.float32)
+    )
+    return seen[0]
+
+
+def test_auto_backend_follows_the_target_tpu_mesh() -> None:
+    with jax.set_mesh(_mesh(1)):
+        assert resolve_backend("auto") == "megablox"
+        assert resolve_backend("tiled") == "tiled"
+    with jax.set_mesh(_mesh(4)):
+        # a Pallas kernel cannot be partitioned by XLA: megablox only where each device runs it whole
+        assert resolve_backend("auto") == "ragged_dot"
+        assert _backend_traced_in_shard_map(_mesh(4)) == "megablox"
+        x, w = jax.ShapeDtypeStruct((128, 128), jnp.float32), jax.ShapeDtypeStruct((2, 128, 128), jnp.float32)
+        group_sizes = jax.ShapeDtypeStruct((2,), jnp.int32)
+        with pytest.raises(ValueError, match="shard_map"):
+            jax.jit(functools.partial(gmm, backend="megablox")).lower(x, w, group_sizes)
+
+
+T, D, F, E, TOP_K = 64, 128, 128, 4, 2  # X = T·k = 128 rows; widths multiples of 128
+
+
+def _moe_loss(params, cotangent_TD, backend: str):
+    x_TD, w_gate_up_EDU, w_down_EFD, w_router_ED = params
+    routing = moe.route(moe.router_logits(x_TD, w_router_ED), TOP_K, "renormalized")
+    y_TD = moe.dropless_moe(x_TD, w_gate_up_EDU, w_down_EFD, routing, backend=backend)
+    return jnp.sum(y_TD.astype(jnp.float32) * cotangent_TD)
+
+
+def _compiled_moe_hlo(backend: str, devices: int) -> str:
+    """HLO text of the MoE layer's loss and gradients (x, experts, router), compiled for v5e devices.
+
+    Tokens are split over the mesh's devices, weights replicated; activations and weights are bf16.
+    """
+    mesh = _mesh(devices)
+
+    def arg(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    params = (
+        arg((T, D), bf16, P("data")),
+        arg((E, D, 2 * F), bf16, P()),
+        arg((E, F, D), bf16, P()),
+        arg((E, D), f32, P()),
+    )
+    step = jax.jit(jax.value_and_grad(functools.partial(_moe_loss, backend=backend)))
+    with jax.set_mesh(mesh):
+        return step.lower(params, arg((T, D), f32, P("data"))).compile().as_text()
+
+
+def _tpu_kernels(hlo: str) -> list[str]:
+    """The op name of every TPU custom call. Pallas kernels end in `pallas_call`; XLA lowers
+    `lax.ragged_dot` to TPU custom calls of its own too (named `ragged-dot-...`)."""
+    lines = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    return [line.split('op_name="', 1)[1].split('"', 1)[0] for line in lines if 'op_name="' in line]
+
+
+@pytest.mark.parametrize(
+    "backend,devices,pallas",
+    [("megablox", 1, True), ("auto", 1, True), ("ragged_dot", 1, False), ("auto", 4, False)],
+)
+def test_moe_layer_compiles_for_v5e(backend: str, devices: int, pallas: bool) -> None:
+    kernels = _tpu_kernels(_compiled_moe_hlo(backend, devices))
+    megablox = [name for name in kernels if name.endswith("pallas_call")]
+    if pallas:
+        # two grouped matmuls (gate-up, down), each as forward, dx and dW kernels
+        assert len(megablox) == 6, kernels
+        assert sum("tgmm" in name for name in megablox) == 2, kernels
+    else:
+        assert megablox == [], kernels

@@ -1,0 +1,124 @@
+"""TPU pod slices by name (`v5e-256`, `v5p-128`, `v6e-256`, or libtpu's own `v5e:16x16`), as devices to
+compile for on a host without TPUs.
+
+libtpu (the optional `[tpu]` extra) describes a slice's devices without any chip attached
+(`jax.experimental.topologies.get_topology_desc`); `jax.jit(...).lower(...).compile()` then compiles for
+them on this host. Slice names follow Cloud TPU: the number after the dash counts chips for v5e and v6e
+and TensorCores (two per chip) for v4 and v5p.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from upcycler.errors import UpcyclerError
+
+INSTALL_HINT = "install the TPU compiler with: pip install 'upcycler[tpu]' (or pip install -e '.[tpu]')"
+
+# generation -> (libtpu's name, cores per chip, dims of its torus/mesh)
+GENERATIONS: dict[str, tuple[str, int, int]] = {
+    "v4": ("v4", 2, 3),
+    "v5e": ("v5e", 1, 2),
+    "v5p": ("v5p", 2, 3),
+    "v6e": ("v6e", 1, 2),
+}
+# libtpu asks for these on a host without a TPU; set, it stays quiet (values describe no real machine)
+_QUIET_ENV = {
+    "TPU_ACCELERATOR_TYPE": "v5litepod-4",
+    "TPU_WORKER_HOSTNAMES": "localhost",
+    "TPU_SKIP_MDS_QUERY": "1",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",  # no chip to guard: several compiling processes may share libtpu
+}
+
+
+@dataclass(frozen=True)
+class Slice:
+    """A TPU slice: its generation, chip count and libtpu topology (e.g. v5e, 256, "16x16")."""
+
+    generation: str
+    chips: int
+    shape: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        cores = GENERATIONS[self.generation][1]
+        return f"{self.generation}-{self.chips * cores}"
+
+    @property
+    def libtpu_name(self) -> str:
+        return f"{GENERATIONS[self.generation][0]}:{'x'.join(map(str, self.shape))}"
+
+
+def parse_slice(name: str) -> Slice:
+    """`v5e-256` or `v5e:16x16` as a `Slice`; raises `UpcyclerError` naming the accepted forms."""
+    text = name.strip().lower()
+    if m := re.fullmatch(r"(v\d+[a-z]?):(\d+(?:x\d+)*)", text):
+        generation, shape = m.group(1), tuple(int(s) for s in m.group(2).split("x"))
+        if generation in GENERATIONS and len(shape) == GENERATIONS[generation][2] and min(shape) > 0:
+            return Slice(generation, _prod(shape), shape)
+    elif m := re.fullmatch(r"(v\d+[a-z]?)(?:litepod)?-(\d+)", text):
+        generation, count = m.group(1), int(m.group(2))
+        if generation in GENERATIONS and count > 0:
+            cores = GENERATIONS[generation][1]
+            if count % cores == 0:
+                shape = _grid(count // cores, GENERATIONS[generation][2])
+                if shape is not None:
+                    return Slice(generation, count // cores, shape)
+    known = ", ".join(GENERATIONS)
+    raise UpcyclerError(
+        f"--topology {name!r}: not a TPU slice; write GENERATION-COUNT (v5e-256, v5p-128, v6e-256) or "
+        f"libtpu's GENERATION:AxB[xC] (v5e:16x16), with a generation among {known} and a power-of-two count"
+    )
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _grid(chips: int, dims: int) -> tuple[int, ...] | None:
+    """The chip grid Cloud TPU builds for `chips` (a power of two): sides as equal as possible, the
+    larger last (v5e-32 is 4x8; v5p-128 is 4x4x4; a single-host v5p-8 is 2x2x1)."""
+    if chips & (chips - 1):
+        return None
+    sides = [1] * dims
+    if dims == 3 and chips >= 4:  # a v4/v5p host holds a 2x2x1 block
+        sides = [2, 2, 1]
+        chips //= 4
+    while chips > 1:
+        smallest = min(range(dims), key=lambda k: (sides[k], -k))
+        sides[smallest] *= 2
+        chips //= 2
+    return tuple(sorted(sides)) if dims == 2 else tuple(sides)
+
+
+def tpu_devices(slice_: Slice) -> list[Any]:
+    """The slice's devices as libtpu describes them (no chip needed); `UpcyclerError` without libtpu."""
+    try:
+        import libtpu  # noqa: F401  (only to tell a missing install from a bad topology)
+    except ImportError:
+        raise UpcyclerError(f"--topology {slice_.name}: libtpu is not installed; {INSTALL_HINT}") from None
+    for key, value in _QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(
+            platform="tpu",
+            topology_name=slice_.libtpu_name,
+            chip_config_name="default",
+            chips_per_host_bounds=(min(2, slice_.shape[0]), min(2, slice_.shape[1]), 1),
+            num_slices=1,
+        )
+    except (RuntimeError, ValueError) as err:  # XlaRuntimeError is a RuntimeError, with a long message
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UpcyclerError(
+            f"--topology {slice_.name}: libtpu cannot describe {slice_.libtpu_name} ({first[:200]}); "
+            "pick another slice size"
+        ) from None
+    return list(topo.devices)
