@@ -12,6 +12,8 @@ dimension goes to which mesh axis is decided only by `upcycler.train.sharding`.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -43,27 +45,36 @@ def init_distributed(d: DistributedConfig) -> None:
     _initialised = True
 
 
-def build_mesh(m: MeshConfig, global_batch_size: int, spec: ModelSpec | None = None) -> Mesh:
-    """The mesh over all devices; raises `UpcyclerError` if it does not fit the devices, batch or experts."""
-    count = jax.device_count()
+def build_mesh(
+    m: MeshConfig,
+    global_batch_size: int,
+    spec: ModelSpec | None = None,
+    *,
+    microbatches: int = 1,
+    devices: Sequence[Any] | None = None,
+) -> Mesh:
+    """The mesh over all devices (or `devices`, e.g. a TPU slice to compile for); raises `UpcyclerError`
+    if it does not fit the devices, the batch and its microbatches, or the experts."""
+    devices = list(jax.devices() if devices is None else devices)
+    count = len(devices)
     try:
-        mesh = sharding.make_mesh(m.data, m.fsdp, m.expert)
+        mesh = sharding.make_mesh(m.data, m.fsdp, m.expert, devices=devices)
     except ValueError as err:
         raise UpcyclerError(
             f"mesh {m.data}×{m.fsdp}×{m.expert} does not fit {count} devices ({err}); "
             "make the sizes multiply to the device count or set one to -1"
         ) from None
     size = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
-    if global_batch_size % size:
+    if global_batch_size % (size * microbatches):
         raise UpcyclerError(
-            f"data.global_batch_size {global_batch_size} is not divisible by the mesh's {size} devices "
-            f"({dict(mesh.shape)}); make it a multiple of {size}"
+            f"data.global_batch_size {global_batch_size} does not split into {microbatches} microbatch(es) "
+            f"over the mesh's {size} devices ({dict(mesh.shape)}); make it a multiple of {size * microbatches}"
         )
     per_process = global_batch_size // jax.process_count()
-    if per_process % jax.local_device_count():
+    if per_process % _local_count(devices):
         raise UpcyclerError(
             f"data.global_batch_size {global_batch_size} gives {per_process} rows per process, not divisible "
-            f"by its {jax.local_device_count()} devices; make it a multiple of {size}"
+            f"by its {_local_count(devices)} devices; make it a multiple of {size}"
         )
     if spec is not None and spec.moe is not None and spec.moe.num_experts % mesh.shape["expert"]:
         raise UpcyclerError(
@@ -71,6 +82,12 @@ def build_mesh(m: MeshConfig, global_batch_size: int, spec: ModelSpec | None = N
             "pick an expert axis size that divides the expert count"
         )
     return mesh
+
+
+def _local_count(devices: Sequence[Any]) -> int:
+    """This process's share of `devices` (all of them for devices no process owns: a slice to compile for)."""
+    local = sum(1 for d in devices if getattr(d, "process_index", 0) == jax.process_index())
+    return local or len(devices)
 
 
 def describe(mesh: Mesh) -> str:

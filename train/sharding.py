@@ -140,16 +140,6 @@ def active_mesh() -> Any | None:
     return mesh
 
 
-def target_platform() -> str:
-    """The platform the computation is compiled for: the active mesh's devices, else JAX's default backend.
-
-    An ahead-of-time compile for TPU from a CPU host has a TPU mesh and a CPU default backend."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty:
-        return mesh.abstract_device.platform
-    return jax.default_backend()
-
-
 def per_device(
     fn: Callable[..., jax.Array],
     args: Sequence[jax.Array],

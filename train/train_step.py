@@ -22,10 +22,10 @@ from jax.sharding import Mesh, NamedSharding
 from upcycler.spec import ModelSpec
 from upcycler.train import model as model_lib
 from upcycler.train import sharding
-from upcycler.train.config import LossConfig
+from upcycler.train.config import LossConfig, OptimizerConfig
 from upcycler.train.model import moe
-from upcycler.train.model.params import ParamInfo, Params, declare_tree
-from upcycler.train.optim import Schedule, grad_norm
+from upcycler.train.model.params import ParamInfo, Params, abstract_params, declare_tree
+from upcycler.train.optim import Schedule, grad_norm, make_optimizer, opt_state_shardings
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "mask", "source_id")
@@ -73,11 +73,15 @@ def token_nll(
     if not chunk or chunk >= L:
         return cross_entropy(model_lib.unembed(params, hidden_BLD, spec), targets_BL)
     n = L // chunk
+    # the output weight gathered once for all blocks (and its gradient summed whole, then split once),
+    # rather than gathered and reduced again in every block
+    head = "embed" if spec.tie_embeddings else "lm_head"
+    whole = {head: sharding.constrain(params[head], ("vocab", "act_embed"))}
 
     @jax.checkpoint
     def block(args: tuple[jax.Array, jax.Array]) -> jax.Array:
         hidden_BcD, targets_Bc = args
-        return cross_entropy(model_lib.unembed(params, hidden_BcD, spec), targets_Bc)
+        return cross_entropy(model_lib.unembed(whole, hidden_BcD, spec), targets_Bc)
 
     hidden_nBcD = jnp.moveaxis(hidden_BLD.reshape(B, n, chunk, D), 1, 0)
     targets_nBc = jnp.moveaxis(targets_BL.reshape(B, n, chunk), 1, 0)
@@ -201,6 +205,43 @@ def _accumulate(grad_fn, weights: Params, micro: Batch, step_tokens: jax.Array, 
 
 def _zeros_like_summed(s: jax.ShapeDtypeStruct) -> jax.Array:
     return jnp.zeros(s.shape, jnp.float32 if jnp.issubdtype(s.dtype, jnp.floating) else s.dtype)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Everything about the train state that follows from the spec, the optimiser options and the mesh:
+    the optimiser, its schedule, the state's shardings and its abstract shapes (no memory)."""
+
+    tx: optax.GradientTransformation
+    schedule: Schedule
+    shardings: TrainState
+    abstract: TrainState
+
+
+def state_layout(spec: ModelSpec, optimizer: OptimizerConfig, mesh: Mesh) -> StateLayout:
+    """The layout of the train state of `spec` on `mesh`: float32 master weights laid out by the
+    sharding rules, Adam moments like their parameters, counters replicated."""
+    tx, schedule = make_optimizer(optimizer, spec)
+    param_shardings = sharding.param_shardings(spec, mesh)
+    params = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=s), abstract_params(spec), param_shardings
+    )
+    opt_shardings = opt_state_shardings(tx, params, param_shardings, mesh)
+    opt_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(tx.init, params), opt_shardings
+    )
+    replicated = sharding.replicated(mesh)
+    shardings = TrainState(replicated, param_shardings, opt_shardings)
+    abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params, opt_state)
+    return StateLayout(tx, schedule, shardings, abstract)
+
+
+def abstract_batch(global_batch_size: int, seq_len: int, mesh: Mesh) -> Batch:
+    """The shapes, dtypes and shardings of one global batch (as `upcycler.train.data.mix` makes it)."""
+    shardings = batch_shardings(mesh)
+    shapes = {"inputs": ((global_batch_size, seq_len), jnp.int32), "targets": ((global_batch_size, seq_len), jnp.int32),
+              "mask": ((global_batch_size, seq_len), jnp.float32), "source_id": ((global_batch_size,), jnp.int32)}
+    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=shardings[k]) for k, (shape, dtype) in shapes.items()}
 
 
 def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:

@@ -33,15 +33,13 @@ from upcycler.io import read_checkpoint
 from upcycler.io.manifest import PretrainStep, pretrain_step
 from upcycler.spec import ModelSpec
 from upcycler.train import mesh as mesh_lib
-from upcycler.train import sharding
 from upcycler.train.checkpointing import RunCheckpoints
 from upcycler.train.config import TrainConfig
 from upcycler.train.data.mix import DataIterator, make_data_iterator
 from upcycler.train.metrics import MetricsLog, Progress, flops_per_token, step_record
-from upcycler.train.model.params import abstract_params, from_tensors
-from upcycler.train.optim import make_optimizer, opt_state_shardings
+from upcycler.train.model.params import from_tensors
 from upcycler.train.preflight import RunInputs, prepare
-from upcycler.train.train_step import TrainState, compile_step, global_batch, make_train_step
+from upcycler.train.train_step import TrainState, compile_step, global_batch, make_train_step, state_layout
 from upcycler.untrusted import shown_path
 
 
@@ -60,7 +58,8 @@ def train(config: TrainConfig, *, resume: bool = False, checked: RunInputs | Non
     `checked` is the result of `prepare(config, resume)` when the caller already ran it."""
     mesh_lib.init_distributed(config.distributed)
     checked = checked or prepare(config, resume)
-    mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, checked.spec)
+    mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, checked.spec,
+                               microbatches=config.data.microbatches)
     data = make_data_iterator(config.data, jax.process_index(), jax.process_count())
     run = None
     try:
@@ -81,15 +80,9 @@ class _Run:
         self.config, self.checked, self.mesh, self.data = config, checked, mesh, data
         self.spec = spec = checked.spec
         self.model_cfg = config.model.run_config()
-        self.tx, self.schedule = make_optimizer(config.optimizer, spec)
-        self.param_shardings = sharding.param_shardings(spec, mesh)
-        self.abstract = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=s),
-            abstract_params(spec),
-            self.param_shardings,
-        )
-        self.opt_shardings = opt_state_shardings(self.tx, self.abstract, self.param_shardings, mesh)
-        self.state_shardings = TrainState(sharding.replicated(mesh), self.param_shardings, self.opt_shardings)
+        self.layout = state_layout(spec, config.optimizer, mesh)
+        self.tx, self.schedule = self.layout.tx, self.layout.schedule
+        self.state_shardings = self.layout.shardings
         self.ckpts = RunCheckpoints(
             config.run_dir,
             spec,
@@ -106,20 +99,16 @@ class _Run:
         before the first step: a corrupted init is refused, naming the file.
         """
         init = read_checkpoint(self.checked.init)
-        params = from_tensors(self.spec, init.tensors, dtype=np.float32, shardings=self.param_shardings)
+        params = from_tensors(self.spec, init.tensors, dtype=np.float32, shardings=self.state_shardings.params)
         init.check_inputs()
-        opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
+        opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
         return TrainState(jnp.asarray(0, jnp.int32), params, opt_state)
 
     def resumed_state(self) -> TrainState:
         """The latest committed checkpoint, placed with the run's shardings; the data iterator follows it."""
         step = self.ckpts.latest_step()
-        abstract_opt = jax.tree.map(
-            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-            jax.eval_shape(self.tx.init, self.abstract),
-            self.opt_shardings,
-        )
-        params, opt_state, data_state, meta = self.ckpts.restore(step, self.abstract, abstract_opt)
+        abstract = self.layout.abstract
+        params, opt_state, data_state, meta = self.ckpts.restore(step, abstract.params, abstract.opt_state)
         if ModelSpec.from_json(json.dumps(meta["spec"])) != self.spec:
             raise UpcyclerError(
                 f"{self.ckpts.step_dir(step)}: was trained from another model than {self.checked.init}"

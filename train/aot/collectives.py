@@ -7,15 +7,16 @@ count (`backend_config={..."known_trip_count":{"n":"5"}}`); the TPU backend does
 read from the loop itself: the condition compares a counter in the loop state with a constant
 (`compare(get-tuple-element(p), index=0), constant(5)), direction=LT`), the counter starts from a
 constant in the while's operand tuple and the body adds a constant to it. A loop whose count cannot be
-read is counted once and named in `unknown_loops`.
+read is counted once and, if it runs a collective, named in `unknown_loops`.
 
 An asynchronous pair (`all-gather-start` … `all-gather-done`) counts once, with the done op's shape (the
 result); an op wrapped by `async-start` counts once, inside the computation it calls.
 
 The group size n of an op comes from `replica_groups`, in any of the forms XLA prints: explicit lists
 `{{0,1},{2,3}}`, iota lists `[2,4]<=[8]` / `[4,2]<=[2,4]T(1,0)` (groups × size), or mesh axes
-`mesh['x'=2,'y'=4] {'y'}` (the product of the named axes' sizes, a sub-axis `'y':(1)2` counting its own
-size); empty groups mean every device of the program.
+`mesh['x'=2,'y'=4] {'y'}`, possibly with `, device_ids=(...)` before the braces (the product of the
+named axes' sizes, a sub-axis `'y':(1)2` counting its own size). Empty groups mean every device of the
+program, and so does a form this module cannot read (the largest group: traffic is not understated).
 
 Per op, `bytes` is the full payload of one execution on one device, and `traffic_bytes` what one device
 receives over the interconnect, for ring algorithms:
@@ -67,7 +68,8 @@ class KindTraffic:
 @dataclass(frozen=True)
 class CollectiveOp:
     """One collective instruction: its kind, group size, payload and traffic of one execution (per device),
-    and how many times a step runs it."""
+    and how many times a step runs it. A collective-permute has no groups: its `group_size` is 2 when some
+    device sends to another, 1 when every device sends to itself."""
 
     name: str
     kind: str
@@ -202,7 +204,10 @@ def shape_bytes(shape: str) -> int:
     return total
 
 
-def _collective_op(instr: _Instr, kind: str, comp: _Computation, devices: int | None, runs: int) -> CollectiveOp:
+def _collective_op(
+    instr: _Instr, kind: str, comp: _Computation, devices: int | None, runs: int
+) -> CollectiveOp:
+    """`instr` as a `CollectiveOp` run `runs` times; payload and traffic as the module docstring says."""
     shape = instr.shape
     if instr.opcode.endswith("-start"):
         done = next(
@@ -215,7 +220,7 @@ def _collective_op(instr: _Instr, kind: str, comp: _Computation, devices: int | 
         moves = any(a != b for a, b in pairs) or not pairs
         n = 2 if moves else 1
         return CollectiveOp(instr.name, kind, comp.name, n, size, float(size if moves else 0), runs)
-    n = group_size(instr.attrs, devices) or 1
+    n = group_size(instr.attrs, devices) or devices or 1  # groups it cannot read: the whole program
     if kind == "reduce-scatter":
         size *= n
     share = (n - 1) / n
@@ -236,6 +241,7 @@ def _start_result(instr: _Instr) -> str:
 
 
 def _module_devices(hlo_text: str) -> int | None:
+    """Devices of the program (partitions × replicas in the module header); None when not printed."""
     header = hlo_text.split("\n", 1)[0]
     partitions = re.search(r"num_partitions=(\d+)", header)
     replicas = re.search(r"replica_count=(\d+)", header)
@@ -361,6 +367,7 @@ def _resolve(comp: _Computation, name: str) -> _Instr | None:
 
 
 def _tuple_index(instr: _Instr | None) -> int | None:
+    """k when `instr` is `get-tuple-element(...), index=k`, else None."""
     if instr is None or instr.opcode != "get-tuple-element":
         return None
     m = re.search(r"index=(\d+)", instr.attrs)
@@ -368,6 +375,7 @@ def _tuple_index(instr: _Instr | None) -> int | None:
 
 
 def _constant(instr: _Instr | None) -> int | None:
+    """The value of a scalar integer constant, else None."""
     if instr is None or instr.opcode != "constant" or "[]" not in instr.shape.split("{")[0]:
         return None
     m = re.fullmatch(r"\s*(-?\d+)\s*", instr.operands[0] if instr.operands else "")
@@ -375,6 +383,7 @@ def _constant(instr: _Instr | None) -> int | None:
 
 
 def _init_value(loop: _Instr, comp: _Computation, index: int) -> int | None:
+    """The constant element `index` of the tuple the while `loop` starts from, else None."""
     init = _resolve(comp, loop.operands[0])
     if init is None or init.opcode != "tuple" or index >= len(init.operands):
         return None
@@ -382,6 +391,7 @@ def _init_value(loop: _Instr, comp: _Computation, index: int) -> int | None:
 
 
 def _step(body: _Computation, index: int) -> int | None:
+    """The constant the loop body adds to (or subtracts from) element `index` of the state, else None."""
     root = body.instrs[body.root] if body.root else None
     if root is None or root.opcode != "tuple" or index >= len(root.operands):
         return None
@@ -397,6 +407,7 @@ def _step(body: _Computation, index: int) -> int | None:
 
 
 def _passed_through(body: _Computation, index: int) -> bool:
+    """Whether the loop body returns element `index` of its state unchanged."""
     root = body.instrs[body.root] if body.root else None
     if root is None or root.opcode != "tuple" or index >= len(root.operands):
         return False
@@ -439,6 +450,8 @@ def _parse_module(text: str) -> tuple[dict[str, _Computation], str]:
 
 
 def _parse_instr(name: str, rest: str) -> _Instr | None:
+    """The instruction `name = rest` split into shape, opcode, operand names and attributes; None for a
+    line that is not an instruction."""
     if rest.startswith("("):
         shape = _balanced(rest, "(", ")")
     else:
@@ -497,6 +510,7 @@ def _split_top(text: str) -> list[str]:
 
 
 def _attr(attrs: str, key: str) -> str | None:
+    """The raw value of attribute `key` (a bracketed value whole), else None."""
     m = re.search(rf"\b{key}=", attrs)
     if m is None:
         return None
@@ -507,11 +521,13 @@ def _attr(attrs: str, key: str) -> str | None:
 
 
 def _attr_name(attrs: str, key: str) -> str | None:
+    """The computation named by attribute `key`, without its `%`."""
     value = _attr(attrs, key)
     return value.lstrip("%") if value else None
 
 
 def _callees(attrs: str) -> list[str]:
+    """Computations an instruction calls once per execution (fusions, calls, async ops, branches)."""
     names = []
     for key in (*_CALL_ATTRS, "branch_computations"):
         value = _attr(attrs, key)

@@ -9,6 +9,7 @@ and TensorCores (two per chip) for v4 and v5p.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 from dataclasses import dataclass
@@ -97,14 +98,23 @@ def _grid(chips: int, dims: int) -> tuple[int, ...] | None:
     return tuple(sorted(sides)) if dims == 2 else tuple(sides)
 
 
+def quiet_libtpu_without_chips() -> None:
+    """On a host with no TPU attached, give libtpu the settings it would otherwise warn about on stderr at
+    every JAX start (a host with chips is left alone: libtpu must find them itself). Call before JAX
+    initialises its backends; values already set are kept."""
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return
+    for key, value in _QUIET_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def tpu_devices(slice_: Slice) -> list[Any]:
     """The slice's devices as libtpu describes them (no chip needed); `UpcyclerError` without libtpu."""
     try:
         import libtpu  # noqa: F401  (only to tell a missing install from a bad topology)
     except ImportError:
         raise UpcyclerError(f"--topology {slice_.name}: libtpu is not installed; {INSTALL_HINT}") from None
-    for key, value in _QUIET_ENV.items():
-        os.environ.setdefault(key, value)
+    quiet_libtpu_without_chips()
     from jax.experimental import topologies
 
     try:

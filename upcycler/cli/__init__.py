@@ -18,6 +18,7 @@ import sys
 import click
 
 from upcycler.errors import UpcyclerError
+from upcycler.train.aot.topology import quiet_libtpu_without_chips
 from upcycler.untrusted import escape
 
 _MAX_MESSAGE = 2000
@@ -56,6 +57,7 @@ class _Group(click.Group):
 
     def main(self, *args, **kwargs):
         kwargs.pop("standalone_mode", None)
+        quiet_libtpu_without_chips()  # before any command starts JAX
         try:
             super().main(*args, standalone_mode=False, **kwargs)
             return

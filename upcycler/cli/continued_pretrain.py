@@ -18,11 +18,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import sys
+
 import click
 
 from upcycler.cli.transforms import click_option
+from upcycler.errors import UpcyclerError
 from upcycler.schema import options
 from upcycler.train.config import DistributedConfig, MetricsConfig, ModelSection, TrainConfig, load_config
+from upcycler.units import parse_size
 
 FLAG_SECTIONS = {"": TrainConfig, "model": ModelSection, "distributed": DistributedConfig, "metrics": MetricsConfig}
 
@@ -67,10 +71,23 @@ def config_options(fn: Callable) -> Callable:
     metavar="KEY=VALUE",
     help="Override any config key, e.g. --set optimizer.lr=1e-4 (value parsed as YAML); repeatable.",
 )
-def command(config_path: Path, resume: bool, sets: tuple[str, ...], **flags: Any) -> None:
+@click.option("--compile-only", is_flag=True,
+              help="Compile the train step and report per-device memory, FLOPs, collectives and a roofline; "
+                   "train nothing (needs only model.init's config.json, no data). Exit 1 if it does not fit.")
+@click.option("--topology", metavar="SLICE",
+              help="With --compile-only: compile for a TPU slice (v5e-256, v5p-128, v6e-256, v5e:16x16) "
+                   "instead of the local devices; needs the [tpu] extra.")
+@click.option("--hbm-budget", metavar="SIZE", help="With --compile-only: the memory one device has (e.g. 16GiB), "
+                                                   "instead of the chip's usable HBM.")
+@click.option("--json", "as_json", is_flag=True, help="With --compile-only: print the report as one JSON line.")
+def command(config_path: Path, resume: bool, sets: tuple[str, ...], compile_only: bool, topology: str | None,
+            hbm_budget: str | None, as_json: bool, **flags: Any) -> None:
     """Continue pretraining a dense or upcycled MoE checkpoint on prepared data; checkpoints go to run_dir."""
     keys = _flags()
     config = load_config(config_path, {keys[name]: value for name, value in flags.items()}, sets)
+    if compile_only or topology or hbm_budget or as_json:
+        _compile_only(config, compile_only, topology, hbm_budget, as_json)
+        return
     from upcycler.train.preflight import prepare
 
     checked = prepare(config, resume)
@@ -79,3 +96,17 @@ def command(config_path: Path, resume: bool, sets: tuple[str, ...], **flags: Any
     result = train(config, resume=resume, checked=checked)
     how = "stopped by SIGTERM" if result.preempted else "finished"
     click.echo(f"{how} at step {result.step}; last checkpoint: {result.last_checkpoint}")
+
+
+def _compile_only(config: TrainConfig, compile_only: bool, topology: str | None, hbm_budget: str | None,
+                  as_json: bool) -> None:
+    """Print the compile-only report; exit 1 when the step does not fit the device's memory."""
+    if not compile_only:
+        raise UpcyclerError("--topology, --hbm-budget and --json belong to --compile-only; add --compile-only")
+    budget = parse_size(hbm_budget, "--hbm-budget") if hbm_budget is not None else None
+    from upcycler.train.aot.compile import compile_only as run
+
+    report = run(config, topology=topology, hbm_budget=budget)
+    click.echo(report.to_json() if as_json else report.to_text())
+    if report.fits is False:
+        sys.exit(1)

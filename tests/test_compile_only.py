@@ -1,0 +1,123 @@
+"""`continued-pretrain --compile-only`: the demo's train step compiled for the local CPU, for 8 fake
+devices and for a TPU v5e 2x2 slice, from a directory holding only the model's config.json and a data
+directory that does not exist.
+
+The parameter and optimiser bytes per device are checked against arithmetic done here from the declared
+parameters and the sharding rule "the model width splits over fsdp when it divides" (not read back from
+the report's own code), and against the compiler's argument size where the compiler is exact (CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from cli_helpers import assert_clean_failure, run_cli
+
+from upcycler.cli.demo import _train_config, demo_assets
+from upcycler.io.hf_read import read_spec
+from upcycler.layout import declare_params
+
+ADAM_COUNTERS = 64  # bytes: the int32 step counters of Adam and the schedule, replicated
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """The demo's MoE as a config-only directory, and the demo's training config pointing at it."""
+    root = tmp_path_factory.mktemp("compile_only")
+    moe = root / "moe-full"
+    run_cli("dense-to-moe", demo_assets() / "model", moe, "--experts", "24", "--topk", "6", "--granularity", "8",
+            "--shared-experts", "2", "--dense-layers", "1", "--target", "qwen2_moe", "--seed", "0")
+    config_only = root / "moe"
+    config_only.mkdir()
+    shutil.copy(moe / "config.json", config_only / "config.json")
+    config = _train_config(root, config_only, 10, root / "run")
+    assert not (root / "data").exists()  # compile-only needs no data
+    return config, config_only
+
+
+def expected_bytes(model_dir, fsdp: int) -> tuple[int, int]:
+    """(fp32 parameter bytes, Adam bytes) per device when every tensor with the model-width axis is split
+    over `fsdp` devices along it (when it divides) and everything else is replicated."""
+    spec = read_spec(model_dir)
+    params = 0
+    for decl in declare_params(spec):
+        split = "embed" in decl.axes and decl.shape[decl.axes.index("embed")] % fsdp == 0
+        params += decl.numel // (fsdp if split else 1) * 4
+    return params, 2 * params
+
+
+def compile_report(config, *args, env=None, check=True):
+    full_env = {**os.environ, **(env or {})}
+    proc = __import__("subprocess").run(
+        [__import__("sys").executable, "-m", "upcycler", "continued-pretrain", "--config", str(config),
+         "--compile-only", "--json", *map(str, args)],
+        capture_output=True, text=True, timeout=900, env=full_env,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, (json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else None)
+
+
+def test_local_cpu_report(demo):
+    config, model_dir = demo
+    _, report = compile_report(config)
+    params, adam = expected_bytes(model_dir, fsdp=1)
+    memory = report["memory"]
+    assert memory["params"] == params and memory["gradients"] == params
+    assert adam <= memory["optimizer"] <= adam + ADAM_COUNTERS
+    batch = 8 * 128 * 4 * 3 + 8 * 4  # inputs, targets, mask [B, L] + source_id [B]
+    assert memory["batch"] == batch
+    assert memory["arguments"] == memory["params"] + memory["optimizer"] + batch + 4  # + the step counter
+    assert report["devices"] == 1 and report["fits"] is None  # a CPU has no HBM figure
+    assert report["flops"]["per_step"] == pytest.approx(report["flops"]["per_token"] * 8 * 128)
+
+
+def test_eight_fake_devices_split_the_state(demo):
+    config, model_dir = demo
+    _, report = compile_report(config, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    params, adam = expected_bytes(model_dir, fsdp=8)
+    memory = report["memory"]
+    assert report["devices"] == 8 and report["mesh"] == {"data": 1, "fsdp": 8, "expert": 1}
+    assert memory["params"] == params
+    assert adam <= memory["optimizer"] <= adam + ADAM_COUNTERS
+    assert memory["arguments"] == memory["params"] + memory["optimizer"] + memory["batch"] + 4
+    assert report["collectives"]["all-gather"]["executions"] > 0  # FSDP gathers the weights
+
+
+def test_v5e_2x2_report_fits_with_collectives_and_roofline(demo):
+    pytest.importorskip("libtpu", reason="the [tpu] extra (libtpu) compiles for TPU; the test command installs it")
+    config, model_dir = demo
+    proc, report = compile_report(config, "--topology", "v5e-4", "--set", "model.compute_dtype=bfloat16")
+    params, adam = expected_bytes(model_dir, fsdp=4)
+    memory = report["memory"]
+    assert report["target"] == "v5e-4" and report["device_kind"] == "TPU v5 lite" and report["chip"] == "TPU v5e"
+    assert memory["params"] == params and adam <= memory["optimizer"] <= adam + ADAM_COUNTERS
+    assert report["fits"] is True and report["budget"] == int(15.75 * 2**30)
+    assert 0 < memory["peak"] < report["budget"] and report["margin"] == report["budget"] - memory["peak"]
+    assert report["collectives"]["all-gather"]["traffic_bytes"] > 0
+    roofline = report["roofline"]
+    assert roofline["chip"] == "TPU v5e" and 0 < roofline["mfu"] < 1
+    assert roofline["step_s"] == max(roofline["compute_s"], roofline["memory_s"], roofline["communication_s"])
+    assert proc.stderr.strip() == ""  # libtpu stays quiet on a host without TPUs
+
+
+def test_a_step_that_cannot_fit_says_so_with_its_largest_items(demo):
+    config, _ = demo
+    proc = run_cli("continued-pretrain", "--config", config, "--compile-only", "--hbm-budget", "1MiB", check=False)
+    assert proc.returncode == 1, proc.stderr
+    fit = [line for line in proc.stdout.splitlines() if line.startswith("fit")]
+    assert fit and "does not fit" in fit[0] and "of 1 MiB" in fit[0] and "largest: " in fit[0]
+
+
+def test_compile_only_options_are_checked(demo, tmp_path):
+    config, _ = demo
+    assert_clean_failure(run_cli("continued-pretrain", "--config", config, "--topology", "v5e-4", check=False),
+                         mentions="--compile-only")
+    assert_clean_failure(run_cli("continued-pretrain", "--config", config, "--compile-only", "--topology",
+                                 "v5e-300", check=False), mentions="v5e-256")
+    assert_clean_failure(run_cli("continued-pretrain", "--config", config, "--compile-only", "--hbm-budget",
+                                 "lots", check=False), mentions="--hbm-budget")
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,91 @@
+"""Compile the train step a run would use, without running it: for the local devices or a TPU slice.
+
+`compile_only(config, topology=...)` builds the train state from the checkpoint's `ModelSpec` alone (a
+directory holding only config.json is enough: no tensor is read, no data file opened), lays it out on the
+configured mesh over the target devices, lowers and compiles the very step `upcycler.train.trainer` runs
+(same `make_train_step`, shardings, remat, dtypes, microbatches), and returns the `report.Report` of
+what one device needs. A step too large for the target's memory fails the TPU compile with
+RESOURCE_EXHAUSTED; that is reported as "does not fit" with the analytic part of the memory, not raised.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from upcycler.io import detect_format, read_checkpoint
+from upcycler.io.hf_read import read_spec
+from upcycler.spec import ModelSpec
+from upcycler.train.aot import hardware, report
+from upcycler.train.aot.topology import parse_slice, tpu_devices
+from upcycler.train.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class Target:
+    """The devices to compile for, how to name them, and the figures of one of them (None: unknown)."""
+
+    devices: list[Any]
+    name: str
+    chip: hardware.Chip | None
+
+
+def target(topology: str | None) -> Target:
+    """A TPU slice by name (`v5e-256`), or the devices this process sees when `topology` is None."""
+    import jax
+
+    if topology is None:
+        devices = list(jax.devices())
+        return Target(devices, f"local {devices[0].platform}", hardware.for_devices(devices))
+    slice_ = parse_slice(topology)
+    devices = tpu_devices(slice_)
+    return Target(devices, slice_.name, hardware.for_devices(devices))
+
+
+def model_spec(path: Path) -> ModelSpec:
+    """The architecture of the checkpoint at `path` (HF or Orbax); an HF directory may hold only config.json."""
+    if detect_format(path) == "hf":
+        return read_spec(path)
+    return read_checkpoint(path).spec
+
+
+def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget: int | None = None) -> report.Report:
+    """Compile the train step of `config` for `topology` (None: the local devices) and report per device.
+
+    `hbm_budget` replaces the chip's usable HBM as the memory a device has (the only budget there is for
+    a device the chip table does not know, such as a CPU)."""
+    from upcycler.train import mesh as mesh_lib
+    from upcycler.train.train_step import abstract_batch, compile_step, make_train_step, state_layout
+
+    spec = model_spec(config.model.init)
+    tgt = target(topology)
+    mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, spec,
+                               microbatches=config.data.microbatches, devices=tgt.devices)
+    layout = state_layout(spec, config.optimizer, mesh)
+    batch = abstract_batch(config.data.global_batch_size, config.data.seq_len, mesh)
+    step = make_train_step(spec, config.model.run_config(), config.loss, layout.tx, layout.schedule,
+                           len(config.data.source_names), microbatches=config.data.microbatches)
+    started = time.perf_counter()
+    try:
+        compiled = compile_step(step, layout.shardings, mesh, layout.abstract, batch)
+        failure = None
+    except Exception as err:  # XLA reports an oversized program as a runtime error; anything else re-raises
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        compiled, failure = None, _first_line(str(err))
+    seconds = time.perf_counter() - started
+    budget = hbm_budget if hbm_budget is not None else (tgt.chip.hbm_budget_bytes if tgt.chip else None)
+    return report.build(
+        config, spec, mesh, layout, batch, compiled,
+        target_name=tgt.name, chip=tgt.chip, budget=budget, compile_seconds=seconds, failure=failure,
+    )
+
+
+def _first_line(message: str) -> str:
+    for line in message.splitlines():
+        if "RESOURCE_EXHAUSTED" in line:
+            return line.strip()[:400]
+    return message.strip().splitlines()[0][:400] if message.strip() else "RESOURCE_EXHAUSTED"
+

@@ -1,0 +1,252 @@
+"""What one device needs for one train step, and whether it fits: the compile-only report.
+
+Memory per device comes from two places, shown side by side:
+- analytic, from the `ModelSpec` and the sharding rules alone: float32 parameters, the Adam state, float32
+  gradients and the batch, each the size of this device's shard (`NamedSharding.shard_shape`);
+- compiled, from XLA's memory analysis of the compiled step: arguments, outputs, temporaries (which hold
+  the gradients, the activations kept for the backward pass and the gathered weights) and the peak.
+The step fits when the compiled peak is within the device's HBM budget (the chip's usable HBM from
+`hardware`, or a budget given by the user). FLOPs are analytic (`upcycler.train.metrics.flops_per_token`:
+6 · active matmul parameters + causal attention, per token), never the compiler's count; the executed
+FLOPs add what the memory options recompute. Collective traffic is parsed from the compiled HLO
+(`collectives`), and `roofline` turns the three into a step-time and MFU bound.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+from upcycler.spec import ModelSpec
+from upcycler.train.aot import collectives, roofline
+from upcycler.train.aot.hardware import Chip
+from upcycler.train.config import LossConfig, ModelConfig, TrainConfig
+from upcycler.train.metrics import flops_per_token, matmul_params
+from upcycler.units import human_count
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device. Analytic: params, optimizer, gradients, batch. Compiled (None when the compile
+    failed): arguments, outputs, aliased (outputs reusing donated arguments), temporaries, code, and the
+    peak the step needs (the TPU compiler's own figure; on CPU, which leaves the arguments out of it, the
+    sum of the buffers)."""
+
+    params: int
+    optimizer: int
+    gradients: int
+    batch: int
+    arguments: int | None = None
+    outputs: int | None = None
+    aliased: int | None = None
+    temporaries: int | None = None
+    code: int | None = None
+    peak: int | None = None
+
+    @property
+    def working(self) -> int | None:
+        """What the step needs at its peak beyond its inputs and new state: gradients, activations kept for
+        the backward pass, gathered weights, work buffers."""
+        if self.peak is None:
+            return None
+        return max(self.peak - self.arguments - (self.outputs - self.aliased), 0)
+
+    def largest(self) -> list[tuple[str, int]]:
+        """The categories by size, largest first."""
+        items = {"optimizer state": self.optimizer, "parameters": self.params, "batch": self.batch}
+        if self.working is not None:
+            items["gradients, activations and work buffers"] = self.working
+        return sorted(items.items(), key=lambda kv: -kv[1])
+
+
+@dataclass(frozen=True)
+class Report:
+    """The compile-only report of one train step on one target (see the module docstring)."""
+
+    target: str
+    devices: int
+    device_kind: str
+    chip: str | None
+    mesh: dict[str, int]
+    model: dict[str, Any]
+    options: dict[str, Any]
+    memory: Memory
+    budget: int | None
+    fits: bool | None
+    failure: str | None
+    flops: dict[str, float]
+    collectives: dict[str, dict[str, float]]
+    unknown_loops: tuple[str, ...]
+    roofline: dict[str, Any] | None
+    compile_seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def margin(self) -> int | None:
+        """HBM left over at the peak (negative: missing); None without a budget or a compiled peak."""
+        if self.budget is None or self.memory.peak is None:
+            return None
+        return self.budget - self.memory.peak
+
+    def to_json(self) -> str:
+        out = asdict(self)
+        out["memory"]["working"] = self.memory.working
+        out["margin"] = self.margin
+        return json.dumps(out, sort_keys=False)
+
+    def to_text(self) -> str:
+        return "\n".join(_text_lines(self))
+
+
+def build(config: TrainConfig, spec: ModelSpec, mesh, layout, batch, compiled, *, target_name: str,
+          chip: Chip | None, budget: int | None, compile_seconds: float, failure: str | None) -> Report:
+    """The report of `compiled` (None when the compile ran out of memory: `failure` says how)."""
+    devices = mesh.devices.size
+    memory = _memory(layout, batch, compiled)
+    peak = memory.peak
+    fits = False if failure else (None if budget is None or peak is None else peak <= budget)
+    tokens = config.data.global_batch_size * config.data.seq_len
+    model_flops = flops_per_token(spec, config.data.seq_len) * tokens
+    executed = executed_flops_per_token(spec, config.data.seq_len, config.model.run_config(), config.loss) * tokens
+    flops = {"per_token": model_flops / tokens, "per_step": model_flops, "per_device": model_flops / devices,
+             "executed_per_device": executed / devices}
+    traffic = collectives.collective_traffic(compiled.as_text()) if compiled is not None else None
+    kinds = {k: asdict(v) for k, v in traffic.kinds.items()} if traffic else {}
+    notes = []
+    line = None
+    if compiled is not None and chip is not None:
+        hbm_bytes = _bytes_accessed(compiled)
+        if hbm_bytes is None:
+            notes.append("the compiler gave no HBM traffic; the memory term of the roofline is 0")
+        line = asdict(roofline.estimate(model_flops / devices, executed / devices, hbm_bytes or 0.0,
+                                        traffic.traffic_bytes, chip))
+    return Report(
+        target=target_name, devices=devices, device_kind=mesh.devices.flat[0].device_kind,
+        chip=chip.name if chip else None, mesh=dict(mesh.shape),
+        model={"family": spec.family, "total_params": spec.total_params(), "active_params": spec.active_params(),
+               "layers": spec.num_layers, "experts": spec.moe.num_experts if spec.moe else 0,
+               "top_k": spec.moe.top_k if spec.moe else 0, "vocab": spec.vocab_size},
+        options={"seq_len": config.data.seq_len, "global_batch_size": config.data.global_batch_size,
+                 "microbatches": config.data.microbatches, "ce_chunk": config.loss.ce_chunk,
+                 **asdict(config.model.run_config())},
+        memory=memory, budget=budget, fits=fits, failure=failure, flops=flops, collectives=kinds,
+        unknown_loops=traffic.unknown_loops if traffic else (), roofline=line,
+        compile_seconds=compile_seconds, notes=notes,
+    )
+
+
+def executed_flops_per_token(spec: ModelSpec, seq_len: int, cfg: ModelConfig, loss: LossConfig) -> float:
+    """Model FLOPs per token plus the forward work the memory options do again in the backward pass:
+    full remat recomputes every layer, `dots` the attention (its matmuls carry batch axes, so they are not
+    saved), chunked attention its attention once more, chunked cross-entropy the logits."""
+    head = spec.vocab_size * spec.hidden_size
+    attention_forward = 2 * spec.num_layers * spec.num_heads * spec.head_dim * seq_len
+    layers_forward = 2 * (matmul_params(spec) - head) + attention_forward
+    extra = {"none": 0, "full": layers_forward, "dots": attention_forward}[cfg.remat]
+    if cfg.attention == "chunked":
+        extra += attention_forward
+    if loss.ce_chunk:
+        extra += 2 * head
+    return flops_per_token(spec, seq_len) + extra
+
+
+def shard_bytes(tree: Any) -> int:
+    """Bytes of this device's shard of every `jax.ShapeDtypeStruct` leaf (laid out by its sharding)."""
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape)
+        total += int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
+    return total
+
+
+def _memory(layout, batch, compiled) -> Memory:
+    params = shard_bytes(layout.abstract.params)
+    analytic = {"params": params, "optimizer": shard_bytes(layout.abstract.opt_state), "gradients": params,
+                "batch": shard_bytes(batch)}
+    if compiled is None:
+        return Memory(**analytic)
+    stats = compiled.memory_analysis()
+    arguments, outputs = int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes)
+    aliased, temporaries = int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes)
+    code = int(stats.generated_code_size_in_bytes)
+    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+    if peak < arguments:  # the CPU compiler's peak leaves out the arguments: add the buffers up instead
+        peak = arguments + outputs - aliased + temporaries + code
+    return Memory(**analytic, arguments=arguments, outputs=outputs, aliased=aliased, temporaries=temporaries,
+                  code=code, peak=peak)
+
+
+def _bytes_accessed(compiled) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # some backends have no cost model  # noqa: BLE001
+        return None
+    if isinstance(cost, list):
+        cost = cost[0] if cost else {}
+    value = (cost or {}).get("bytes accessed")
+    return float(value) if value is not None else None
+
+
+def _gib(n: float | None) -> str:
+    """Bytes in binary units, three significant figures ("15.8 GiB", "412 MiB")."""
+    if n is None:
+        return "—"
+    for unit, size in (("TiB", 1 << 40), ("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def _text_lines(r: Report) -> list[str]:
+    m = r.memory
+    model = r.model
+    moe = f", {model['experts']} experts top-{model['top_k']}" if model["experts"] else ""
+    lines = [
+        (f"model    {model['family']}, {human_count(model['total_params'])} parameters "
+         f"({human_count(model['active_params'])} active){moe}, {model['layers']} layers"),
+        (f"target   {r.target}: {r.devices} × {r.device_kind}; mesh "
+         + " × ".join(f"{k}={v}" for k, v in r.mesh.items())),
+        (f"step     {r.options['global_batch_size']} × {r.options['seq_len']} tokens, microbatches "
+         f"{r.options['microbatches']}, remat {r.options['remat']}, compute {r.options['compute_dtype']}, "
+         f"weights {r.options['weights_dtype']}, attention {r.options['attention']}, ce_chunk "
+         f"{r.options['ce_chunk']}, gmm {r.options['gmm_backend']}; compiled in {r.compile_seconds:.1f} s"),
+        "memory per device:",
+        f"  parameters (fp32)          {_gib(m.params)}",
+        f"  optimizer state            {_gib(m.optimizer)}",
+        f"  batch                      {_gib(m.batch)}",
+        f"  gradients, activations …   {_gib(m.working)}   (of which fp32 gradients {_gib(m.gradients)})",
+        (f"  compiled: arguments {_gib(m.arguments)}, temporaries {_gib(m.temporaries)}, "
+         f"outputs {_gib(m.outputs)} ({_gib(m.aliased)} reusing arguments), peak {_gib(m.peak)}"),
+    ]
+    largest = ", ".join(f"{name} {_gib(size)}" for name, size in m.largest()[:3])
+    if r.failure:
+        lines.append(f"fit      does not fit: the compiler ran out of memory ({r.failure}); largest: {largest}")
+    elif r.fits is None:
+        lines.append("fit      no HBM figure for this device; pass --hbm-budget SIZE to check the fit")
+    elif r.fits:
+        lines.append(f"fit      fits: peak {_gib(m.peak)} of {_gib(r.budget)} ({_gib(r.margin)} to spare)")
+    else:
+        lines.append(f"fit      does not fit: peak {_gib(m.peak)} of {_gib(r.budget)} "
+                     f"({_gib(-r.margin)} over); largest: {largest}")
+    f = r.flops
+    lines.append(f"flops    {f['per_token'] / 1e9:.2f} GFLOP/token, {f['per_step'] / 1e15:.2f} PFLOP/step, "
+                 f"{f['per_device'] / 1e12:.2f} TFLOP/device (executed {f['executed_per_device'] / 1e12:.2f})")
+    for kind, t in r.collectives.items():
+        if t["executions"]:
+            lines.append(f"  {kind:<19} {t['ops']:>4} ops, {t['executions']:>6} runs, "
+                         f"{_gib(t['traffic_bytes'])} received per device")
+    if r.unknown_loops:
+        lines.append(f"  ({len(r.unknown_loops)} loop(s) with collectives have unknown trip counts, counted once)")
+    if r.roofline:
+        rl = r.roofline
+        lines.append(f"roofline compute {rl['compute_s']:.3f} s, memory {rl['memory_s']:.3f} s, communication "
+                     f"{rl['communication_s']:.3f} s → step ≥ {rl['step_s']:.3f} s ({rl['bound']}-bound), "
+                     f"MFU ≤ {rl['mfu']:.1%} on {rl['chip']}")
+    lines.extend(f"note     {n}" for n in r.notes)
+    return lines
