@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from cli_helpers import assert_clean_failure, run_cli
@@ -51,10 +53,10 @@ def expected_bytes(model_dir, fsdp: int) -> tuple[int, int]:
 
 def compile_report(config, *args, env=None, check=True):
     full_env = {**os.environ, **(env or {})}
-    proc = __import__("subprocess").run(
-        [__import__("sys").executable, "-m", "upcycler", "continued-pretrain", "--config", str(config),
+    proc = subprocess.run(
+        [sys.executable, "-m", "upcycler", "continued-pretrain", "--config", str(config),
          "--compile-only", "--json", *map(str, args)],
-        capture_output=True, text=True, timeout=900, env=full_env,
+        capture_output=True, text=True, timeout=900, env=full_env, check=False,
     )
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -121,3 +123,33 @@ def test_compile_only_options_are_checked(demo, tmp_path):
     assert_clean_failure(run_cli("continued-pretrain", "--config", config, "--compile-only", "--hbm-budget",
                                  "lots", check=False), mentions="--hbm-budget")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("name", "libtpu_name", "chips"), [
+    ("v5e-256", "v5e:16x16", 256), ("v5e-4", "v5e:2x2", 4), ("v5e-32", "v5e:4x8", 32), ("v6e-256", "v6e:16x16", 256),
+    ("v5p-128", "v5p:4x4x4", 64), ("v5p-8", "v5p:2x2x1", 4), ("v4-32", "v4:2x2x4", 16), ("v5e:16x16", "v5e:16x16", 256),
+    ("v5litepod-16", "v5e:4x4", 16),
+])
+def test_slice_names(name, libtpu_name, chips):
+    from upcycler.train.aot.topology import parse_slice
+
+    s = parse_slice(name)
+    assert (s.libtpu_name, s.chips) == (libtpu_name, chips)
+
+
+@pytest.mark.parametrize("name", ["v5e-300", "v5p-3", "v9-8", "v5e:16", "tpu", "v5e-0"])
+def test_bad_slice_names_are_refused(name):
+    from upcycler.errors import UpcyclerError
+    from upcycler.train.aot.topology import parse_slice
+
+    with pytest.raises(UpcyclerError, match="v5e-256"):
+        parse_slice(name)
+
+
+def test_topology_without_libtpu_says_how_to_install(monkeypatch):
+    from upcycler.errors import UpcyclerError
+    from upcycler.train.aot.topology import parse_slice, tpu_devices
+
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu now raises ImportError
+    with pytest.raises(UpcyclerError, match=r"libtpu is not installed; install .*upcycler\[tpu\]"):
+        tpu_devices(parse_slice("v5e-4"))

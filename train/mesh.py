@@ -67,8 +67,8 @@ def build_mesh(
     size = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
     if global_batch_size % (size * microbatches):
         raise UpcyclerError(
-            f"data.global_batch_size {global_batch_size} does not split into {microbatches} microbatch(es) "
-            f"over the mesh's {size} devices ({dict(mesh.shape)}); make it a multiple of {size * microbatches}"
+            f"data.global_batch_size {global_batch_size} is not divisible by the mesh's {size} devices "
+            f"({dict(mesh.shape)}) × data.microbatches {microbatches}; make it a multiple of {size * microbatches}"
         )
     per_process = global_batch_size // jax.process_count()
     if per_process % _local_count(devices):

@@ -55,12 +55,12 @@ class Slice:
 
 def parse_slice(name: str) -> Slice:
     """`v5e-256` or `v5e:16x16` as a `Slice`; raises `UpcyclerError` naming the accepted forms."""
-    text = name.strip().lower()
+    text = name.strip().lower().replace("litepod", "e")  # Cloud TPU's accelerator type: v5litepod-16
     if m := re.fullmatch(r"(v\d+[a-z]?):(\d+(?:x\d+)*)", text):
         generation, shape = m.group(1), tuple(int(s) for s in m.group(2).split("x"))
         if generation in GENERATIONS and len(shape) == GENERATIONS[generation][2] and min(shape) > 0:
             return Slice(generation, _prod(shape), shape)
-    elif m := re.fullmatch(r"(v\d+[a-z]?)(?:litepod)?-(\d+)", text):
+    elif m := re.fullmatch(r"(v\d+[a-z]?)-(\d+)", text):
         generation, count = m.group(1), int(m.group(2))
         if generation in GENERATIONS and count > 0:
             cores = GENERATIONS[generation][1]

@@ -13,12 +13,11 @@ flag, checkpoint or data directory fails in about a second.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
-
-import sys
 
 import click
 

@@ -1,0 +1,71 @@
+"""Compile the reference training workloads for the TPU pods they run on, on this host (needs `[tpu]`).
+
+    python bench/aot.py                      # the three workloads of bench/configs/
+    python bench/aot.py --only moe-13b-a2b   # one of them
+    python bench/aot.py --no-baseline        # skip the plain-step compile (half the time)
+
+For each workload (a config in `bench/configs/`, its model a config-only directory), the train step is
+compiled with the config's memory options through `upcycler.train.aot.compile.compile_only`, the same path
+as `upcycle continued-pretrain --compile-only --topology …`. The baseline, compiled in the same run, is
+the plain step (remat none, fp32 weights, einsum attention, whole-vocabulary cross-entropy, one
+microbatch) on the same slice: the line gives both peaks and their ratio, or says the plain step does
+not fit (the compiler ran out of memory). One JSON line per workload: per-chip memory by category against
+the chip's usable HBM, whether it fits and by how much, analytic FLOPs per step, collective traffic per
+chip by kind, the roofline step time and MFU bound, and the compile time. Targets: every workload fits;
+MFU bound ≥ 0.5 for the two v5e workloads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from upcycler.train.aot.compile import compile_only
+from upcycler.train.config import load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = {  # name: (config, topology, MFU-bound target or None)
+    "moe-13b-a2b": ("bench/configs/moe-13b-a2b-v5e-256.yaml", "v5e-256", 0.5),
+    "llama3-8b-40-layers": ("bench/configs/llama3-8b-40-layers-v5e-256.yaml", "v5e-256", 0.5),
+    "llama3-8b-8x-top2": ("bench/configs/llama3-8b-8x-top2-v5p-128.yaml", "v5p-128", None),
+}
+PLAIN = ("model.remat=none", "model.weights_dtype=float32", "model.attention=einsum", "loss.ce_chunk=0",
+         "data.microbatches=1")
+
+
+def measure(name: str, baseline: bool) -> dict:
+    path, topology, target = WORKLOADS[name]
+    config = load_config(ROOT / path, {"model.init": str(ROOT / load_config(ROOT / path).model.init)})
+    report = compile_only(config, topology=topology)
+    m = report.memory
+    line = {
+        "workload": name, "topology": topology, "total_params": report.model["total_params"],
+        "active_params": report.model["active_params"], "options": report.options,
+        "hbm_bytes": report.budget, "fits": report.fits, "margin_bytes": report.margin, "failure": report.failure,
+        "memory_bytes": {"params": m.params, "optimizer": m.optimizer, "gradients": m.gradients, "batch": m.batch,
+                         "working": m.working, "peak": m.peak},
+        "flops_per_step": report.flops["per_step"], "flops_per_token": report.flops["per_token"],
+        "collective_traffic_bytes": {k: v["traffic_bytes"] for k, v in report.collectives.items()},
+        "roofline": report.roofline, "mfu_bound": report.roofline["mfu"] if report.roofline else None,
+        "mfu_target": target, "compile_seconds": round(report.compile_seconds, 1),
+    }
+    if baseline:
+        plain = compile_only(load_config(ROOT / path, {"model.init": config.model.init}, PLAIN), topology=topology)
+        line["baseline_plain"] = {"fits": plain.fits, "peak": plain.memory.peak, "failure": plain.failure,
+                                  "compile_seconds": round(plain.compile_seconds, 1)}
+        line["peak_vs_plain"] = m.peak / plain.memory.peak if plain.memory.peak and m.peak else None
+    return line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=sorted(WORKLOADS), action="append")
+    parser.add_argument("--no-baseline", action="store_true")
+    args = parser.parse_args()
+    for name in args.only or WORKLOADS:
+        print(json.dumps(measure(name, baseline=not args.no_baseline)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
