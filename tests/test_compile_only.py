@@ -114,6 +114,19 @@ def test_a_step_that_cannot_fit_says_so_with_its_largest_items(demo):
     assert fit and "does not fit" in fit[0] and "of 1 MiB" in fit[0] and "largest: " in fit[0]
 
 
+def test_a_step_the_tpu_compiler_cannot_fit_is_reported_not_raised(demo):
+    """One v5e chip, 64 × 2048 tokens, no memory options: XLA refuses the program (RESOURCE_EXHAUSTED);
+    the report says so with the compiler's figure, the analytic state and the options that cut memory."""
+    pytest.importorskip("libtpu", reason="the [tpu] extra (libtpu) compiles for TPU; the test command installs it")
+    config, _ = demo
+    proc = run_cli("continued-pretrain", "--config", config, "--compile-only", "--topology", "v5e-1",
+                   "--set", "data.seq_len=2048", "--set", "data.global_batch_size=64", check=False)
+    assert proc.returncode == 1 and proc.stderr.strip() == "", proc.stderr
+    fit = next(line for line in proc.stdout.splitlines() if line.startswith("fit"))
+    assert "does not fit: the compiler ran out of memory" in fit and "exceeds available HBM (15.75G)" in fit
+    assert "optimizer state" in fit and "loss.ce_chunk" in fit and "data.microbatches" in fit
+
+
 def test_compile_only_options_are_checked(demo, tmp_path):
     config, _ = demo
     assert_clean_failure(run_cli("continued-pretrain", "--config", config, "--topology", "v5e-4", check=False),

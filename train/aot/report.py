@@ -29,6 +29,8 @@ from upcycler.train.metrics import flops_per_token, matmul_params
 from upcycler.units import human_count
 
 GIB = 1 << 30
+_CUTS = ("options that cut memory: model.remat full, loss.ce_chunk, model.weights_dtype bfloat16, "
+         "model.attention dot_product, data.microbatches")
 
 
 @dataclass(frozen=True)
@@ -226,14 +228,16 @@ def _text_lines(r: Report) -> list[str]:
     ]
     largest = ", ".join(f"{name} {_gib(size)}" for name, size in m.largest()[:3])
     if r.failure:
-        lines.append(f"fit      does not fit: the compiler ran out of memory ({r.failure}); largest: {largest}")
+        state = f"optimizer state {_gib(m.optimizer)}, parameters {_gib(m.params)}"
+        lines.append(f"fit      does not fit: the compiler ran out of memory ({r.failure}); state per device: "
+                     f"{state}; {_CUTS}")
     elif r.fits is None:
         lines.append("fit      no HBM figure for this device; pass --hbm-budget SIZE to check the fit")
     elif r.fits:
         lines.append(f"fit      fits: peak {_gib(m.peak)} of {_gib(r.budget)} ({_gib(r.margin)} to spare)")
     else:
         lines.append(f"fit      does not fit: peak {_gib(m.peak)} of {_gib(r.budget)} "
-                     f"({_gib(-r.margin)} over); largest: {largest}")
+                     f"({_gib(-r.margin)} over); largest: {largest}; {_CUTS}")
     f = r.flops
     lines.append(f"flops    {f['per_token'] / 1e9:.2f} GFLOP/token, {f['per_step'] / 1e15:.2f} PFLOP/step, "
                  f"{f['per_device'] / 1e12:.2f} TFLOP/device (executed {f['executed_per_device'] / 1e12:.2f})")
