@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from upcycler.errors import UpcyclerError
 from upcycler.io import detect_format, read_checkpoint
 from upcycler.io.hf_read import read_spec
 from upcycler.spec import ModelSpec
@@ -56,6 +57,8 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
 
     `hbm_budget` replaces the chip's usable HBM as the memory a device has (the only budget there is for
     a device the chip table does not know, such as a CPU)."""
+    import jax
+
     from upcycler.train import mesh as mesh_lib
     from upcycler.train.train_step import abstract_batch, compile_step, make_train_step, state_layout
 
@@ -71,10 +74,11 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
     try:
         compiled = compile_step(step, layout.shardings, mesh, layout.abstract, batch)
         failure = None
-    except Exception as err:  # XLA reports an oversized program as a runtime error; anything else re-raises
+    except jax.errors.JaxRuntimeError as err:  # how XLA refuses a program: out of memory, or unsupported
         if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        compiled, failure = None, _first_line(str(err))
+            raise UpcyclerError(f"{tgt.name}: the compiler refused the step ({_first_line(str(err))}); "
+                                "change the model options or the mesh") from None
+        compiled, failure = None, _first_line(str(err), "RESOURCE_EXHAUSTED")
     seconds = time.perf_counter() - started
     budget = hbm_budget if hbm_budget is not None else (tgt.chip.hbm_budget_bytes if tgt.chip else None)
     return report.build(
@@ -83,9 +87,9 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
     )
 
 
-def _first_line(message: str) -> str:
-    for line in message.splitlines():
-        if "RESOURCE_EXHAUSTED" in line:
-            return line.strip()[:400]
-    return message.strip().splitlines()[0][:400] if message.strip() else "RESOURCE_EXHAUSTED"
+def _first_line(message: str, marker: str = "") -> str:
+    """The compiler's line containing `marker` (else its first line), shortened for one error line."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    chosen = next((line for line in lines if marker and marker in line), lines[0] if lines else "no message")
+    return chosen[:400]
 
