@@ -84,6 +84,8 @@ BAD = {
     "batch not divisible by the mesh": ({"mesh.fsdp": 3}, "not divisible by the mesh"),
     "missing tokenizer": ({"model.tokenizer": "nowhere/tokenizer.json"}, "no tokenizer"),
     "unknown key": ({"optimizer.learning_rate": 1.0}, "'learning_rate'"),
+    "compressed combine without expert parallelism": ({"model.comm_dtype": "bf16"}, "model.moe_dispatch"),
+    "unknown dispatch": ({"model.moe_dispatch": "ring"}, "'ring'"),
 }
 
 

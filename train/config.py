@@ -13,6 +13,9 @@ Schema (every section but `model` and `data` is optional; defaults shown):
       attention_chunk: 512
       moe_impl: dropless               # dropless | reference (one-hot)
       gmm_backend: auto                # auto | tiled | ragged_dot | megablox (the dropless expert matmul)
+      moe_dispatch: gspmd              # gspmd | all_to_all | all_gather (expert parallelism on mesh.expert)
+      comm_dtype: fp32                 # fp32 | bf16 | fp8: the expert combine's collectives
+      grad_comm_dtype: native          # native | fp32 | bf16: the expert weights' gradient reduce-scatter
       remat: none                      # none | full | dots (which activations the backward recomputes)
     data: {...}                        # see upcycler.train.data.config
     optimizer:
@@ -61,6 +64,9 @@ ATTENTION_IMPLS = ("einsum", "dot_product", "chunked")
 REMAT_POLICIES = ("none", "full", "dots")
 MOE_IMPLS = ("dropless", "reference")
 GMM_BACKENDS = ("auto", "tiled", "ragged_dot", "megablox")  # the grouped-matmul kernels of `upcycler.train.model.gmm`
+MOE_DISPATCHES = ("gspmd", "all_to_all", "all_gather")  # `upcycler.train.model.expert_parallel`
+COMM_DTYPES = ("fp32", "bf16", "fp8")  # payloads of the compressed collectives, `upcycler.train.model.comm`
+GRAD_COMM_DTYPES = ("native", "fp32", "bf16")
 MAX_DEVICES = 1 << 20
 _FIX = "fix the config (or the flag that sets it)"
 _STEPS = Range(1, MAX_STEP)
@@ -87,6 +93,21 @@ class ModelConfig:
                           help="dropless (sort, then grouped matmul) or reference (one-hot, for tests).")
     gmm_backend: str = field("auto", choices=GMM_BACKENDS,
                              help="Grouped matmul of the dropless MoE: auto, tiled (CPU) or ragged_dot.")
+    moe_dispatch: str = field("gspmd", choices=MOE_DISPATCHES,
+                              help="How tokens reach their experts: gspmd (every device gathers all experts' "
+                                   "weights and runs its own tokens), all_to_all (tokens sent to the device of "
+                                   "the `expert` mesh axis that holds their expert, and back) or all_gather "
+                                   "(tokens gathered over the `expert` axis, results reduce-scattered back).")
+    comm_dtype: str = field("fp32", choices=COMM_DTYPES,
+                            help="Payload of the collectives that carry the expert combine and its gradients "
+                                 "(all_to_all and all_gather dispatch): fp32 (no rounding beyond the compute "
+                                 "dtype), bf16, or fp8 e4m3 with a float32 scale per row; always summed in "
+                                 "float32 after the exchange.")
+    grad_comm_dtype: str = field("native", choices=GRAD_COMM_DTYPES,
+                                 help="The reduce-scatter of the expert weights' gradients over the axes they "
+                                      "are split on: native (the compiler's, in the gradient's dtype: a running "
+                                      "bf16 sum for bf16 weights), fp32, or bf16 sent by all-to-all and summed "
+                                      "in float32.")
     remat: str = field("none", choices=REMAT_POLICIES,
                        help="Activations the backward pass recomputes: none (all saved), full (each layer's "
                             "input saved, the rest recomputed), dots (matmul outputs saved, the rest "
@@ -214,6 +235,11 @@ def check(config: TrainConfig, origin: str = "config") -> None:
             raise UpcyclerError(
                 f"{origin}: {option} {block} does not divide data.seq_len {config.data.seq_len}; pick a divisor"
             )
+    if config.model.moe_dispatch == "gspmd" and config.model.comm_dtype != "fp32":
+        raise UpcyclerError(
+            f"{origin}: model.comm_dtype {config.model.comm_dtype} compresses the expert-parallel combine; "
+            "set model.moe_dispatch to all_to_all or all_gather, or model.comm_dtype to fp32"
+        )
     _check_distributed(config.distributed, origin)
 
 

@@ -145,23 +145,33 @@ def per_device(
     args: Sequence[jax.Array],
     axes: Sequence[Sequence[str | None]],
     gathered: Sequence[bool],
+    *,
+    keep_local: Sequence[str] = (),
+    grad_comm: str = "native",
 ) -> jax.Array:
     """`fn(*args)` run by every device on its own block of the arguments (`jax.shard_map`).
 
-    Each argument is laid out by its logical `axes`. Arguments marked `gathered` are all-gathered whole
-    inside (their gradient leaves as a reduce-scatter: FSDP); the others stay local, so `fn` must compute
-    each row of its output from the same rows of those arguments (a per-token function). The output is
-    laid out like the first argument. Without an active mesh, or when nothing is split, it is `fn(*args)`.
+    Each argument is laid out by its logical `axes`. Arguments marked `gathered` are all-gathered inside
+    over every mesh axis but those in `keep_local` (their gradient leaves as a reduce-scatter, FSDP's,
+    sent as `grad_comm` says: see `comm.gather_dims`); the others stay local, so `fn` must compute each
+    row of its output from the same rows of those arguments, or exchange rows itself over a `keep_local`
+    axis. The output is laid out like the first argument. Without an active mesh, or when nothing is
+    split, it is `fn(*args)`.
     """
+    from upcycler.train.model import comm  # the model package imports this module
+
     mesh = active_mesh()
     if mesh is None:
         return fn(*args)
     specs = [logical_to_spec(a_axes, a.shape, mesh) for a, a_axes in zip(args, axes)]
-    if all(spec == PartitionSpec() for spec in specs):
+    if all(spec == PartitionSpec() for spec in specs) and not keep_local:
         return fn(*args)
 
     def local(*blocks: jax.Array) -> jax.Array:
-        whole = [_gather(b, spec) if g else b for b, spec, g in zip(blocks, specs, gathered)]
+        whole = [
+            comm.gather_dims(b, _split_dims(spec, keep_local), grad_comm) if g else b
+            for b, spec, g in zip(blocks, specs, gathered)
+        ]
         return fn(*whole)
 
     # check_vma off: Pallas kernels (the TPU grouped matmul) carry no varying-axes types
@@ -169,9 +179,12 @@ def per_device(
     return run(*args)
 
 
-def _gather(block: jax.Array, spec: PartitionSpec) -> jax.Array:
-    """The whole array from this device's `block` of an array laid out by `spec` (inside `shard_map`)."""
+def _split_dims(spec: PartitionSpec, keep_local: Sequence[str]) -> dict[int, str | tuple[str, ...]]:
+    """Dimension -> the mesh axes it is split over in `spec`, leaving out the `keep_local` axes."""
+    dims = {}
     for dim, mesh_axes in enumerate(spec):
-        if mesh_axes is not None:
-            block = jax.lax.all_gather(block, mesh_axes, axis=dim, tiled=True)
-    return block
+        names = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes or ())
+        names = tuple(a for a in names if a not in keep_local)
+        if names:
+            dims[dim] = names[0] if len(names) == 1 else names
+    return dims

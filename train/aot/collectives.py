@@ -25,6 +25,10 @@ receives over the interconnect, for ring algorithms:
 - reduce-scatter: bytes = the operand (result × n); traffic = bytes·(n−1)/n
 - all-reduce: bytes = the buffer; traffic = 2·bytes·(n−1)/n (a reduce-scatter then an all-gather)
 - all-to-all: bytes = the buffer; traffic = bytes·(n−1)/n
+- ragged-all-to-all (counted as all-to-all): bytes = the smaller of the rows it may send (its operand) and
+  the rows it may receive (its output buffer), traffic = bytes·(n−1)/n. Which rows travel is decided at
+  run time; the buffers of a dropless layer are sized for the worst case, the smaller one is what a
+  device moves when routing is balanced.
 - collective-permute: bytes = the buffer; traffic = bytes (0 when every device sends to itself)
 """
 
@@ -215,6 +219,10 @@ def _collective_op(
         )
         shape = done.shape if done is not None else _start_result(instr)
     size = shape_bytes(shape)
+    if instr.opcode == "ragged-all-to-all" and instr.operands:
+        sent = comp.instrs.get(instr.operands[0])
+        if sent is not None:
+            size = min(size, shape_bytes(sent.shape))
     if kind == "collective-permute":
         pairs = re.findall(r"\{(\d+),(\d+)\}", _attr(instr.attrs, "source_target_pairs") or "")
         moves = any(a != b for a, b in pairs) or not pairs

@@ -110,7 +110,7 @@ def plan_dispatch(expert_Tk: jax.Array, num_experts: int) -> Dispatch:
     return Dispatch(counts_E, pos_C, order_C)
 
 
-def _take_rows(src: jax.Array, index: jax.Array) -> jax.Array:
+def take_rows(src: jax.Array, index: jax.Array) -> jax.Array:
     """src[index] along the first axis, with 0 for out-of-range indices."""
     return jnp.take(src, index, axis=0, mode="fill", fill_value=0)
 
@@ -119,7 +119,7 @@ def _sum_rows(src: jax.Array, index_Tk: jax.Array, weight_Tk: jax.Array | None =
     """Σ_k weight_Tk[:, k] · src[index_Tk[:, k]] in fp32, one k at a time (no [T, k, D] intermediate)."""
     total_TD = None
     for k in range(index_Tk.shape[1]):
-        rows_TD = _take_rows(src, index_Tk[:, k]).astype(jnp.float32)
+        rows_TD = take_rows(src, index_Tk[:, k]).astype(jnp.float32)
         if weight_Tk is not None:
             rows_TD = rows_TD * weight_Tk[:, k, None].astype(jnp.float32)
         total_TD = rows_TD if total_TD is None else total_TD + rows_TD
@@ -133,7 +133,7 @@ def dispatch_rows(x_TD: jax.Array, copy_X: jax.Array, pos_Tk: jax.Array) -> jax.
     `pos_Tk` must be the inverse map (the row of copy t·k + j); the backward pass uses it to sum each
     token's k row gradients with gathers instead of a scatter-add.
     """
-    return _take_rows(x_TD, copy_X // pos_Tk.shape[1])
+    return take_rows(x_TD, copy_X // pos_Tk.shape[1])
 
 
 def _dispatch_rows_fwd(x_TD, copy_X, pos_Tk):
@@ -165,10 +165,10 @@ def _combine_rows_bwd(residuals, g_TD):
     y_XD, weight_Tk, pos_Tk, copy_X = residuals
     top_k = pos_Tk.shape[1]
     g_TD = g_TD.astype(jnp.float32)
-    weight_X = _take_rows(weight_Tk.reshape(-1).astype(jnp.float32), copy_X)
-    d_y_XD = (_take_rows(g_TD, copy_X // top_k) * weight_X[:, None]).astype(y_XD.dtype)
+    weight_X = take_rows(weight_Tk.reshape(-1).astype(jnp.float32), copy_X)
+    d_y_XD = (take_rows(g_TD, copy_X // top_k) * weight_X[:, None]).astype(y_XD.dtype)
     d_weight_k = [
-        jnp.sum(_take_rows(y_XD, pos_Tk[:, k]).astype(jnp.float32) * g_TD, axis=-1) for k in range(top_k)
+        jnp.sum(take_rows(y_XD, pos_Tk[:, k]).astype(jnp.float32) * g_TD, axis=-1) for k in range(top_k)
     ]
     return d_y_XD, jnp.stack(d_weight_k, axis=1).astype(weight_Tk.dtype), None, None
 

@@ -31,12 +31,11 @@ import jax.numpy as jnp
 from upcycler.spec import ModelSpec
 from upcycler.train import sharding  # a module import: `sharding` imports `params` from this package
 from upcycler.train.config import ModelConfig  # declared with the training options, without JAX
+from upcycler.train.model import expert_parallel, moe
 from upcycler.train.model import layers as nn
-from upcycler.train.model import moe
 from upcycler.train.model.params import ParamInfo, Params, Run, declare_tree, layer_runs, layers_of_kind
 
 ACTIVATION_AXES = ("batch", "seq", "act_embed")
-TOKEN_AXES = ("batch", "act_embed")  # [T, D]: tokens of the batch rows, flattened
 REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
@@ -228,7 +227,7 @@ def _moe(
     )
     w_down_EFD = jnp.swapaxes(experts["down_proj"], 1, 2).astype(x_BLD.dtype)
     if cfg.moe_impl == "dropless":
-        y_TD = _dropless_per_device(x_TD, w_gate_up_EDU, w_down_EFD, routing, cfg.gmm_backend)
+        y_TD = expert_parallel.moe_layer(x_TD, w_gate_up_EDU, w_down_EFD, routing, cfg)
     elif cfg.moe_impl == "reference":
         y_TD = moe.onehot_moe_reference(x_TD, w_gate_up_EDU, w_down_EFD, routing)
     else:
@@ -241,17 +240,3 @@ def _moe(
         y_BLD = y_BLD + shared_BLD
     aux = (logits_TE.reshape(B, L, -1), routing.expert_Tk.reshape(B, L, -1))
     return y_BLD, aux
-
-
-def _dropless_per_device(x_TD, w_gate_up_EDU, w_down_EFD, routing: moe.Routing, backend: str) -> jax.Array:
-    """The dropless layer run by every device on its own tokens: each sorts and multiplies only its rows,
-    with the expert weights gathered whole (FSDP). Under GSPMD alone the sort and the grouped matmul
-    would run on the whole batch's token copies on every chip."""
-
-    def layer(x_TD, expert_Tk, weight_Tk, w_gate_up_EDU, w_down_EFD):
-        return moe.dropless_moe(x_TD, w_gate_up_EDU, w_down_EFD, moe.Routing(expert_Tk, weight_Tk), backend=backend)
-
-    args = (x_TD, routing.expert_Tk, routing.weight_Tk, w_gate_up_EDU, w_down_EFD)
-    axes = (TOKEN_AXES, ("batch", None), ("batch", None),
-            ("experts", "expert_embed", "expert_mlp"), ("experts", "expert_mlp", "expert_embed"))
-    return sharding.per_device(layer, args, axes, gathered=(False, False, False, True, True))
