@@ -238,3 +238,51 @@ def test_fsdp_scan_on_tpu(slice_name):
     """The TPU compiler prints no trip count; the loop's counter gives it. bf16 weights, gathered as bf16."""
     devices = tpu_devices_of(slice_name)
     assert_gathered_per_layer(fsdp_hlo(devices, "bfloat16"), devices=len(devices), itemsize=2)
+
+
+# The TPU compiler's overlapped all-gather (as it prints it for a weight gathered under an FSDP matmul):
+# a start fusion, a continuation fusion and a done fusion, each calling a computation with a copy of the
+# same all-gather (channel 6). Plus a ragged all-to-all sending 8 rows of a 64-row output buffer.
+TPU_ASYNC_MODULE = """\
+HloModule overlapped, num_partitions=4
+
+%fused_start (p0: bf16[8,56]) -> (bf16[8,56], bf16[8,224]) {
+  %p0 = bf16[8,56]{1,0} parameter(0)
+  %ag0 = bf16[8,224]{1,0} all-gather(%p0), channel_id=6, replica_groups={{0,1,2,3}}, dimensions={1}
+  ROOT %t0 = (bf16[8,56]{1,0}, bf16[8,224]{1,0}) tuple(%p0, %ag0)
+}
+
+%async_collective_fusion.1 (p1: bf16[8,56]) -> (bf16[8,56], bf16[8,224]) {
+  %p1 = bf16[8,56]{1,0} parameter(0)
+  %ag1 = bf16[8,224]{1,0} all-gather(%p1), channel_id=6, replica_groups={{0,1,2,3}}, dimensions={1}
+  ROOT %t1 = (bf16[8,56]{1,0}, bf16[8,224]{1,0}) tuple(%p1, %ag1)
+}
+
+%fused_done (p2: bf16[8,56]) -> bf16[8,224] {
+  %p2 = bf16[8,56]{1,0} parameter(0)
+  ROOT %ag2 = bf16[8,224]{1,0} all-gather(%p2), channel_id=6, replica_groups={{0,1,2,3}}, dimensions={1}
+}
+
+ENTRY %main (w: bf16[8,56], rows: f32[8,16], out: f32[64,16], offs: s32[4]) -> bf16[8,224] {
+  %w = bf16[8,56]{1,0} parameter(0)
+  %rows = f32[8,16]{1,0} parameter(1)
+  %out = f32[64,16]{1,0} parameter(2)
+  %offs = s32[4]{0} parameter(3)
+  %async-collective-start = (bf16[8,56]{1,0}, bf16[8,224]{1,0}) fusion(%w), kind=kCustom, calls=%fused_start
+  %g = bf16[8,56]{1,0} get-tuple-element(%async-collective-start), index=0
+  %fusion.1 = (bf16[8,56]{1,0}, bf16[8,224]{1,0}) fusion(%g), kind=kCustom, calls=%async_collective_fusion.1
+  %g1 = bf16[8,56]{1,0} get-tuple-element(%fusion.1), index=0
+  %async-collective-done = bf16[8,224]{1,0} fusion(%g1), kind=kCustom, calls=%fused_done
+  %r = f32[64,16]{1,0} ragged-all-to-all(%rows, %out, %offs, %offs, %offs, %offs), channel_id=9, \
+replica_groups={{0,1,2,3}}
+  ROOT %done = bf16[8,224]{1,0} copy(%async-collective-done)
+}
+"""
+
+
+def test_tpu_overlapped_collective_counts_once_and_ragged_all_to_all_counts_its_rows():
+    traffic = collective_traffic(TPU_ASYNC_MODULE)
+    gathered = traffic.kinds["all-gather"]
+    assert (gathered.ops, gathered.executions, gathered.bytes) == (1, 1, 8 * 224 * 2)
+    exchanged = traffic.kinds["all-to-all"]  # the 8 rows it may send, not the 64-row output buffer
+    assert (exchanged.ops, exchanged.bytes, exchanged.traffic_bytes) == (1, 8 * 16 * 4, 8 * 16 * 4 * 3 / 4)

@@ -10,7 +10,9 @@ constant in the while's operand tuple and the body adds a constant to it. A loop
 read is counted once and, if it runs a collective, named in `unknown_loops`.
 
 An asynchronous pair (`all-gather-start` … `all-gather-done`) counts once, with the done op's shape (the
-result); an op wrapped by `async-start` counts once, inside the computation it calls.
+result); an op wrapped by `async-start` counts once, inside the computation it calls. A collective the TPU
+compiler overlaps with compute (`async-collective-start`, continuation fusions calling
+`async_collective_fusion.N`, `async-collective-done`, each holding a copy of it) counts once, in the start.
 
 The group size n of an op comes from `replica_groups`, in any of the forms XLA prints: explicit lists
 `{{0,1},{2,3}}`, iota lists `[2,4]<=[8]` / `[4,2]<=[2,4]T(1,0)` (groups × size), or mesh axes
@@ -56,6 +58,11 @@ _OPCODES = {
 # (body and condition: the trip count, applied separately)
 _CALL_ATTRS = ("calls", "to_apply", "true_computation", "false_computation")
 _NOT_CALLING = ("async-update", "async-done")  # they print the `calls=` of their async-start again
+# The TPU compiler runs a collective it overlaps with compute as a fusion named `async-collective-start`,
+# continuation fusions calling `async_collective_fusion.N` computations, and `async-collective-done`:
+# each of the three holds a copy of the whole collective (same channel_id). Only the start's counts.
+_ASYNC_COLLECTIVE_DONE = "async-collective-done"
+_ASYNC_COLLECTIVE_CONTINUATION = "async_collective_fusion"
 
 
 @dataclass(frozen=True)
@@ -280,10 +287,10 @@ def _execution_counts(
                 for attr in ("body", "condition"):
                     if (callee := _attr_name(instr.attrs, attr)) in computations:
                         edges[comp.name].append((callee, trips + (attr == "condition")))
-            if instr.opcode in _NOT_CALLING:
+            if instr.opcode in _NOT_CALLING or instr.name.startswith(_ASYNC_COLLECTIVE_DONE):
                 continue
             for callee in _callees(instr.attrs):
-                if callee in computations:
+                if callee in computations and not callee.startswith(_ASYNC_COLLECTIVE_CONTINUATION):
                     edges[comp.name].append((callee, 1))
     order = _topological(edges, entry)
     counts = dict.fromkeys(order, 0)
