@@ -71,6 +71,7 @@ def main() -> None:
         "all_to_all": ("all_to_all", "padded"),
         "all_to_all_ragged": ("all_to_all", "ragged_emulated"),
         "all_gather": ("all_gather", "padded"),
+        "all_gather_chunked": ("all_gather", "chunked"),
         "gspmd": ("gspmd", "padded"),
     }
     for case, top_k in (("random", 2), ("random", 6), ("empty_experts", 2), ("one_expert", 3)):
@@ -81,7 +82,8 @@ def main() -> None:
         for name, (dispatch, transport) in variants.items():
             for comm_dtype in ("fp32", "bf16", "fp8") if name != "gspmd" else ("fp32",):
                 expert_parallel.default_transport = lambda transport=transport: transport
-                cfg = ModelConfig(moe_dispatch=dispatch, comm_dtype=comm_dtype)
+                chunks = 4 if transport == "chunked" else 1  # 4 chunks of the 4 × 64 gathered tokens
+                cfg = ModelConfig(moe_dispatch=dispatch, comm_dtype=comm_dtype, moe_chunks=chunks)
                 with jax.set_mesh(mesh):
                     args = place(mesh, [x, logits, w_gu, w_down, probe])
                     y, grads = jax.jit(layer_and_grads, static_argnums=(0, 6))(cfg, *args, top_k)

@@ -24,7 +24,7 @@ from upcycler.train.model import comm
 
 HERE = Path(__file__).parent
 CASES = ("random/k2", "random/k6", "empty_experts/k2", "one_expert/k3")  # k below and above the 4 devices
-VARIANTS = ("all_to_all", "all_to_all_ragged", "all_gather")
+VARIANTS = ("all_to_all", "all_to_all_ragged", "all_gather", "all_gather_chunked")
 QUANTITIES = ("y", "d_x", "d_logits", "d_w_gate_up", "d_w_down")
 
 

@@ -122,6 +122,7 @@ EP_MESH = {"data": 1, "fsdp": 2, "expert": 4}  # the tiny MoE's 4 experts: one p
 EP_RUNS = {  # name: (moe_dispatch, comm_dtype, relative tolerance on every step's loss against gspmd)
     "all_to_all": ("all_to_all", "fp32", 1e-4),
     "all_gather": ("all_gather", "fp32", 1e-4),
+    "all_gather_chunks": ("all_gather", "fp32", 1e-4),  # model.moe_chunks 4
     "all_to_all_bf16": ("all_to_all", "bf16", 5e-3),
     "all_gather_bf16": ("all_gather", "bf16", 5e-3),
 }
@@ -140,7 +141,8 @@ def test_expert_parallel_runs_match_the_gspmd_run(ws, cache, tmp_path):
     the same way; with a bf16 combine the second MoE layer's inputs differ); every step's loss agrees
     within 1e-4 relative, or 0.5% with a bf16 combine."""
     runs = {"gspmd": ("gspmd", "fp32", 0.0), **EP_RUNS}
-    procs = [start(ep_config(tmp_path, ws, name, d, c), devices=8) for name, (d, c, _) in runs.items()]
+    procs = [start(ep_config(tmp_path, ws, name, d, c, **{"model.moe_chunks": 4 if "chunks" in name else 1}),
+                   devices=8) for name, (d, c, _) in runs.items()]
     for proc in procs:
         _, err = proc.communicate(timeout=1800)
         assert proc.returncode == 0, err[-3000:]

@@ -15,6 +15,7 @@ Schema (every section but `model` and `data` is optional; defaults shown):
       gmm_backend: auto                # auto | tiled | ragged_dot | megablox (the dropless expert matmul)
       moe_dispatch: gspmd              # gspmd | all_to_all | all_gather (expert parallelism on mesh.expert)
       comm_dtype: fp32                 # fp32 | bf16 | fp8: the expert combine's collectives
+      moe_chunks: 1                    # all_gather dispatch: token chunks through the experts (less memory)
       grad_comm_dtype: native          # native | fp32 | bf16: the expert weights' gradient reduce-scatter
       remat: none                      # none | full | dots (which activations the backward recomputes)
     data: {...}                        # see upcycler.train.data.config
@@ -103,6 +104,10 @@ class ModelConfig:
                                  "(all_to_all and all_gather dispatch): fp32 (no rounding beyond the compute "
                                  "dtype), bf16, or fp8 e4m3 with a float32 scale per row; always summed in "
                                  "float32 after the exchange.")
+    moe_chunks: int = field(1, range=Range(1, 1 << 16),
+                            help="all_gather dispatch: the gathered tokens go through the local experts in "
+                                 "this many chunks, each recomputed in the backward pass: dropless buffers "
+                                 "1/chunks the size for one more forward pass of the experts.")
     grad_comm_dtype: str = field("native", choices=GRAD_COMM_DTYPES,
                                  help="The reduce-scatter of the expert weights' gradients over the axes they "
                                       "are split on: native (the compiler's, in the gradient's dtype: a running "

@@ -74,7 +74,7 @@ def moe_layer(
     if cfg.moe_dispatch == "all_to_all":
         variant = partial(all_to_all_moe, transport=default_transport())
     elif cfg.moe_dispatch == "all_gather":
-        variant = all_gather_moe
+        variant = partial(all_gather_moe, chunks=cfg.moe_chunks)
     else:
         raise ValueError(f"moe_dispatch must be gspmd, all_to_all or all_gather, not {cfg.moe_dispatch!r}")
 
@@ -143,12 +143,15 @@ def all_gather_moe(
     axis: str,
     comm_dtype: comm.CommDtype = "fp32",
     backend: str = "auto",
+    chunks: int = 1,
 ) -> jax.Array:
     """This device's tokens' y_TD (float32), its L experts being block `axis_index(axis)` of the E.
 
     All-gather the n·T tokens and their routing; keep the copies routed here; grouped matmuls; the fp32
     sum per token over the local experts; `comm.reduce_scatter` sums the n devices' partial outputs and
-    returns each its own tokens. Inside `shard_map` over `axis`.
+    returns each its own tokens. With `chunks` > 1 (dividing n·T) the gathered tokens go through the
+    experts a chunk at a time (`lax.map`), each chunk recomputed in the backward pass, so the dropless
+    buffers hold n·T/chunks tokens' copies. Inside `shard_map` over `axis`.
     """
     n, me = lax.axis_size(axis), lax.axis_index(axis)
     num_local = w_gate_up_LDU.shape[0]
@@ -157,14 +160,25 @@ def all_gather_moe(
     expert_all = lax.all_gather(routing.expert_Tk, axis, axis=0, tiled=True)
     weight_all = lax.all_gather(routing.weight_Tk, axis, axis=0, tiled=True)
     local_all = expert_all - me * num_local
-    here = (local_all >= 0) & (local_all < num_local)
-    plan = moe.plan_dispatch(jnp.where(here, local_all, num_local), num_local + 1)  # the rest sorts last
-    rows = worst_case_rows(n * t, top_k, num_local)
-    copy_X = plan.copy_X[:rows]
-    pos_Tk = jnp.where(here, plan.pos_C.reshape(n * t, top_k), rows)  # copies elsewhere: no row here
-    x_XD = moe.dispatch_rows(x_all, copy_X, pos_Tk)
-    y_XD = _experts(x_XD, w_gate_up_LDU, w_down_LFD, plan.group_sizes_E[:num_local], backend)
-    partial_TD = moe.combine_rows(y_XD, weight_all, pos_Tk, copy_X)
+
+    def through_local_experts(x_TD, local_Tk, weight_Tk):
+        here = (local_Tk >= 0) & (local_Tk < num_local)
+        plan = moe.plan_dispatch(jnp.where(here, local_Tk, num_local), num_local + 1)  # the rest sorts last
+        rows = worst_case_rows(x_TD.shape[0], top_k, num_local)
+        copy_X = plan.copy_X[:rows]
+        pos_Tk = jnp.where(here, plan.pos_C.reshape(-1, top_k), rows)  # copies elsewhere: no row here
+        x_XD = moe.dispatch_rows(x_TD, copy_X, pos_Tk)
+        y_XD = _experts(x_XD, w_gate_up_LDU, w_down_LFD, plan.group_sizes_E[:num_local], backend)
+        return moe.combine_rows(y_XD, weight_Tk, pos_Tk, copy_X)
+
+    if chunks == 1:
+        partial_TD = through_local_experts(x_all, local_all, weight_all)
+    else:
+        if (n * t) % chunks:
+            raise ValueError(f"model.moe_chunks {chunks} does not divide the {n * t} gathered tokens")
+        split = [a.reshape(chunks, n * t // chunks, *a.shape[1:]) for a in (x_all, local_all, weight_all)]
+        body = jax.checkpoint(lambda args: through_local_experts(*args), prevent_cse=False)
+        partial_TD = lax.map(body, tuple(split)).reshape(n * t, -1)
     return comm.reduce_scatter(partial_TD, axis, comm_dtype, comm_dtype)
 
 
