@@ -86,6 +86,10 @@ BAD = {
     "unknown key": ({"optimizer.learning_rate": 1.0}, "'learning_rate'"),
     "compressed combine without expert parallelism": ({"model.comm_dtype": "bf16"}, "model.moe_dispatch"),
     "unknown dispatch": ({"model.moe_dispatch": "ring"}, "'ring'"),
+    "token chunks without the all_gather dispatch": ({"model.moe_chunks": 2}, "model.moe_dispatch"),
+    "token chunks that do not divide the gathered tokens": (
+        {"model.moe_dispatch": "all_gather", "model.moe_chunks": 3}, "model.moe_chunks 3"),
+    "NaN chunk count": ({"model.moe_chunks": float("nan")}, "model.moe_chunks"),
 }
 
 

@@ -245,6 +245,11 @@ def check(config: TrainConfig, origin: str = "config") -> None:
             f"{origin}: model.comm_dtype {config.model.comm_dtype} compresses the expert-parallel combine; "
             "set model.moe_dispatch to all_to_all or all_gather, or model.comm_dtype to fp32"
         )
+    if config.model.moe_chunks > 1 and config.model.moe_dispatch != "all_gather":
+        raise UpcyclerError(
+            f"{origin}: model.moe_chunks {config.model.moe_chunks} applies to the all_gather dispatch; set "
+            "model.moe_dispatch to all_gather, or model.moe_chunks to 1"
+        )
     _check_distributed(config.distributed, origin)
 
 

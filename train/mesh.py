@@ -52,9 +52,12 @@ def build_mesh(
     *,
     microbatches: int = 1,
     devices: Sequence[Any] | None = None,
+    seq_len: int = 1,
+    moe_chunks: int = 1,
 ) -> Mesh:
     """The mesh over all devices (or `devices`, e.g. a TPU slice to compile for); raises `UpcyclerError`
-    if it does not fit the devices, the batch and its microbatches, or the experts."""
+    if it does not fit the devices, the batch and its microbatches, the experts, or the token chunks of
+    the all_gather dispatch (`moe_chunks` must divide the tokens an `expert` group gathers)."""
     devices = list(jax.devices() if devices is None else devices)
     count = len(devices)
     try:
@@ -80,6 +83,12 @@ def build_mesh(
         raise UpcyclerError(
             f"{spec.moe.num_experts} experts do not split over mesh.expert = {mesh.shape['expert']}; "
             "pick an expert axis size that divides the expert count"
+        )
+    gathered = global_batch_size // (microbatches * mesh.shape["data"] * mesh.shape["fsdp"]) * seq_len
+    if moe_chunks > 1 and gathered % moe_chunks:
+        raise UpcyclerError(
+            f"model.moe_chunks {moe_chunks} does not divide the {gathered} tokens each expert group gathers "
+            f"(global batch × seq_len / (microbatches × data × fsdp)); pick a divisor of {gathered}"
         )
     return mesh
 

@@ -59,7 +59,8 @@ def train(config: TrainConfig, *, resume: bool = False, checked: RunInputs | Non
     mesh_lib.init_distributed(config.distributed)
     checked = checked or prepare(config, resume)
     mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, checked.spec,
-                               microbatches=config.data.microbatches)
+                               microbatches=config.data.microbatches,
+                               seq_len=config.data.seq_len, moe_chunks=config.model.moe_chunks)
     data = make_data_iterator(config.data, jax.process_index(), jax.process_count())
     run = None
     try:

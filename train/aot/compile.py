@@ -65,7 +65,8 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
     spec = model_spec(config.model.init)
     tgt = target(topology)
     mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, spec,
-                               microbatches=config.data.microbatches, devices=tgt.devices)
+                               microbatches=config.data.microbatches, devices=tgt.devices,
+                               seq_len=config.data.seq_len, moe_chunks=config.model.moe_chunks)
     layout = state_layout(spec, config.optimizer, mesh)
     batch = abstract_batch(config.data.global_batch_size, config.data.seq_len, mesh)
     step = make_train_step(spec, config.model.run_config(), config.loss, layout.tx, layout.schedule,
