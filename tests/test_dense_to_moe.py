@@ -33,6 +33,19 @@ CASES = {
     "glm4_moe-shared": ("llama", {"num_hidden_layers": 3},
                         {"experts": 8, "topk": 4, "granularity": 4, "shared_experts": 2, "dense_layers": 1,
                          "target": "glm4_moe", "routed_scaling_factor": 2.5}, "glm4_moe"),
+    # any expert width: overlapping windows (F = 112, 8 experts of width 16 = F/7 per virtual group)
+    "mixtral-overlap": ("llama", {"intermediate_size": 112}, {"experts": 64, "topk": 8, "expert_width": 16},
+                        "mixtral"),
+    "qwen3_moe-overlap-dense-first": ("qwen3", {"intermediate_size": 112, "num_hidden_layers": 3},
+                                      {"experts": 16, "topk": 8, "expert_width": 24, "dense_layers": 1},
+                                      "qwen3_moe"),
+    "qwen2_moe-overlap-shared": ("llama", {"intermediate_size": 112},
+                                 {"experts": 16, "topk": 8, "expert_width": 24, "shared_experts": 1,
+                                  "target": "qwen2_moe"}, "qwen2_moe"),
+    "glm4_moe-overlap-shared": ("llama", {"intermediate_size": 112, "num_hidden_layers": 3},
+                                {"experts": 16, "topk": 8, "expert_width": 16, "shared_experts": 1,
+                                 "dense_layers": 1, "target": "glm4_moe", "routed_scaling_factor": 2.5},
+                                "glm4_moe"),
 }
 
 
@@ -75,6 +88,114 @@ def test_virtual_groups(upcycled):
             assert np.array_equal(moe[q + f"experts.{e}.w1.weight"], dense[p + "mlp.gate_proj.weight"][rows])
             assert np.array_equal(moe[q + f"experts.{e}.w3.weight"], dense[p + "mlp.up_proj.weight"][rows])
             assert np.array_equal(moe[q + f"experts.{e}.w2.weight"], dense[p + "mlp.down_proj.weight"][:, rows] * 8)
+
+
+def window(start: int, width: int, shared: int, routed: int) -> np.ndarray:
+    """Neurons of a window, written out by hand: `width` routed neurons from `start`, wrapping around."""
+    return np.array([shared + (start + i) % routed for i in range(width)])
+
+
+def test_overlapping_windows_reference_pattern(upcycled):
+    """F = 112 → 64 experts of width 16, top-8: groups of 8 start every 14 neurons, the last wraps around;
+    every neuron is held once or twice and its down_proj column is × 8 / (times held)."""
+    src, out, p = upcycled("mixtral-overlap")
+    assert any("overlapping windows of 16 of the 112" in n.text for n in p.steps[0].notes)
+    assert not any("float rounding" in n.text for n in p.steps[0].notes)  # scales 4 and 8: exact
+    dense, moe = stored(src), stored(out)
+    starts = [0, 14, 28, 42, 56, 70, 84, 98]
+    held = np.zeros(112, int)
+    for s in starts:
+        held[window(s, 16, 0, 112)] += 1
+    assert set(held) == {1, 2} and (held == 2).sum() == 8 * 16 - 112
+    for layer in range(2):
+        d, q = f"model.layers.{layer}.mlp.", f"model.layers.{layer}.block_sparse_moe."
+        router = moe[q + "gate.weight"].reshape(8, 8, 64)
+        assert (router == router[:, :1]).all() and len({g[0].tobytes() for g in router}) == 8
+        for e in (0, 7, 15, 63):
+            neurons = window(starts[e % 8], 16, 0, 112)
+            assert np.array_equal(moe[q + f"experts.{e}.w1.weight"], dense[d + "gate_proj.weight"][neurons])
+            assert np.array_equal(moe[q + f"experts.{e}.w3.weight"], dense[d + "up_proj.weight"][neurons])
+            scale = (8 / held[neurons]).astype(np.float32)
+            assert np.array_equal(moe[q + f"experts.{e}.w2.weight"], dense[d + "down_proj.weight"][:, neurons] * scale)
+
+
+def test_overlapping_windows_after_the_shared_expert(upcycled):
+    """GLM-4-MoE, one shared expert of width 16 takes neurons 0..15; 8 routed windows cover the other 96."""
+    src, out, _ = upcycled("glm4_moe-overlap-shared")
+    dense, moe = stored(src), stored(out)
+    d, q = "model.layers.1.mlp.", "model.layers.1.mlp."
+    assert np.array_equal(moe[q + "shared_experts.gate_proj.weight"], dense[d + "gate_proj.weight"][:16])
+    held = np.zeros(112, int)
+    for s in range(0, 96, 12):
+        held[window(s, 16, 16, 96)] += 1
+    assert held[:16].sum() == 0 and set(held[16:]) == {1, 2}
+    neurons = window(84, 16, 16, 96)  # member 7: neurons 100..111, then 16..19
+    assert list(neurons[-4:]) == [16, 17, 18, 19]
+    assert np.array_equal(moe[q + "experts.15.up_proj.weight"], dense[d + "up_proj.weight"][neurons])
+    scale = (8 / 2.5 / held[neurons]).astype(np.float32)
+    expected = (dense[d + "down_proj.weight"][:, neurons] * scale).astype(np.float32)
+    assert np.array_equal(moe[q + "experts.15.down_proj.weight"], expected)
+
+
+@pytest.mark.parametrize(("F", "width", "shared", "experts", "topk"),
+                         [(8064, 1152, 0, 64, 8), (1536, 224, 0, 64, 8), (112, 16, 0, 64, 8), (100, 15, 1, 12, 6),
+                          (97, 40, 0, 12, 6), (64, 64, 0, 8, 2), (130, 11, 2, 24, 12)])
+def test_cover_is_even_and_uses_the_smallest_group(F, width, shared, experts, topk):
+    """Every routed neuron held at least once, the counts differ by at most one, and no smaller group
+    dividing N and K would reach every neuron."""
+    from upcycler.transforms.expert_cover import overlapping
+
+    cover = overlapping(F, width, shared, experts, topk)
+    R, routed = cover.group, F - shared * width
+    assert experts % R == 0 and topk % R == 0 and R * width >= routed
+    assert not any(experts % r == 0 and topk % r == 0 and r * width >= routed for r in range(1, R))
+    held = np.zeros(F, int)
+    for j in range(R):
+        held[cover.window(j)] += 1
+    assert (held[:shared * width] == 0).all()
+    assert held[shared * width:].min() >= 1 and held[shared * width:].max() - held[shared * width:].min() <= 1
+    assert held[shared * width:].sum() == R * width
+
+
+def test_dry_run_of_the_reference_2b_shape(tmp_path):
+    """The 2.1B dense shape → 64 experts of width 1152, top-8, from config.json alone: counted by hand."""
+    src = tmp_path / "dense-2b"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1792,
+        "intermediate_size": 8064, "num_hidden_layers": 32, "num_attention_heads": 24, "num_key_value_heads": 8,
+        "head_dim": 128, "vocab_size": 128256, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}))
+    proc = run_cli("dense-to-moe", src, tmp_path / "out", "--experts", "64", "--topk", "8", "--expert-width",
+                   "1152", "--dry-run")
+    D, L, V = 1792, 32, 128256
+    attention = D * 24 * 128 * 2 + D * 8 * 128 * 2
+    expert = 3 * D * 1152
+    per_layer = attention + 2 * D + 64 * D  # + norms + router
+    total = V * D + D + L * (per_layer + 64 * expert)
+    active = V * D + D + L * (per_layer + 8 * expert)
+    assert (total, active) == (13_386_958_592, 2_288_830_208)
+    assert f"{total:,} total (13.39B), {active:,} active (2.29B)" in proc.stdout
+    assert "function        preserved" in proc.stdout and "scaled by 4, 8" in proc.stdout
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_power_of_two_scales_are_reported(tiny_dir, tmp_path):
+    src = tiny_dir("llama", intermediate_size=112)
+    p = run_transform("dense-to-moe", src, tmp_path / "out", experts=12, topk=6, expert_width=20, target="mixtral")
+    notes = [n.text for n in p.steps[0].notes]
+    assert any("exact up to float rounding" in n and "not a power of two" in n for n in notes), notes
+    assert max_logit_diff(src, tmp_path / "out") <= TOLERANCE
+
+
+def test_top1_renormalising_router_needs_an_explicit_allowance(tiny_dir, tmp_path):
+    src = tiny_dir("llama")
+    proc = run_cli("dense-to-moe", src, tmp_path / "out", "--experts", "8", "--topk", "1", "--target", "mixtral",
+                   check=False)
+    assert_clean_failure(proc, mentions="--allow-untrainable-router")
+    assert "never learns" in proc.stderr and leftovers(tmp_path, "out") == []
+    p = run_transform("dense-to-moe", src, tmp_path / "allowed", experts=8, topk=1, target="mixtral",
+                      allow_untrainable_router=True)
+    assert p.exact and config(tmp_path / "allowed")["num_experts_per_tok"] == 1
 
 
 def test_qwen2_moe_shared_expert_and_dense_layer(upcycled):
@@ -215,6 +336,13 @@ REFUSALS = {
                             "--target", "mixtral"], "Mixtral has no shared experts"),
     "too-large": (["--experts", "2048", "--topk", "2"], "--allow-large"),
     "reinit-ratio": (["--experts", "8", "--topk", "2", "--reinit-ratio", "1.5"], "--reinit-ratio"),
+    "width-too-narrow": (["--experts", "64", "--topk", "8", "--expert-width", "15"],
+                         "choose --expert-width 16 or more"),
+    "width-and-granularity": (["--experts", "64", "--topk", "8", "--expert-width", "16", "--granularity", "8"],
+                              "pass one"),
+    "width-too-wide": (["--experts", "8", "--topk", "2", "--expert-width", "129"], "choose at most 128"),
+    "shared-takes-all": (["--experts", "8", "--topk", "2", "--expert-width", "64", "--shared-experts", "2"],
+                         "leave none"),
 }
 
 

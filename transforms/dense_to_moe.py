@@ -1,16 +1,21 @@
 """`dense-to-moe`: upcycle a dense SwiGLU model into a Mixture-of-Experts that computes the same function.
 
-The maths (upcycling-math §1–4): cut the dense FFN's intermediate dim F into G contiguous shards of
-width f = F/G, so y = Σ_j f_j(x) exactly. The first S shards form the shared expert; the other
-R = G − S shards are the routed experts of one *virtual group*. Routed expert e holds shard S + (e mod R)
-and router row r[e // R]: E = N/R random rows, each repeated R times, bitwise identical, so a group's
-experts always tie and top-K (a multiple of R) picks whole groups. The weights of one chosen group sum to
-1/R of the group's share, so the whole correction goes on `down_proj` (never on gate/up: SiLU is not
-homogeneous):
+The maths (upcycling-math §1–4): the dense FFN's F neurons split into the shared expert's and the routed
+part, which every *virtual group* of R routed experts covers (`expert_cover`): with `--granularity G`
+the members hold G − S contiguous shards of width F/G; with `--expert-width w` they hold windows of w
+neurons that may overlap. Routed expert e is member e mod R of group e // R and takes router row
+r[e // R]: E = N/R random rows, each repeated R times, bitwise identical, so a group's experts always
+tie and top-K (a multiple of R) picks whole groups. The weights of one chosen group sum to 1/R of the
+group's share, so the whole correction goes on `down_proj` (never on gate/up: SiLU is not homogeneous),
+divided per neuron by how many members hold it:
 
-    renormalised softmax (Mixtral, Qwen with norm_topk_prob)   down_proj × R              exact
-    sigmoid, renormalised × routed_scaling_factor (GLM-4-MoE)  down_proj × R / rsf        exact
-    softmax without renormalising (forced --router unnormalized) down_proj × N·R/K        approximate
+    renormalised softmax (Mixtral, Qwen with norm_topk_prob)   down_proj × R / c_n              exact
+    sigmoid, renormalised × routed_scaling_factor (GLM-4-MoE)  down_proj × R / (c_n · rsf)      exact
+    softmax without renormalising (forced --router unnormalized) down_proj × N·R / (K · c_n)    approximate
+
+("exact" up to one rounding of each scaled weight when a scale is not a power of two.) A renormalising
+router with top-1 always gives the chosen expert weight 1, so the language-model loss never reaches the
+router: refused unless `--allow-untrainable-router`.
 
 Tensors are lazy: expert e's slices are cut from the dense tensor only when a writer asks for
 `part(e)`, and a dense tensor is read once for all the experts cut from it (`_Recent`), so memory stays
@@ -24,7 +29,6 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from math import log2
 
 import numpy as np
 
@@ -33,6 +37,7 @@ from upcycler.families import moe_families
 from upcycler.layout import layer_prefix
 from upcycler.spec import ROUTER_KINDS, ModelSpec, MoESpec, spec_real, within_limit
 from upcycler.tensors import LazyTensor, TensorMap, dtype_name, stack, zeros
+from upcycler.transforms.expert_cover import Cover, overlapping, powers_of_two, tiled
 from upcycler.transforms.moe_target import MoERequest, apply_attention, choose_target
 from upcycler.transforms.registry import option, register, report
 
@@ -44,12 +49,16 @@ MAX_ROUTER_STD = 100.0  # router rows beyond this overflow half-precision weight
 class DenseToMoE:
     """Options of `dense-to-moe`."""
 
-    experts: int = option(help="Routed experts N (a multiple of the routed group size R = G − S).", metavar="N")
+    experts: int = option(help="Routed experts N (a multiple of the virtual group size R).", metavar="N")
     topk: int = option(help="Routed experts per token K (a multiple of R, so whole virtual groups are chosen).",
                        metavar="K")
-    granularity: int = option(1, help="Shards G per dense FFN (1: experts are full copies); must divide F.",
-                              metavar="G")
-    shared_experts: int = option(0, help="Shards S (of G) that form the always-on shared expert.", metavar="S")
+    granularity: int = option(1, help="Shards G per dense FFN (1: experts are full copies); must divide F; "
+                                      "R = G − S.", metavar="G")
+    expert_width: int | None = option(None, help="Neurons per expert, any width (instead of --granularity): "
+                                                 "the smallest group R dividing N and K with R·W covering the "
+                                                 "routed neurons holds overlapping windows.", metavar="W")
+    shared_experts: int = option(0, help="Shared experts S (shards of G, or experts of width W) that are "
+                                         "always on.", metavar="S")
     dense_layers: int = option(0, help="First D layers keep their dense MLP untouched.", metavar="D")
     router_std: float = option(0.02, help="Std of the random router rows (0: uniform router).", metavar="σ")
     target: str = option("auto", choices=(*moe_families(), "auto"),
@@ -64,17 +73,8 @@ class DenseToMoE:
     allow_approximate: bool = option(False, help="Accept a target that cannot hold the source's attention "
                                                  "exactly (q/k norms or biases changed).")
     allow_large: bool = option(False, help=f"Allow a result over {MAX_GROWTH}× the source's parameters.")
-
-
-@dataclass(frozen=True)
-class _Shape:
-    """The numbers of upcycling-math §1: G shards of width f, S shared, R = G − S routed, E groups."""
-
-    G: int
-    S: int
-    R: int
-    E: int
-    f: int
+    allow_untrainable_router: bool = option(False, help="Allow top-1 with a renormalising router, whose "
+                                                        "router the language-model loss never trains.")
 
 
 @register("dense-to-moe", DenseToMoE)
@@ -91,40 +91,51 @@ def dense_to_moe(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap) -> tuple[
     router is uniform and R = 1), `--reinit-ratio` > 0, and attention changes made under
     `--allow-approximate`; each is reported.
     """
-    shape = _check(cfg, spec)
-    request = MoERequest(cfg.experts, cfg.topk, shape.f, shape.S, tuple(range(cfg.dense_layers)), cfg.router,
-                         cfg.routed_scaling_factor)
+    cover = _check(cfg, spec)
+    request = MoERequest(cfg.experts, cfg.topk, cover.width, cfg.shared_experts, tuple(range(cfg.dense_layers)),
+                         cfg.router, cfg.routed_scaling_factor)
     target, why = choose_target(spec, request, cfg.target, allow_approximate=cfg.allow_approximate)
     report(why)
+    _check_trainable(cfg, target.spec.moe)  # type: ignore[arg-type]
     if target.lossy:
         report(f"NOT function-preserving: {'; '.join(target.lossy)} to fit {target.family.architecture} "
                "(--allow-approximate)", exact=False)
     out = target.spec
     _check_size(cfg, spec, out)
     tensors = apply_attention(target, spec, tensors)
-    factor = _scale(out.moe, shape, cfg.router_std, tensors["embed"].dtype)  # type: ignore[arg-type]
+    factor = _scale(out.moe, cover, cfg.router_std, tensors["embed"].dtype)  # type: ignore[arg-type]
     if cfg.reinit_ratio > 0:
-        n = round(cfg.reinit_ratio * shape.f)
-        report(f"NOT function-preserving: Drop-Upcycling re-initialises {n} of the {shape.f} neurons of every "
+        n = round(cfg.reinit_ratio * cover.width)
+        report(f"NOT function-preserving: Drop-Upcycling re-initialises {n} of the {cover.width} neurons of every "
                f"routed expert ({cfg.reinit_ratio:.0%}, seed {cfg.seed})", exact=False)
     recent = _Recent()
     new: dict[str, LazyTensor] = {}
     for i in out.moe_layers:
-        new.update(_moe_layer(cfg, out, shape, factor, tensors, i, recent))
+        new.update(_moe_layer(cfg, out, cover, factor, tensors, i, recent))
     dense = [layer_prefix(i) + f"mlp.{w}" for i in out.moe_layers for w in ("gate_proj", "up_proj", "down_proj")]
     return out, tensors.without(dense).updated(new)
 
 
-def _check(cfg: DenseToMoE, spec: ModelSpec) -> _Shape:
-    """Refuse requests that cannot be upcycled, with the flag to change; return the shard numbers."""
+def _check(cfg: DenseToMoE, spec: ModelSpec) -> Cover:
+    """Refuse requests that cannot be upcycled, with the flag to change; return the experts' cover."""
     if spec.moe is not None:
         raise UpcyclerError(f"dense-to-moe needs a dense source, but this {spec.family} model is already "
                             "MoE; upcycle its dense original instead")
     G, S, N, K, F = cfg.granularity, cfg.shared_experts, cfg.experts, cfg.topk, spec.intermediate_size
-    if G < 1 or N < 1 or K < 1 or S < 0 or cfg.dense_layers < 0 or not 0 <= cfg.seed < 2**64:
-        raise UpcyclerError("--experts, --topk and --granularity must be ≥ 1; --shared-experts and "
-                            "--dense-layers ≥ 0; --seed between 0 and 2^64 − 1")
+    W = cfg.expert_width
+    if G < 1 or N < 1 or K < 1 or S < 0 or cfg.dense_layers < 0 or not 0 <= cfg.seed < 2**64 or (W or 1) < 1:
+        raise UpcyclerError("--experts, --topk, --granularity and --expert-width must be ≥ 1; --shared-experts "
+                            "and --dense-layers ≥ 0; --seed between 0 and 2^64 − 1")
     within_limit(N, "num_experts", "--experts")
+    _check_rest(cfg, spec)
+    if K > N:
+        raise UpcyclerError(f"--topk {K} is larger than --experts {N}")
+    if W is not None:
+        if G != 1:
+            raise UpcyclerError(f"--granularity {G} and --expert-width {W} both set the expert width; pass one "
+                                "(--granularity G is --expert-width F/G with shards that do not overlap)")
+        within_limit(W, "expert_width", "--expert-width")
+        return overlapping(F, W, S, N, K)
     if F % G:
         divisors = [d for d in range(2, 65) if F % d == 0]
         raise UpcyclerError(f"--granularity {G} does not divide the intermediate size {F}; choose a divisor "
@@ -138,8 +149,11 @@ def _check(cfg: DenseToMoE, spec: ModelSpec) -> _Shape:
     if K % R:
         raise UpcyclerError(f"--topk {K} is not a multiple of the routed group size R = G − S = {R}; "
                             "top-k must choose whole virtual groups to preserve the function")
-    if K > N:
-        raise UpcyclerError(f"--topk {K} is larger than --experts {N}")
+    return tiled(F, G, S)
+
+
+def _check_rest(cfg: DenseToMoE, spec: ModelSpec) -> None:
+    """The options that do not depend on how the experts are cut."""
     if cfg.dense_layers >= spec.num_layers:
         raise UpcyclerError(f"--dense-layers {cfg.dense_layers} leaves no MoE layer (the model has "
                             f"{spec.num_layers} layers); use fewer")
@@ -149,7 +163,15 @@ def _check(cfg: DenseToMoE, spec: ModelSpec) -> _Shape:
         raise UpcyclerError(f"--router-std {cfg.router_std:g} must be between 0 and {MAX_ROUTER_STD:g}")
     spec_real(cfg.routed_scaling_factor, "--routed-scaling-factor", "routed_scaling_factor",
               fix="choose another --routed-scaling-factor")
-    return _Shape(G, S, R, N // R, F // G)
+
+
+def _check_trainable(cfg: DenseToMoE, moe: MoESpec) -> None:
+    """Refuse top-1 with a router that renormalises the chosen weights: the one weight is always 1 (or the
+    routed scaling factor), so the router gets no gradient from the language-model loss."""
+    if moe.top_k == 1 and moe.router in ("renormalized", "sigmoid") and not cfg.allow_untrainable_router:
+        raise UpcyclerError(f"--topk 1 with the {moe.router} router of this target gives the chosen expert "
+                            "weight 1 whatever the router says, so the router never learns from the "
+                            "language-model loss; use --topk 2 or more, --router unnormalized, or pass --allow-untrainable-router")
 
 
 def _check_size(cfg: DenseToMoE, source: ModelSpec, out: ModelSpec) -> None:
@@ -159,9 +181,9 @@ def _check_size(cfg: DenseToMoE, source: ModelSpec, out: ModelSpec) -> None:
                             f"{before:,} (over {MAX_GROWTH}×); lower --experts or pass --allow-large to force")
 
 
-def _scale(moe: MoESpec, shape: _Shape, router_std: float, dtype: np.dtype) -> float:
-    """The factor on routed down_proj for the target's router, reported with its exactness."""
-    R, N, K = shape.R, moe.num_experts, moe.top_k
+def _scale(moe: MoESpec, cover: Cover, router_std: float, dtype: np.dtype) -> float:
+    """The router's factor on routed down_proj (before dividing by c_n), reported with its exactness."""
+    R, N, K = cover.group, moe.num_experts, moe.top_k
     if moe.router == "renormalized":
         factor, how, exact = float(R), f"× R = {R} (renormalising router)", True
     elif moe.router == "sigmoid":
@@ -176,42 +198,45 @@ def _scale(moe: MoESpec, shape: _Shape, router_std: float, dtype: np.dtype) -> f
     else:
         report(f"APPROXIMATE: routed down_proj {how} is exact only for a uniform router; the default "
                "renormalising router (norm_topk_prob=true) is exact", exact=False)
-    if factor != 1 and not log2(factor).is_integer():
-        report(f"the scale {factor:g} is not a power of two, so scaled weights round in {dtype_name(dtype)}")
+    report(cover.describe(factor))
+    scales = cover.scales(factor)
+    if scales != [1.0] and not powers_of_two(scales):
+        report(f"exact up to float rounding: the scale{'s' if len(scales) > 1 else ''} "
+               f"{', '.join(f'{s:g}' for s in scales)} {'are' if len(scales) > 1 else 'is'} not a power of two, "
+               f"so scaled weights round once in {dtype_name(dtype)}")
     return factor
 
 
-def _moe_layer(cfg: DenseToMoE, out: ModelSpec, shape: _Shape, factor: float, tensors: TensorMap, i: int,
+def _moe_layer(cfg: DenseToMoE, out: ModelSpec, cover: Cover, factor: float, tensors: TensorMap, i: int,
                recent: _Recent) -> dict[str, LazyTensor]:
     """Router, routed experts and shared expert of MoE layer `i`, all lazy views of its dense MLP."""
     p = layer_prefix(i)
     gate, up, down = (tensors[p + f"mlp.{w}"] for w in ("gate_proj", "up_proj", "down_proj"))
     moe = out.moe
     assert moe is not None
-    D, f, S, R, N = out.hidden_size, shape.f, shape.S, shape.R, moe.num_experts
+    D, f, R, N = out.hidden_size, cover.width, cover.group, moe.num_experts
     dtype = gate.dtype
     reinit = round(cfg.reinit_ratio * f)
+    scales = [None if cover.overlap == 0 else cover.column_scales(j, factor) for j in range(R)]
 
-    def rows(w: LazyTensor, e: int, k: int) -> np.ndarray:  # [f, D]: shard S + e mod R of gate/up
-        j = S + e % R
-        out_ = recent.get(w)[j * f:(j + 1) * f]
+    def rows(w: LazyTensor, e: int, k: int) -> np.ndarray:  # [f, D]: window e mod R of gate/up
+        out_ = recent.get(w)[cover.window(e % R)]
         return _reinit(out_, recent.stats(w), cfg.seed, i, e, k, reinit, axis=0) if reinit else out_
 
-    def cols(e: int) -> np.ndarray:  # [D, f]: shard S + e mod R of down, scaled
-        j = S + e % R
-        out_ = recent.get(down)[:, j * f:(j + 1) * f]
+    def cols(e: int) -> np.ndarray:  # [D, f]: window e mod R of down, scaled
+        out_ = recent.get(down)[:, cover.window(e % R)]
         if reinit:
             out_ = _reinit(out_, recent.stats(down), cfg.seed, i, e, 2, reinit, axis=1)
-        return _scaled(out_, factor)
+        return _scaled(out_, factor if scales[e % R] is None else scales[e % R])
 
     new = {
-        p + "moe.router": _router(cfg.seed, i, shape.E, R, D, cfg.router_std, dtype),
+        p + "moe.router": _router(cfg.seed, i, N // R, R, D, cfg.router_std, dtype),
         p + "moe.experts.gate_proj": stack([lambda e=e: rows(gate, e, 0) for e in range(N)], (N, f, D), dtype),
         p + "moe.experts.up_proj": stack([lambda e=e: rows(up, e, 1) for e in range(N)], (N, f, D), dtype),
         p + "moe.experts.down_proj": stack([lambda e=e: cols(e) for e in range(N)], (N, D, f), dtype),
     }
-    if S:
-        width = S * f
+    if cover.shared:
+        width = cover.shared
         new[p + "moe.shared.gate_proj"] = LazyTensor((width, D), dtype, lambda: recent.get(gate)[:width])
         new[p + "moe.shared.up_proj"] = LazyTensor((width, D), dtype, lambda: recent.get(up)[:width])
         # a gated shared expert is multiplied by sigmoid(0 · x) = 1/2: double its down_proj (exact)
@@ -233,11 +258,12 @@ def _router(seed: int, layer: int, groups: int, R: int, D: int, std: float, dtyp
     return LazyTensor((groups * R, D), np.dtype(dtype), load)
 
 
-def _scaled(w: np.ndarray, factor: float) -> np.ndarray:
-    if factor == 1:
+def _scaled(w: np.ndarray, factor: float | np.ndarray) -> np.ndarray:
+    """`w` × factor (a scalar, or one per column), computed in fp32 (fp64 for fp64) and cast back once."""
+    if np.isscalar(factor) and factor == 1:
         return w
     wide = np.float64 if w.dtype == np.float64 else np.float32
-    return (w.astype(wide) * wide(factor)).astype(w.dtype)
+    return (w.astype(wide) * np.asarray(factor, wide)).astype(w.dtype)
 
 
 def _reinit(w: np.ndarray, stats: tuple[float, float], seed: int, layer: int, expert: int, which: int,
