@@ -3,7 +3,9 @@
     python bench/surgery.py [--scale 1.0] [--workdir DIR] [--only depth|moe] [--repeats 1]
 
 (a) depth 32 → 48 (SOLAR) at Llama-3-8B shapes; (b) dense-to-moe 64 experts top-8 G=8 (and 8 experts,
-to show memory does not grow with the expert count) at Llama-3.2-1B shapes. `--scale s` shrinks the
+to show memory does not grow with the expert count) at Llama-3.2-1B shapes; these are function-preserving,
+so each also runs with `--no-verify` in the same rounds and `check_overhead` is the median extra time of
+the function check every such write runs before its rename. `--scale s` shrinks the
 widths and the vocabulary by `s` for a quick run (layer counts stay). Each surgery runs in a fresh
 subprocess that reports its own peak RSS (VmHWM); the baseline is a plain copy (`os.sendfile` + fsync)
 of the same number of bytes from the source files, timed in the same run; the source is read once before
@@ -88,21 +90,38 @@ def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
-def measure(name: str, source: Path, out: Path, args: list[str], repeats: int, extra: dict) -> dict:
+def measure(name: str, source: Path, out: Path, args: list[str], repeats: int, extra: dict,
+            checked: bool = False) -> dict:
+    """Median wall time, peak RSS and ratio to a copy of the output bytes. With `checked` (a function-preserving
+    job), the job also runs with --no-verify in the same rounds, and the cost of its function check is
+    reported as the extra time over that run."""
     runs = []
     files = sorted(source.glob("*.safetensors"))
     for _ in range(repeats):
+        row = {}
+        if checked:
+            warm(files)
+            unchecked = run_child([*args[:1], str(source), str(out), *args[1:], "--no-verify"])
+            shutil.rmtree(out)
+            row = {"unchecked_seconds": unchecked["seconds"], "unchecked_peak_rss": unchecked["peak_rss"]}
         warm(files)
         child = run_child([*args[:1], str(source), str(out), *args[1:]])
         nbytes = dir_bytes(out)
         shutil.rmtree(out)
         warm(files)
         copy = copy_seconds(files, nbytes, out.parent)
-        runs.append({**child, "bytes": nbytes, "copy_seconds": copy})
+        runs.append({**child, **row, "bytes": nbytes, "copy_seconds": copy})
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    return {"bench": name, **extra, "seconds": round(med["seconds"], 2), "output_bytes": int(med["bytes"]),
-            "copy_seconds": round(med["copy_seconds"], 2), "ratio": round(med["seconds"] / med["copy_seconds"], 3),
-            "peak_rss_mb": round(med["peak_rss"] / 2**20), "repeats": repeats}
+    result = {"bench": name, **extra, "seconds": round(med["seconds"], 2), "output_bytes": int(med["bytes"]),
+              "copy_seconds": round(med["copy_seconds"], 2), "ratio": round(med["seconds"] / med["copy_seconds"], 3),
+              "peak_rss_mb": round(med["peak_rss"] / 2**20), "repeats": repeats}
+    if checked:
+        overheads = [r["seconds"] / r["unchecked_seconds"] - 1 for r in runs]
+        result.update(unchecked_seconds=round(med["unchecked_seconds"], 2),
+                      unchecked_ratio=round(med["unchecked_seconds"] / med["copy_seconds"], 3),
+                      unchecked_peak_rss_mb=round(med["unchecked_peak_rss"] / 2**20),
+                      check_overhead=round(statistics.median(overheads), 3))
+    return result
 
 
 def main() -> None:
@@ -140,7 +159,8 @@ def main() -> None:
             for experts in (8, 64):
                 args = ["dense-to-moe", "--experts", str(experts), "--topk", "8", "--granularity", "8"]
                 print(json.dumps(measure(f"dense-to-moe {experts} experts top-8 G=8, Llama-3.2-1B shapes", src,
-                                         work / "out", args, a.repeats, {**scale, "experts": experts})), flush=True)
+                                         work / "out", args, a.repeats, {**scale, "experts": experts},
+                                         checked=True)), flush=True)
             shutil.rmtree(src)
     finally:
         shutil.rmtree(work, ignore_errors=True)

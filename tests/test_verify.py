@@ -1,7 +1,10 @@
 """`upcycle verify A B`: passes on the same function, fails (exit 1) on a different one.
 
 Cases: an exact copy, an Orbax copy, function-preserving upcycles (dense → MoE for each router family,
-identity depth growth) pass; a perturbed copy and a SOLAR depth upscale fail. Most runs are in-process
+identity depth growth) pass; a perturbed copy, a SOLAR depth upscale and the bad conversions of
+`bad_variants` (dropped expert, swapped gate/up, permuted RoPE halves, one layer × 2) fail, naming the
+first layer that differs. Every function-preserving write checks itself before its rename; a failed
+check, a tensor missing from the written shards and a transform that loses a tensor leave nothing. Most runs are in-process
 (`CliRunner`), so compiled forwards are shared; one runs the real command in a subprocess.
 """
 
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from bad_variants import VARIANTS, write_variant
 from cli_helpers import assert_clean_failure, run_cli
 from click.testing import CliRunner
 
@@ -173,3 +177,120 @@ def test_unrunnable_model_is_a_clean_error(dense, tmp_path):
     assert (
         result.exit_code == 2 and "cannot run this checkpoint" in result.output and "dynamic" in result.output
     )
+
+
+# --- bad conversions fail, naming where they start -------------------------------------------------------
+@pytest.fixture(scope="module")
+def upcycled(dense, tmp_path_factory) -> Path:
+    """An exact upcycle of the 4-layer dense model: 16 experts in groups of 4, top-4."""
+    out = tmp_path_factory.mktemp("upcycled") / "moe"
+    cli("dense-to-moe", dense, out, "--experts", "16", "--topk", "4", "--granularity", "4")
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_bad_conversions_fail_and_name_the_layer(dense, upcycled, tmp_path, variant):
+    code, text = verify(dense, upcycled)
+    assert code == 0, text
+    bad = write_variant(upcycled, tmp_path / "bad", variant, layer=2)
+    code, text = verify(dense, bad)
+    verdict_line = text.strip().splitlines()[-1]
+    assert code == 1 and verdict_line.startswith("different functions"), text
+    first = 0 if variant == "perturbed" else 2  # the perturbed copy changes every layer
+    assert f"first layer over its noise floor: {first}" in verdict_line
+
+
+def test_verdict_states_its_criterion_and_tolerance_is_absolute(dense, upcycled, perturbed):
+    code, text = verify(dense, upcycled, "--json")
+    stats = json.loads(text)
+    assert code == 0 and stats["passed"] and stats["tolerance"] is None
+    assert 0 < stats["noise_floor"] and stats["max_abs_diff"] <= 10 * stats["noise_floor"]
+    assert stats["top1_agreement"] == 1.0 and len(stats["layers"]) == 4
+    assert "10 × A's fp32 noise floor" in stats["verdict"] and "KL" in stats["verdict"]
+    code, text = verify(dense, perturbed, "--tolerance", "1e9")
+    assert code == 0 and "--tolerance 1.0e+09 (absolute)" in text
+    if stats["max_abs_diff"] > 0:
+        code, text = verify(dense, upcycled, "--tolerance", "0")
+        assert code == 1, text
+
+
+# --- the check after every function-preserving write ------------------------------------------------------
+def test_exact_writes_record_their_check(dense, upcycled, tmp_path):
+    record = json.loads((upcycled / "upcycler.json").read_text())["verification"]
+    assert record["passed"] and record["against"] == dense.name
+    assert record["max_abs_logit_diff"] <= record["allowed"] == pytest.approx(10 * max(
+        record["noise_floor"], 2**-23 * record["logit_scale"]))
+    assert record["top1_agreement"] == 1.0 and record["kl_mean"] < 1e-9
+    from upcycler.model_card import render_model_card
+
+    card = render_model_card(upcycled)
+    assert "Verdict: `same function: max |Δlogits|" in card
+    cli("convert", upcycled, tmp_path / "orbax", "--to", "orbax")
+    assert json.loads((tmp_path / "orbax" / "upcycler.json").read_text())["verification"]["passed"]
+    cli("depth", dense, tmp_path / "deep", "--layers", "6")
+    assert json.loads((tmp_path / "deep" / "upcycler.json").read_text())["verification"]["passed"]
+
+
+def test_unchecked_writes_say_why(dense, tmp_path):
+    proc = run_cli("dense-to-moe", dense, tmp_path / "moe", "--experts", "8", "--topk", "2", "--no-verify")
+    assert "not verified: --no-verify" in proc.stderr
+    assert "verification" not in json.loads((tmp_path / "moe" / "upcycler.json").read_text())
+    proc = run_cli("convert", dense, tmp_path / "bf16", "--dtype", "bf16")
+    assert "not verified: --dtype bf16 rounds the float32 weights" in proc.stderr
+    proc = run_cli("depth", dense, tmp_path / "solar", "--method", "solar", "--layers", "6")
+    assert "not verified: the recipe does not preserve the function" in proc.stderr
+
+
+def test_a_failed_check_leaves_nothing(dense, tmp_path, monkeypatch):
+    """A transform that claims exactness but computes something else: the write is refused and removed."""
+    from upcycler.transforms import dense_to_moe
+
+    original = dense_to_moe._scaled
+    monkeypatch.setattr(dense_to_moe, "_scaled", lambda w, factor: original(w, np.asarray(factor) * 2))
+    result = CliRunner().invoke(main, list(map(str, ["dense-to-moe", dense, tmp_path / "moe", "--experts", "8",
+                                                     "--topk", "2", "--granularity", "2"])))
+    assert result.exit_code == 2
+    assert "claims to preserve the function, but the written model does not" in result.output
+    assert "different functions" in result.output and "--no-verify" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_tensor_missing_from_the_written_shards_is_refused(dense, tmp_path, monkeypatch):
+    from transform_helpers import run_transform
+
+    from upcycler.errors import UpcyclerError
+    from upcycler.io import hf_write
+
+    original = hf_write._write_shards
+
+    def lose_one_expert(tmp, shards, total, progress):  # a writer bug: one expert never reaches its shard
+        shards = [[i for i in shard if i.name != "model.layers.1.block_sparse_moe.experts.5.w2.weight"]
+                  for shard in shards]
+        return original(tmp, shards, total, progress)
+
+    monkeypatch.setattr(hf_write, "_write_shards", lose_one_expert)
+    with pytest.raises(UpcyclerError, match=r"tensor model\.layers\.1\.block_sparse_moe\.experts\.5\.w2\.weight "
+                                            r"is missing from the written output"):
+        run_transform("dense-to-moe", dense, tmp_path / "moe", experts=8, topk=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_transform_must_account_for_every_tensor(dense):
+    from dataclasses import dataclass
+
+    from upcycler.errors import UpcyclerError
+    from upcycler.transforms.registry import Transform
+
+    @dataclass(frozen=True)
+    class Nothing:
+        pass
+
+    ckpt = read_checkpoint(dense)
+    leaky = Transform("leaky", Nothing, lambda cfg, spec, tensors: (spec, tensors.updated(
+        {"layers.0.mlp.old_proj": tensors["layers.0.mlp.up_proj"]})))
+    with pytest.raises(UpcyclerError, match=r"leaky produced .*tensor layers\.0\.mlp\.old_proj is not part of"):
+        leaky.apply(Nothing(), ckpt.spec, ckpt.tensors)
+    lossy = Transform("lossy", Nothing, lambda cfg, spec, tensors: (spec, tensors.without(["layers.3.attn.o_proj"])))
+    with pytest.raises(UpcyclerError, match=r"tensor layers\.3\.attn\.o_proj of the llama model is missing"):
+        lossy.apply(Nothing(), ckpt.spec, ckpt.tensors)
+

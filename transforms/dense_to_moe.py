@@ -203,7 +203,7 @@ def _scale(moe: MoESpec, cover: Cover, router_std: float, dtype: np.dtype) -> fl
     if scales != [1.0] and not powers_of_two(scales):
         report(f"exact up to float rounding: the scale{'s' if len(scales) > 1 else ''} "
                f"{', '.join(f'{s:g}' for s in scales)} {'are' if len(scales) > 1 else 'is'} not a power of two, "
-               f"so scaled weights round once in {dtype_name(dtype)}")
+               f"so scaled weights round once in {dtype_name(dtype)}", rounds=True)
     return factor
 
 

@@ -6,10 +6,17 @@ read), applies the transforms to the spec and the lazy tensors, and computes the
 the exact parameter counts and the exact output bytes. `--dry-run` prints that plan; `execute` hands
 the planned checkpoint to the writer, which pulls each output tensor (one expert at a time) through the
 chain of lazy transforms from the source bytes. No intermediate checkpoint is ever written.
+
+A plan whose every step preserves the function is checked after the write and before the rename: the
+command hands `execute` a `check` (the staged output against the source on a probe,
+`upcycler.verify.check_written`) unless the user opts out or `unchecked_reason` says the output cannot be
+bit-faithful: a step that changes the function, a `--dtype` narrower than the source's, or a scale that
+rounds in a 16-bit dtype.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +65,7 @@ class Plan:
     config: dict[str, Any] | None  # the config.json an HF output gets
     output_bytes: int
     shards: int
+    source_dtype: np.dtype | None = None  # the dtype of the source's weights
 
     @property
     def exact(self) -> bool:
@@ -103,6 +111,7 @@ class Plan:
 def plan(recipe: Recipe, *, allow_config_only: bool = False) -> Plan:
     """Apply the recipe to the spec and the lazy tensors of its source; nothing is read but headers."""
     ckpt, config_only = read_source(recipe.source, allow_config_only=allow_config_only)
+    source_dtype = ckpt.tensors["embed"].dtype
     results = []
     for step in recipe.steps:
         try:
@@ -121,7 +130,7 @@ def plan(recipe: Recipe, *, allow_config_only: bool = False) -> Plan:
     recorded["output"].pop("path")  # the output is the directory the record lives in
     ckpt = ckpt.replace(lineage=(*ckpt.lineage, recipe_step(recorded, exact)))
     if out.format != "hf":
-        return Plan(recipe, ckpt, tuple(results), config_only, None, ckpt.tensors.nbytes, 1)
+        return Plan(recipe, ckpt, tuple(results), config_only, None, ckpt.tensors.nbytes, 1, source_dtype)
     family = family_named(out.family or ckpt.spec.family)
     spec, tensors = conform(ckpt.spec, ckpt.tensors, family)
     ckpt = ckpt.replace(spec=spec, tensors=tensors)
@@ -129,11 +138,32 @@ def plan(recipe: Recipe, *, allow_config_only: bool = False) -> Plan:
     nbytes = sum(len(encode_header([(i.name, i.shape, i.dtype) for i in shard], {"format": "pt"}))
                  + sum(i.nbytes for i in shard) for shard in shards)
     config = {**family.write_config(spec), "torch_dtype": dtype_name(tensors["embed"].dtype)}
-    return Plan(recipe, ckpt, tuple(results), config_only, config, nbytes, len(shards))
+    return Plan(recipe, ckpt, tuple(results), config_only, config, nbytes, len(shards), source_dtype)
 
 
-def execute(p: Plan, *, overwrite: bool = False, progress: bool = True) -> Path:
-    """Write the planned checkpoint (the single pass over the source bytes) and return the output path."""
+def unchecked_reason(p: Plan) -> str:
+    """Why the output of `p` cannot be checked against its source bit for bit ("" when it can)."""
+    if not p.exact:
+        return "the recipe does not preserve the function"
+    out_dtype = p.ckpt.tensors["embed"].dtype
+    if p.source_dtype is not None and narrower(out_dtype, p.source_dtype):
+        return f"--dtype {dtype_name(out_dtype)} rounds the {dtype_name(p.source_dtype)} weights"
+    if out_dtype.itemsize < 4 and any(n.rounds for s in p.steps for n in s.notes):
+        return f"a scale that is not a power of two rounds weights in {dtype_name(out_dtype)}"
+    return ""
+
+
+def narrower(dtype: np.dtype, than: np.dtype) -> bool:
+    """True when casting `than` to `dtype` can round (fewer bytes, or the other 16-bit format)."""
+    return dtype.itemsize < than.itemsize or (dtype.itemsize == than.itemsize and dtype != than)
+
+
+def execute(p: Plan, *, overwrite: bool = False, progress: bool = True,
+            check: Callable[[Path], dict] | None = None) -> Path:
+    """Write the planned checkpoint (the single pass over the source bytes) and return the output path.
+
+    `check` runs on the staged output before it is renamed into place (see the module docstring).
+    """
     out = p.recipe.output
     if p.config_only:
         raise UpcyclerError(f"{p.recipe.source}: has config.json but no weights; only --dry-run can plan from it")
@@ -141,8 +171,8 @@ def execute(p: Plan, *, overwrite: bool = False, progress: bool = True) -> Path:
         raise UpcyclerError("no output path given; pass OUT (or use --dry-run)")
     if out.format == "hf":
         return write_checkpoint(p.ckpt, out.path, to="hf", family=p.ckpt.spec.family,
-                                shard_size=out.shard_size, overwrite=overwrite, progress=progress)
-    return write_checkpoint(p.ckpt, out.path, to=out.format, overwrite=overwrite)
+                                shard_size=out.shard_size, overwrite=overwrite, progress=progress, check=check)
+    return write_checkpoint(p.ckpt, out.path, to=out.format, overwrite=overwrite, check=check)
 
 
 def read_source(path: Path, *, allow_config_only: bool) -> tuple[Checkpoint, bool]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from upcycler.errors import UpcyclerError
+from upcycler.layout import account
 from upcycler.schema import Option, from_mapping, options, to_plain
 from upcycler.schema import field as option  # noqa: F401  (the name transform configs declare options with)
 from upcycler.spec import ModelSpec
@@ -37,20 +38,23 @@ TransformFn = Callable[[Any, ModelSpec, TensorMap], tuple[ModelSpec, TensorMap]]
 
 @dataclass(frozen=True)
 class Note:
-    """Something a transform tells the user; `exact=False` marks a step that changes the model's function."""
+    """Something a transform tells the user; `exact=False` marks a step that changes the model's function,
+    `rounds=True` one that preserves it up to one rounding of some weights (a scale that is not a power of
+    two): exact in fp32, not to the last bit in a 16-bit dtype."""
 
     text: str
     exact: bool = True
+    rounds: bool = False
 
 
 _NOTES: ContextVar[list[Note] | None] = ContextVar("transform_notes", default=None)
 
 
-def report(text: str, *, exact: bool = True) -> None:
+def report(text: str, *, exact: bool = True, rounds: bool = False) -> None:
     """Tell the user something about the transform being applied (collected by `Transform.apply`)."""
     notes = _NOTES.get()
     if notes is not None:
-        notes.append(Note(text, exact))
+        notes.append(Note(text, exact, rounds))
 
 
 @contextmanager
@@ -101,9 +105,16 @@ class Transform:
                             fix=f"see `upcycle {self.name} --help`")
 
     def apply(self, cfg: Any, spec: ModelSpec, tensors: TensorMap) -> Applied:
-        """Run the transform, collecting its notes. Nothing is read or computed beyond the spec."""
+        """Run the transform, collecting its notes, and account for every tensor: the result holds exactly
+        the tensors its spec declares (each source tensor carried, transformed or dropped on purpose).
+        Nothing is read or computed beyond the spec."""
         with _collecting() as notes:
             spec, tensors = self.fn(cfg, spec, tensors)
+        try:
+            account(spec, tensors)
+        except UpcyclerError as err:
+            raise UpcyclerError(f"{self.name} produced an inconsistent model (a bug; please report it): {err}") \
+                from None
         return Applied(spec, tensors, tuple(notes))
 
 

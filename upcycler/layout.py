@@ -26,9 +26,12 @@ move them one expert at a time (`LazyTensor.part`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
+from typing import Any
 
+from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec
 
 
@@ -142,3 +145,22 @@ def _moe(spec: ModelSpec, p: str) -> list[ParamDecl]:
         if moe.shared_gated:
             out.append(ParamDecl(p + "shared_gate", (1, D), (None, "embed")))
     return out
+
+
+def account(spec: ModelSpec, tensors: Mapping[str, Any]) -> None:
+    """Refuse tensors that do not match the declared layout of `spec` exactly: a declared tensor missing or
+    of another shape, or a tensor nobody declared (one a transform forgot to drop or to transform)."""
+    declared = declare_params(spec)
+    names = {d.name for d in declared}
+    for decl in declared:
+        if decl.name not in tensors:
+            raise UpcyclerError(f"tensor {decl.name} of the {spec.family} model is missing: nothing produced it")
+        shape = tuple(tensors[decl.name].shape)
+        if shape != decl.shape:
+            raise UpcyclerError(f"tensor {decl.name} has shape {shape}, the {spec.family} model declares "
+                                f"{decl.shape}")
+    extra = [name for name in tensors if name not in names]
+    if extra:
+        raise UpcyclerError(f"tensor {extra[0]} is not part of the {spec.family} model"
+                            f"{f' (nor are {len(extra) - 1} more)' if len(extra) > 1 else ''}: it was neither "
+                            "carried, transformed nor dropped")

@@ -296,10 +296,14 @@ def _verification_section(verification: Any) -> str:
         return "## Verification\n\nNo logit comparison was recorded for this checkpoint."
     rest = dict(verification)
     diff, against = rest.pop("max_abs_logit_diff", None), rest.pop("against", None)
+    verdict = rest.pop("verdict", None)
     parent = _source_link(str(against)) if against else "the parent"
     text = f"Logits were compared with those of {parent}"
     finite = isinstance(diff, (int, float)) and abs(diff) < 1e300
     text += f": max \\|Δlogits\\| = {diff:.3g}." if finite else "."
+    if isinstance(verdict, str):  # the check run before the write was put in place states its criterion
+        shown = " ".join(verdict.replace("`", "'").split())[:1000]
+        text += f" Verdict: `{shown}`."
     return "## Verification\n\n" + text + (f" Details: {_kv(rest)}." if rest else "")
 
 

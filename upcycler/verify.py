@@ -1,15 +1,29 @@
-"""Do two checkpoints compute the same function? Probe both with the JAX model and compare their logits.
+"""Do two checkpoints compute the same function? Probe both with the JAX model and judge the difference
+against the fp32 noise floor of the models themselves.
 
-Both are read with `read_checkpoint` (HF or Orbax) and run in fp32 at the highest matmul precision on the
-same probe tokens (random ids below the smaller vocabulary, from a seed); the statistics are max and mean
-|Δlogits| and KL(A‖B) of the next-token distributions. One model is in memory at a time. Used by
-`upcycle verify` and the notebooks.
+Both are read with `read_checkpoint` (HF or Orbax) and run one layer at a time (`upcycler.train.layerwise`:
+fp32, highest matmul precision, one layer in memory) on the same probe tokens (random ids below the
+smaller vocabulary, from a seed). Reported: max and mean |Δlogits|, KL(A‖B) of the next-token
+distributions, top-1 agreement, and the scale of A's logits.
+
+The verdict. A 30-layer model whose logits reach |38| differs from itself by ~1e-4 when only its fp32
+summation order changes, so no fixed absolute threshold fits every model. The *noise floor* is measured
+on A: max |Δlogits| between A and A with the neurons of every FFN (and expert) in a shuffled order, which
+is the same function summed in another order; it is taken as at least one fp32 ulp of A's largest logit.
+B passes when max |Δlogits| ≤ `NOISE_FACTOR` × that floor (an upcycle splits every FFN sum into experts
+and re-weights them, a few reorderings' worth of rounding). `--tolerance T` replaces the criterion by an
+absolute bound: max |Δlogits| ≤ T. When both models have the same number of layers they are walked in
+lockstep and the first layer whose residual stream differs by more than `NOISE_FACTOR` × its own floor is
+named, so a failure says where it starts.
 
 Options are checked before any weight is read: a finite tolerance ≥ 0, a seed ≥ 0, and a probe of
 bounded size: at most `MAX_TOKENS` positions per sequence and the models' `max_position_embeddings`,
 `MAX_BATCH` sequences, `MAX_PROBE` positions in all and `MAX_LOGITS` logits per model, so a typo cannot
 ask for hundreds of GB. A model whose logits are not finite (NaN or inf weights) is an error naming its
 path and, when it has one, the first non-finite tensor: its logits cannot be compared with anything.
+
+`check_written` is the check every function-preserving write runs on its staged output before it is
+renamed into place (a smaller probe); its record goes into `upcycler.json` and the model card.
 """
 
 from __future__ import annotations
@@ -21,18 +35,21 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.tensors import BF16
-from upcycler.train.evaluate import checkpoint_logits
 from upcycler.untrusted import escape, integer, real, shown_path
 
 MAX_TOKENS = 8192  # positions per probe sequence
 MAX_BATCH = 64  # probe sequences
 MAX_PROBE = 16384  # positions in all (batch × tokens)
 MAX_LOGITS = 2**27  # positions × vocabulary: 512 MiB of fp32 logits per model (compared in fp64)
+NOISE_FACTOR = 10.0  # B may differ from A by this many times A's own fp32 noise floor
+FP32_ULP = 2.0**-23  # relative spacing of fp32 numbers: the smallest floor, relative to the largest logit
+CHECK_PROBE = {"batch": 2, "tokens": 32, "seed": 0}  # the probe of the check after every write
 
 
-def check_options(*, tokens: int, batch: int, seed: int, tolerance: float = 0.0) -> None:
+def check_options(*, tokens: int, batch: int, seed: int, tolerance: float | None = None) -> None:
     """Refuse a probe or tolerance that is invalid or absurdly large, naming the option and its limit."""
-    real(tolerance, "the tolerance", "--tolerance", low=0.0, fix="pass a small number, e.g. --tolerance 1e-4")
+    if tolerance is not None:
+        real(tolerance, "the tolerance", "--tolerance", low=0.0, fix="pass a small number, e.g. --tolerance 1e-4")
     integer(tokens, "the probe length", "--tokens", high=MAX_TOKENS, fix="pass e.g. --tokens 64")
     integer(batch, "the number of probe sequences", "--batch", high=MAX_BATCH, fix="pass e.g. --batch 2")
     integer(seed, "the seed", "--seed", low=0, fix="pass a non-negative integer")
@@ -55,11 +72,20 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 def compare(a: Path, b: Path, *, tokens: int = 64, batch: int = 2, seed: int = 0) -> dict[str, Any]:
     """Run both checkpoints on one probe and return the statistics (see the module docstring)."""
     from upcycler.io import read_checkpoint
-    from upcycler.train.model import unsupported
 
     check_options(tokens=tokens, batch=batch, seed=seed)
-    ckpt_a, ckpt_b = read_checkpoint(a), read_checkpoint(b)
-    for path, ckpt in ((a, ckpt_a), (b, ckpt_b)):
+    return compare_checkpoints((a, read_checkpoint(a)), (b, read_checkpoint(b)), tokens=tokens, batch=batch,
+                               seed=seed)
+
+
+def compare_checkpoints(a: tuple[Path, Any], b: tuple[Path, Any], *, tokens: int, batch: int,
+                        seed: int) -> dict[str, Any]:
+    """`compare` for checkpoints already opened: (path, lazy `Checkpoint`) each."""
+    from upcycler.train.layerwise import hidden_trace
+    from upcycler.train.model import unsupported
+
+    (path_a, ckpt_a), (path_b, ckpt_b) = a, b
+    for path, ckpt in (a, b):
         reasons = unsupported(ckpt.spec)
         if reasons:
             raise UpcyclerError(f"{shown_path(path)}: the JAX model cannot run this checkpoint: "
@@ -76,25 +102,47 @@ def compare(a: Path, b: Path, *, tokens: int = 64, batch: int = 2, seed: int = 0
                             f"--batch or --tokens (at most {MAX_LOGITS // widest:,} positions in all)")
     vocab = min(spec_a.vocab_size, spec_b.vocab_size)
     ids = probe_ids(vocab, batch=batch, tokens=tokens, seed=seed)
-    logits_a = checkpoint_logits(ckpt_a, ids)
-    logits_b = checkpoint_logits(ckpt_b, ids)
+    trace_a, trace_b = hidden_trace(ckpt_a, ids, reordered=True), hidden_trace(ckpt_b, ids)
+    layers = []
+    if spec_a.num_layers == spec_b.num_layers:  # lockstep: one layer of each model in memory
+        for (h_a, h_reordered), (h_b,) in zip(trace_a, trace_b):
+            if layers:  # keep only numbers for the layers, the arrays of the logits (the last)
+                layers[-1] = {k: v for k, v in layers[-1].items() if k not in ("a", "b")}
+            layers.append(_distances(h_a, h_reordered, h_b))
+        logits = layers.pop()
+    else:
+        *_, (logits_a, logits_reordered) = trace_a
+        *_, (logits_b,) = trace_b
+        logits = _distances(logits_a, logits_reordered, logits_b)
     ckpt_a.check_inputs()  # upcycler outputs: what was read matches their manifests
     ckpt_b.check_inputs()
-    _require_finite([(a, ckpt_a, logits_a), (b, ckpt_b, logits_b)])
-    logits_a, logits_b = logits_a[..., :vocab], logits_b[..., :vocab]
+    _require_finite([(path_a, ckpt_a, logits["a"]), (path_b, ckpt_b, logits["b"])])
+    logits_a, logits_b = logits["a"][..., :vocab], logits["b"][..., :vocab]
     delta = np.abs(logits_a.astype(np.float64) - logits_b)
     logp_a, logp_b = _log_softmax(logits_a), _log_softmax(logits_b)
     kl = (np.exp(logp_a) * (logp_a - logp_b)).sum(axis=-1)
     return {
-        "a": {"path": str(a), "family": spec_a.family, "params": spec_a.total_params()},
-        "b": {"path": str(b), "family": spec_b.family, "params": spec_b.total_params()},
+        "a": {"path": str(path_a), "family": spec_a.family, "params": spec_a.total_params()},
+        "b": {"path": str(path_b), "family": spec_b.family, "params": spec_b.total_params()},
         "probe": {"batch": batch, "tokens": tokens, "seed": seed, "vocab": vocab},
         "vocab_compared": vocab if spec_a.vocab_size != spec_b.vocab_size else None,
         "max_abs_diff": float(delta.max()),
         "mean_abs_diff": float(delta.mean()),
         "kl_mean": float(kl.mean()),
         "kl_max": float(kl.max()),
+        "top1_agreement": float((logits_a.argmax(-1) == logits_b.argmax(-1)).mean()),
+        "logit_scale": logits["scale"],
+        "noise_floor": logits["floor"],
+        "layers": layers,
     }
+
+
+def _distances(a: np.ndarray, reordered: np.ndarray, b: np.ndarray) -> dict[str, Any]:
+    """max |b − a|, A's own floor max |reordered − a| and A's scale max |a| (the arrays are kept for logits)."""
+    a64 = a.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):  # non-finite models are refused after the run
+        return {"a": a, "b": b, "delta": float(np.abs(b - a64).max()),
+                "floor": float(np.abs(reordered - a64).max()), "scale": float(np.abs(a64).max())}
 
 
 def _require_finite(runs: list[tuple[Path, Any, np.ndarray]]) -> None:
@@ -120,12 +168,38 @@ def _first_non_finite(ckpt: Any) -> str | None:
     return None
 
 
-def verdict(stats: dict[str, Any], tolerance: float) -> tuple[bool, str]:
-    """(passed, one-line verdict); NaN anywhere fails."""
+def floor(distance: float, scale: float) -> float:
+    """A measured noise floor, at least one fp32 ulp of the largest value."""
+    return max(distance, FP32_ULP * scale)
+
+
+def allowed(stats: dict[str, Any], tolerance: float | None = None) -> tuple[float, str]:
+    """The largest max |Δlogits| that passes, and how it was set (printed with the verdict)."""
+    if tolerance is not None:
+        return tolerance, f"--tolerance {tolerance:.1e} (absolute)"
+    noise = floor(stats["noise_floor"], stats["logit_scale"])
+    return NOISE_FACTOR * noise, (f"{NOISE_FACTOR:g} × A's fp32 noise floor {noise:.1e} (A against itself with "
+                                  f"its FFN neurons reordered; logits up to {stats['logit_scale']:.3g})")
+
+
+def first_divergent_layer(stats: dict[str, Any]) -> int | None:
+    """The first layer whose residual stream in B differs from A's by more than `NOISE_FACTOR` × its floor."""
+    for i, layer in enumerate(stats.get("layers") or []):
+        if not layer["delta"] <= NOISE_FACTOR * floor(layer["floor"], layer["scale"]):
+            return i
+    return None
+
+
+def verdict(stats: dict[str, Any], tolerance: float | None = None) -> tuple[bool, str]:
+    """(passed, one-line verdict that states its criterion); NaN anywhere fails."""
     worst = stats["max_abs_diff"]
-    if worst <= tolerance:
-        return True, f"same function: max |Δlogits| {worst:.2e} ≤ tolerance {tolerance:.1e}"
-    return False, f"different functions: max |Δlogits| {worst:.2e} > tolerance {tolerance:.1e}"
+    bound, how = allowed(stats, tolerance)
+    tail = f"; KL {stats['kl_mean']:.1e}, top-1 agreement {stats['top1_agreement']:.1%}"
+    if worst <= bound:
+        return True, f"same function: max |Δlogits| {worst:.2e} ≤ {bound:.1e} = {how}{tail}"
+    layer = first_divergent_layer(stats)
+    where = f"; first layer over its noise floor: {layer}" if layer is not None else ""
+    return False, f"different functions: max |Δlogits| {worst:.2e} > {bound:.1e} = {how}{tail}{where}"
 
 
 def format_stats(stats: dict[str, Any]) -> str:
@@ -137,9 +211,36 @@ def format_stats(stats: dict[str, Any]) -> str:
         f"max |Δlogits|   {stats['max_abs_diff']:.3e}",
         f"mean |Δlogits|  {stats['mean_abs_diff']:.3e}",
         f"KL(A‖B)         {stats['kl_mean']:.3e} mean, {stats['kl_max']:.3e} max over positions",
+        f"top-1 agreement {stats['top1_agreement']:.2%}",
+        f"noise floor     {stats['noise_floor']:.3e} (A reordered against A; largest logit {stats['logit_scale']:.3g})",
     ]
     if stats["vocab_compared"] is not None:
         lines.append(
             f"note            vocabularies differ; compared the first {stats['vocab_compared']} entries"
         )
     return "\n".join(lines)
+
+
+def check_written(source: Path, written: Path, *, what: str) -> dict[str, Any]:
+    """Probe `written` (a staged output) against `source`; the record for its manifest, or an error.
+
+    Run by every write that claims to preserve the function (`what` names it); the error leaves nothing
+    behind because the caller is still inside its staging directory.
+    """
+    from upcycler.io import read_checkpoint
+
+    probe = dict(CHECK_PROBE)
+    written_ckpt = read_checkpoint(written)
+    probe["tokens"] = min(probe["tokens"], written_ckpt.spec.max_position_embeddings)
+    stats = compare_checkpoints((source, read_checkpoint(source)), (written, written_ckpt), **probe)
+    passed, line = verdict(stats)
+    if not passed:
+        raise UpcyclerError(f"{what} claims to preserve the function, but the written model does not: {line}; "
+                            "nothing was written; report this, or pass --no-verify to keep such an output")
+    bound, _ = allowed(stats)
+    return {
+        "against": Path(source).name, "probe": {**probe, "vocab": stats["probe"]["vocab"]},
+        "max_abs_logit_diff": stats["max_abs_diff"], "allowed": bound, "noise_floor": stats["noise_floor"],
+        "logit_scale": stats["logit_scale"], "kl_mean": stats["kl_mean"], "top1_agreement": stats["top1_agreement"],
+        "passed": passed, "verdict": line,
+    }

@@ -134,13 +134,7 @@ def hidden_states(
 ) -> tuple[jax.Array, Aux]:
     """The final-normed hidden states [B, L, D] (compute dtype) and the router outputs; see `forward`."""
     B, L = ids_BL.shape
-    if positions_BL is None:
-        positions_BL = jnp.broadcast_to(jnp.arange(L), (B, L))
-    inv_freq, factor = nn.rope_frequencies(spec)
-    cos_BLR, sin_BLR = nn.rope_tables(positions_BL, inv_freq, factor)
-    visible_BLS, distance_LS = nn.attention_mask(segment_ids_BL, B, L)
-    ctx = _Context(cos_BLR, sin_BLR, visible_BLS, distance_LS, segment_ids_BL is None)
-
+    ctx = _context(spec, B, L, segment_ids_BL, positions_BL)
     x_BLD = jnp.take(params["embed"], ids_BL, axis=0).astype(jnp.dtype(cfg.compute_dtype))
     logits, ids = [], []
     for run in layer_runs(spec):
@@ -150,6 +144,26 @@ def hidden_states(
             ids.append(run_aux[1])
     aux = Aux(jnp.concatenate(logits), jnp.concatenate(ids)) if logits else Aux()
     return nn.rms_norm(x_BLD, params["final_norm"], spec.rms_norm_eps), aux
+
+
+def _context(spec: ModelSpec, B: int, L: int, segment_ids_BL: jax.Array | None,
+             positions_BL: jax.Array | None) -> _Context:
+    if positions_BL is None:
+        positions_BL = jnp.broadcast_to(jnp.arange(L), (B, L))
+    inv_freq, factor = nn.rope_frequencies(spec)
+    cos_BLR, sin_BLR = nn.rope_tables(positions_BL, inv_freq, factor)
+    visible_BLS, distance_LS = nn.attention_mask(segment_ids_BL, B, L)
+    return _Context(cos_BLR, sin_BLR, visible_BLS, distance_LS, segment_ids_BL is None)
+
+
+def one_layer(x_BLD: jax.Array, p: Params, spec: ModelSpec, cfg: ModelConfig, *, kind: str, window: int) -> jax.Array:
+    """One decoder layer on its own (causal, positions 0..L−1): what `hidden_states` computes for a layer of
+    `kind` with sliding `window` (0: full attention) given that layer's parameters, unstacked. For running a
+    model one layer at a time (`upcycler.train.layerwise`)."""
+    B, L, _ = x_BLD.shape
+    ctx = _context(spec, B, L, None, None)
+    y_BLD, _ = _layer(x_BLD, (p, jnp.int32(window)), kind=kind, spec=spec, cfg=cfg, ctx=ctx, windowed=window > 0)
+    return y_BLD
 
 
 def unembed(params: Params, hidden_BLD: jax.Array, spec: ModelSpec) -> jax.Array:

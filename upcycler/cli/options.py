@@ -1,4 +1,5 @@
-"""Output options shared by every command that writes a checkpoint (convert, transforms, merge)."""
+"""Output options shared by every command that writes a checkpoint (convert, transforms, merge), and the
+`--no-verify` switch of the writes that claim to preserve the function (convert, transforms, recipes)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,29 @@ def write_output(ckpt: Checkpoint, out: Path, *, to: str, family: str | None, dt
     elif family:
         raise click.BadParameter("--family applies to --to hf only")
     return write_checkpoint(ckpt, out, to=to, **options)
+
+
+def verify_option(fn: Callable) -> Callable:
+    """--no-verify: skip the function check a function-preserving write runs before its output is renamed."""
+    return click.option("--no-verify", "no_verify", is_flag=True,
+                        help="Skip checking the written model against the source on a probe (the check runs "
+                             "after every function-preserving write, before the output is put in place).")(fn)
+
+
+def function_check(source: Path, what: str) -> Callable[[Path], dict]:
+    """The check a function-preserving write runs on its staged output: the written model against
+    `source` on a probe (`upcycler.verify.check_written`); `what` names the write in a failure."""
+    from upcycler.verify import check_written
+
+    return lambda staged: check_written(source, staged, what=what)
+
+
+def echo_verification(out: Path, skipped: str) -> None:
+    """Say on stderr how the written model was checked (its manifest's record), or why it was not."""
+    from upcycler.io.manifest import read_manifest
+
+    record = read_manifest(out).extra.get("verification")
+    if isinstance(record, dict) and "verdict" in record:
+        click.echo(f"verified: {record['verdict']}", err=True)
+    elif skipped:
+        click.echo(f"not verified: {skipped}", err=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from upcycler.cli.options import output_options
+from upcycler.cli.options import echo_verification, function_check, output_options, verify_option
 from upcycler.io.staging import check_output
 from upcycler.schema import Option
 from upcycler.transforms import TRANSFORMS
@@ -22,11 +22,12 @@ from upcycler.transforms.registry import Transform
 from upcycler.units import parse_size
 
 _CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, Path: click.Path(path_type=Path)}
-_RESERVED = {"src", "out", "to", "family", "dtype", "shard_size", "overwrite", "dry_run", "as_json"}
+_RESERVED = {"src", "out", "to", "family", "dtype", "shard_size", "overwrite", "dry_run", "as_json", "no_verify"}
 
 
 def run_options(fn: Callable) -> Callable:
-    """--dry-run and --json, shared by every transform command and `run`."""
+    """--dry-run, --json and --no-verify, shared by every transform command and `run`."""
+    fn = verify_option(fn)
     fn = click.option("--json", "as_json", is_flag=True,
                       help="Print the plan (with --dry-run) or the result as one JSON object.")(fn)
     return click.option("--dry-run", is_flag=True,
@@ -57,12 +58,13 @@ def _option(opt: Option) -> Callable:
     return click_option(opt)
 
 
-def finish(p, *, dry_run: bool, as_json: bool, overwrite: bool) -> None:
-    """Print the plan (dry run), or write, then print the notes and what was written.
+def finish(p, *, dry_run: bool, as_json: bool, overwrite: bool, no_verify: bool = False) -> None:
+    """Print the plan (dry run), or write, then print the notes, how the output was checked and what was
+    written.
 
     The notes follow the write so that a failed write says one thing only: its error.
     """
-    from upcycler.transforms.pipeline import execute
+    from upcycler.transforms.pipeline import execute, unchecked_reason
     from upcycler.units import human_bytes, human_count
 
     if dry_run:
@@ -70,13 +72,20 @@ def finish(p, *, dry_run: bool, as_json: bool, overwrite: bool) -> None:
         return
     if p.recipe.output.path is not None:  # refuse a bad OUT before anything is read
         check_output(p.recipe.output.path, overwrite=overwrite, sources=p.ckpt.inputs)
-    out = execute(p, overwrite=overwrite)
+    skipped = "--no-verify" if no_verify else unchecked_reason(p)
+    check = None if skipped else function_check(p.recipe.source, " + ".join(s.name for s in p.steps))
+    out = execute(p, overwrite=overwrite, check=check)
     if not as_json:
         for step in p.steps:
             for note in step.notes:
                 click.echo(f"{'note' if note.exact else 'warning'}: {step.name}: {note.text}", err=True)
+        echo_verification(out, skipped)
     if as_json:
-        click.echo(json.dumps({**p.to_json(), "written": str(out)}, indent=2))
+        from upcycler.io.manifest import read_manifest
+
+        record = read_manifest(out).extra.get("verification")
+        click.echo(json.dumps({**p.to_json(), "written": str(out), "verification": record or {"skipped": skipped}},
+                              indent=2))
         return
     spec = p.ckpt.spec
     click.echo(f"wrote {out}: {spec.family}, {spec.num_layers} layers, {human_count(spec.total_params())} "
@@ -87,15 +96,16 @@ def finish(p, *, dry_run: bool, as_json: bool, overwrite: bool) -> None:
 def transform_command(t: Transform) -> click.Command:
     """The click command of transform `t`: SRC, OUT, its options, the output options and --dry-run."""
 
-    def callback(src: Path, out: Path | None, dry_run: bool, as_json: bool, to: str, family: str | None,
-                 dtype: str | None, shard_size: str, overwrite: bool, **values) -> None:
+    def callback(src: Path, out: Path | None, dry_run: bool, as_json: bool, no_verify: bool, to: str,
+                 family: str | None, dtype: str | None, shard_size: str, overwrite: bool, **values) -> None:
         from upcycler.transforms.pipeline import plan
         from upcycler.transforms.recipe import Output, single
 
         if out is None and not dry_run:
             raise click.UsageError("missing argument OUT (only --dry-run can do without it)")
         recipe = single(t.name, values, src, Output(out, to, family, dtype, parse_size(shard_size, "--shard-size")))
-        finish(plan(recipe, allow_config_only=dry_run), dry_run=dry_run, as_json=as_json, overwrite=overwrite)
+        finish(plan(recipe, allow_config_only=dry_run), dry_run=dry_run, as_json=as_json, overwrite=overwrite,
+               no_verify=no_verify)
 
     fn: Callable = run_options(output_options(callback))
     for info in reversed(t.options()):
@@ -109,13 +119,13 @@ def transform_command(t: Transform) -> click.Command:
 @click.argument("recipe", type=click.Path(path_type=Path))
 @click.option("--overwrite", is_flag=True, help="Replace the output directory if it exists.")
 @run_options
-def run(recipe: Path, dry_run: bool, as_json: bool, overwrite: bool) -> None:
+def run(recipe: Path, dry_run: bool, as_json: bool, no_verify: bool, overwrite: bool) -> None:
     """Apply the transforms of RECIPE (YAML) in one streaming pass and write its output."""
     from upcycler.transforms.pipeline import plan
     from upcycler.transforms.recipe import load_recipe
 
     finish(plan(load_recipe(recipe), allow_config_only=dry_run), dry_run=dry_run, as_json=as_json,
-           overwrite=overwrite)
+           overwrite=overwrite, no_verify=no_verify)
 
 
 commands = [*(transform_command(t) for t in TRANSFORMS.values()), run]

@@ -1,10 +1,11 @@
 """`upcycle verify A B`: do two checkpoints compute the same function? (e.g. an upcycle and its parent)
 
-Runs both with the JAX model on the same probe tokens (`upcycler.verify`) and prints max and mean
-|Δlogits| and KL(A‖B). Exit 0 when max |Δlogits| ≤ `--tolerance`, else exit 1 with a one-line verdict.
-Bad options (a NaN, infinite or negative tolerance, a probe beyond its limits) and a model with NaN/inf
-weights are errors: one `error:` line naming the option or the model, exit 2, before or instead of a
-verdict.
+Runs both with the JAX model, one layer at a time, on the same probe tokens (`upcycler.verify`) and prints
+max and mean |Δlogits|, KL(A‖B), top-1 agreement and A's own fp32 noise floor. Exit 0 when max |Δlogits|
+is within `NOISE_FACTOR` × that floor (or ≤ `--tolerance`, an absolute bound, when given), else exit 1
+with a one-line verdict that names its criterion and the first layer that differs. Bad options (a NaN,
+infinite or negative tolerance, a probe beyond its limits) and a model with NaN/inf weights are errors:
+one `error:` line naming the option or the model, exit 2, before or instead of a verdict.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from pathlib import Path
 
 import click
 
-from upcycler.verify import MAX_BATCH, MAX_TOKENS, check_options, compare, format_stats, verdict
+from upcycler.verify import MAX_BATCH, MAX_TOKENS, NOISE_FACTOR, check_options, compare, format_stats, verdict
 
 
 @click.command("verify")
 @click.argument("a", type=click.Path(path_type=Path))
 @click.argument("b", type=click.Path(path_type=Path))
 @click.option(
-    "--tolerance", type=float, default=1e-4, show_default=True, help="Largest |Δlogits| that passes."
+    "--tolerance", type=float, default=None,
+    help=f"Largest max |Δlogits| that passes, absolute (default: {NOISE_FACTOR:g} × A's measured fp32 noise floor).",
 )
 @click.option(
     "--tokens", type=int, default=64, show_default=True,
@@ -33,7 +35,7 @@ from upcycler.verify import MAX_BATCH, MAX_TOKENS, check_options, compare, forma
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the probe token ids.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
-def command(a: Path, b: Path, tolerance: float, tokens: int, batch: int, seed: int, as_json: bool) -> None:
+def command(a: Path, b: Path, tolerance: float | None, tokens: int, batch: int, seed: int, as_json: bool) -> None:
     """Check that checkpoints A and B compute the same next-token logits (exit 1 when they do not)."""
     check_options(tokens=tokens, batch=batch, seed=seed, tolerance=tolerance)
     stats = compare(a, b, tokens=tokens, batch=batch, seed=seed)

@@ -59,7 +59,14 @@ def write_checkpoint(ckpt: Checkpoint, out: str | Path, *, to: str = "hf", **opt
 
         return write_hf(ckpt, out, **options)
     if to == "orbax":
+        from upcycler.io.orbax_read import read_orbax
         from upcycler.io.orbax_write import write_orbax
 
-        return write_orbax(ckpt, out, **options)
+        check = options.pop("check", None)
+
+        def layout_then_check(staged: Path) -> dict | None:
+            read_orbax(staged)  # the tree as written: exactly the declared leaves, shapes and dtypes
+            return check(staged) if check is not None else None
+
+        return write_orbax(ckpt, out, check=layout_then_check, **options)
     raise UpcyclerError(f"unknown output format {to!r}; use hf or orbax")

@@ -6,6 +6,12 @@
   or a single `model.safetensors` when everything fits.
 - `config.json` is written for the target family; tokenizer and generation files are copied.
 - `upcycler.json` records the spec, the lineage and the sha256 of every file written.
+- The shards are checked against the declared layout before anything else is written (`check_layout`):
+  every declared tensor present once with its shape, dtype and byte count, nothing else; a missing expert
+  or shard is an error naming it.
+- A `check` (the function check of a function-preserving write) runs on the staged directory once it is
+  complete; what it returns is recorded as `verification` in `upcycler.json`, and an error it raises
+  discards the output.
 - Everything goes to a hidden temporary sibling that is renamed to `out` only when complete
   (`upcycler.io.staging`: never over a source, never over a directory upcycler did not write); on any
   error (a full disk, a source that differs from its manifest) it is removed, so no finished-looking
@@ -24,15 +30,17 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from upcycler.errors import UpcyclerError
 from upcycler.families import Family, conform, family_named
 from upcycler.io.checkpoint import Checkpoint
 from upcycler.io.hashing import sha256_file
 from upcycler.io.hf_read import INDEX, SINGLE
 from upcycler.io.manifest import write_manifest
-from upcycler.io.safetensors_file import ShardWriter
+from upcycler.io.safetensors_file import ShardWriter, read_header
 from upcycler.io.staging import staged_directory
-from upcycler.layout import declare_params
+from upcycler.layout import account, declare_params
 from upcycler.tensors import cut_in_order, dtype_name, read_ahead
+from upcycler.untrusted import shown_path
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3
 
@@ -53,13 +61,10 @@ class _Item:
 
 def plan_items(ckpt: Checkpoint, family: Family) -> list[_Item]:
     """Every tensor to store, in canonical order, with per-expert items for stacked experts."""
+    account(ckpt.spec, ckpt.tensors)
     items = []
     for decl in declare_params(ckpt.spec):
-        if decl.name not in ckpt.tensors:
-            raise AssertionError(f"tensor {decl.name} declared by the spec is missing")
-        tensor = ckpt.tensors[decl.name]
-        if tensor.shape != decl.shape:
-            raise AssertionError(f"tensor {decl.name} has shape {tensor.shape}, the spec says {decl.shape}")
+        tensor = ckpt.tensors[decl.name]  # every declared tensor is there: `account` checked the map
         names = family.hf_names(decl)
         if decl.expert_stacked:
             for e, name in enumerate(names):
@@ -83,6 +88,7 @@ def write_hf(
     overwrite: bool = False,
     progress: bool = True,
     extra_manifest: dict | None = None,
+    check: Callable[[Path], dict] | None = None,
 ) -> Path:
     """Write `ckpt` to `out` in `family` (default: the spec's own) and return `out`.
 
@@ -97,6 +103,7 @@ def write_hf(
     total = sum(i.nbytes for i in items)
     with staged_directory(out, overwrite=overwrite, sources=ckpt.inputs) as tmp:
         files: dict[str, str | None] = dict(_write_shards(tmp, shards, total, progress))
+        check_layout(tmp, shards, out)
         config = {**target.write_config(spec), "torch_dtype": dtype_name(tensors["embed"].dtype)}
         _write_json(tmp / "config.json", config)
         files["config.json"] = None
@@ -109,10 +116,41 @@ def write_hf(
         for side in ckpt.side_files:
             shutil.copyfile(side, tmp / side.name)
             files[side.name] = None
-        write_manifest(tmp, spec, ckpt.lineage, extra=extra_manifest,
-                       files={name: _file_record(tmp / name, sha) for name, sha in files.items()})
+        records = {name: _file_record(tmp / name, sha) for name, sha in files.items()}
+        write_manifest(tmp, spec, ckpt.lineage, extra=extra_manifest, files=records)
         ckpt.check_inputs()
+        if check is not None:
+            write_manifest(tmp, spec, ckpt.lineage, extra={**(extra_manifest or {}), "verification": check(tmp)},
+                           files=records)
     return out
+
+
+def check_layout(directory: Path, shards: list[list[_Item]], out: Path) -> None:
+    """Refuse a staged output (`directory`, to become `out`) whose shards do not hold exactly the planned
+    tensors (name, shape, dtype, bytes), naming the first tensor missing, unexpected or different and its
+    shard; reads only the shard headers."""
+    found: dict[str, tuple[str, tuple[int, ...], np.dtype, int]] = {}
+    for name in _shard_names(len(shards)):
+        path = directory / name
+        if not path.is_file():
+            raise UpcyclerError(f"{shown_path(out / name)}: a planned shard was not written; nothing was written")
+        for entry in read_header(path)[0].values():
+            found[entry.name] = (name, entry.shape, entry.dtype, entry.nbytes)
+    for name, shard in zip(_shard_names(len(shards)), shards):
+        for item in shard:
+            got = found.pop(item.name, None)
+            want = (name, tuple(item.shape), np.dtype(item.dtype), item.nbytes)
+            if got is None:
+                raise UpcyclerError(f"{shown_path(out / name)}: tensor {item.name} is missing from the "
+                                    "written output; nothing was written")
+            if (got[0], tuple(got[1]), np.dtype(got[2]), got[3]) != want:
+                raise UpcyclerError(f"{shown_path(out / name)}: tensor {item.name} was written as "
+                                    f"{got[1]} {got[2]} in {got[0]}, the plan says {want[1]} {want[2]}; "
+                                    "nothing was written")
+    if found:
+        extra = min(found)
+        raise UpcyclerError(f"{shown_path(out / found[extra][0])}: holds tensor {extra} that the model "
+                            "does not declare; nothing was written")
 
 
 def _shard_names(n: int) -> list[str]:

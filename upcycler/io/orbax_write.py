@@ -6,6 +6,10 @@
   hashed from memory on a worker thread while Orbax writes it, so nothing is read back.
 - Everything goes to a temporary sibling that is renamed to OUT only when complete
   (`upcycler.io.staging`); a full disk gives one error and leaves nothing behind.
+- Before that, `check` runs on the complete staged directory (`write_checkpoint` passes one that opens it
+  with the reader, which checks that its pytree holds exactly the declared tensors with their shapes and
+  dtypes, then runs the function check of a function-preserving write); a record it returns is added to
+  the manifest as `verification`.
 - Reading is lazy and lives in `upcycler.io.orbax_read`; the trainer reads an Orbax output through it
   (`read_checkpoint`), one tensor at a time.
 """
@@ -17,6 +21,7 @@ import logging
 import shutil
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
@@ -31,7 +36,7 @@ from upcycler.io.hashing import sha256_file
 from upcycler.io.manifest import write_manifest
 from upcycler.io.orbax_layout import CHUNK_BYTES, PARAMS
 from upcycler.io.staging import staged_directory
-from upcycler.layout import ParamDecl, declare_params
+from upcycler.layout import ParamDecl, account, declare_params
 from upcycler.tensors import LazyTensor, TensorMap, cut_in_order, dtype_name
 
 DEFAULT_GROUP_BYTES = 512 * 1024**2
@@ -45,6 +50,7 @@ def write_orbax(
     progress: bool = True,
     extra_manifest: dict | None = None,
     group_bytes: int = DEFAULT_GROUP_BYTES,
+    check: Callable[[Path], dict | None] | None = None,
 ) -> Path:
     """Write `ckpt` to `out` in the layout above and return `out`.
 
@@ -52,7 +58,8 @@ def write_orbax(
     the spec and the lineage (in the manifest) and the side files.
     """
     out = Path(out).absolute()  # Orbax requires absolute destinations
-    decls = _checked_decls(ckpt)
+    account(ckpt.spec, ckpt.tensors)
+    decls = declare_params(ckpt.spec)
     groups = _groups(decls, ckpt.tensors, group_bytes)
     with staged_directory(out, overwrite=overwrite, sources=ckpt.inputs) as tmp:
         try:
@@ -68,18 +75,11 @@ def write_orbax(
                             "sha256": digests[d.name]} for d in decls}
         write_manifest(tmp, ckpt.spec, ckpt.lineage, files=files, tensors=tensors, extra=extra_manifest)
         ckpt.check_inputs()
+        record = check(tmp) if check is not None else None
+        if record is not None:
+            write_manifest(tmp, ckpt.spec, ckpt.lineage, files=files, tensors=tensors,
+                           extra={**(extra_manifest or {}), "verification": record})
     return out
-
-
-def _checked_decls(ckpt: Checkpoint) -> list[ParamDecl]:
-    decls = declare_params(ckpt.spec)
-    for decl in decls:
-        if decl.name not in ckpt.tensors:
-            raise AssertionError(f"tensor {decl.name} declared by the spec is missing")
-        if ckpt.tensors[decl.name].shape != decl.shape:
-            raise AssertionError(f"tensor {decl.name} has shape {ckpt.tensors[decl.name].shape}, "
-                                 f"the spec says {decl.shape}")
-    return decls
 
 
 def _groups(decls: list[ParamDecl], tensors: TensorMap, group_bytes: int) -> list[list[ParamDecl]]:

