@@ -20,13 +20,14 @@ def _ffn(spec, layer: int) -> str:
 
 
 def perturbed(ckpt, layer: int) -> dict:
-    """Every weight of every layer × (1 + 1e-3 · N(0, 1)), as a careless cast or a lossy copy would do."""
+    """Every weight matrix of one layer × (1 + 1e-2 · N(0, 1)): a few bf16 ulps, as a lossy copy would do."""
     rng = np.random.default_rng(0)
     out = {}
     for name, t in ckpt.tensors.items():
-        if name.startswith("layers.") and t.dtype.kind == "f" and len(t.shape) >= 2:
+        if name.startswith(f"layers.{layer}.") and len(t.shape) >= 2:
             w = t.load()
-            out[name] = constant((w * (1 + 1e-3 * rng.standard_normal(w.shape))).astype(w.dtype))
+            noisy = w.astype(np.float32) * (1 + 1e-2 * rng.standard_normal(w.shape)).astype(np.float32)
+            out[name] = constant(noisy.astype(w.dtype))
     return out
 
 

@@ -102,7 +102,7 @@ def test_bad_conversions_of_a_real_model_fail(variant, parent, overlap, tmp_path
     proc = run_cli("verify", parent[0], bad, check=False)
     verdict = proc.stdout.strip().splitlines()[-1]
     assert proc.returncode == 1 and verdict.startswith("different functions"), proc.stdout + proc.stderr
-    assert f"first layer over its noise floor: {0 if variant == 'perturbed' else 17}" in verdict
+    assert "first layer over its noise floor: 17" in verdict
     shutil.rmtree(bad)
 
 
