@@ -359,3 +359,14 @@ def test_refuses_an_moe_source(tiny_dir, tmp_path):
                    check=False)
     assert_clean_failure(proc, mentions="already MoE")
     assert leftovers(tmp_path, "out") == []
+
+
+def test_expert_width_in_a_recipe_equals_the_flag(tiny_dir, tmp_path):
+    src = tiny_dir("llama", intermediate_size=112)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"source: {src}\ntransforms:\n  - dense-to-moe: {{experts: 64, topk: 8, expert_width: 16}}\n"
+                      f"output: {{path: {tmp_path / 'from-recipe'}}}\n")
+    run_cli("run", recipe)
+    run_cli("dense-to-moe", src, tmp_path / "from-flags", "--experts", "64", "--topk", "8", "--expert-width", "16")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "from-recipe" / name).read_bytes() == (tmp_path / "from-flags" / name).read_bytes()
