@@ -341,6 +341,7 @@ REFUSALS = {
     "width-and-granularity": (["--experts", "64", "--topk", "8", "--expert-width", "16", "--granularity", "8"],
                               "pass one"),
     "width-too-wide": (["--experts", "8", "--topk", "2", "--expert-width", "129"], "choose at most 128"),
+    "width-zero": (["--experts", "8", "--topk", "2", "--expert-width", "0"], "--expert-width must be ≥ 1"),
     "shared-takes-all": (["--experts", "8", "--topk", "2", "--expert-width", "64", "--shared-experts", "2"],
                          "leave none"),
 }

@@ -123,7 +123,7 @@ def _check(cfg: DenseToMoE, spec: ModelSpec) -> Cover:
                             "MoE; upcycle its dense original instead")
     G, S, N, K, F = cfg.granularity, cfg.shared_experts, cfg.experts, cfg.topk, spec.intermediate_size
     W = cfg.expert_width
-    if G < 1 or N < 1 or K < 1 or S < 0 or cfg.dense_layers < 0 or not 0 <= cfg.seed < 2**64 or (W or 1) < 1:
+    if G < 1 or N < 1 or K < 1 or S < 0 or cfg.dense_layers < 0 or not 0 <= cfg.seed < 2**64 or (W is not None and W < 1):
         raise UpcyclerError("--experts, --topk, --granularity and --expert-width must be ≥ 1; --shared-experts "
                             "and --dense-layers ≥ 0; --seed between 0 and 2^64 − 1")
     within_limit(N, "num_experts", "--experts")
