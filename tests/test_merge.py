@@ -24,6 +24,7 @@ from tiny_models import logits, make_tiny, random_ids
 from upcycler.io import read_checkpoint, write_checkpoint
 from upcycler.io.checkpoint import Checkpoint
 from upcycler.merge import (
+    METHODS,
     MergeInput,
     describe_plan,
     find_checkpoints,
@@ -131,6 +132,8 @@ def llama_base(tmp_path_factory):
 def pma_weights(method: str, n: int, alpha: float = 0.2) -> list[float]:
     if method == "sma":
         w = [1.0] * n
+    elif method == "minus-sqrt":  # WSM: differences of the decay 1 − √x at positions 0, 1/n, …, 1
+        w = [(1 - (i / n) ** 0.5) - (1 - ((i + 1) / n) ** 0.5) for i in range(n)]
     elif method == "ema":
         w = [alpha * (1 - alpha) ** (n - 1 - i) for i in range(n)]
     else:
@@ -138,7 +141,7 @@ def pma_weights(method: str, n: int, alpha: float = 0.2) -> list[float]:
     return [x / sum(w) for x in w]
 
 
-@pytest.mark.parametrize("method", ["sma", "ema", "wma"])
+@pytest.mark.parametrize("method", ["sma", "ema", "wma", "minus-sqrt"])
 def test_pma_averages_match_numpy(tmp_path, llamas, method):
     got = merged(tmp_path, llamas, method)
     assert_matches(got, ref_average([stored(p) for p in llamas], pma_weights(method, len(llamas))))
@@ -151,6 +154,24 @@ def test_ema_alpha_and_newest_weighs_most(tmp_path, llamas):
     assert_matches(got, ref_average([stored(p) for p in llamas], weights))
 
 
+def test_minus_sqrt_weights_by_hand_and_oldest_weighs_most():
+    """WSM weights w_i = √((i+1)/n) − √(i/n), written out by hand for n = 1, 2, 4."""
+    weights = METHODS["minus-sqrt"].fn
+    assert METHODS["minus-sqrt"].paper == "https://arxiv.org/abs/2507.17634"
+    np.testing.assert_allclose(weights(1), [1.0], rtol=0, atol=1e-15)
+    np.testing.assert_allclose(weights(2), [0.5 ** 0.5, 1 - 0.5 ** 0.5], rtol=1e-12)
+    r2, r3 = 2 ** 0.5, 3 ** 0.5
+    np.testing.assert_allclose(weights(4), [0.5, r2 / 2 - 0.5, r3 / 2 - r2 / 2, 1 - r3 / 2], rtol=1e-12)
+    np.testing.assert_allclose(weights(4), [0.5, 0.2071067811865476, 0.1589186225978911, 0.1339745962155614],
+                               rtol=1e-12)
+    for n in (1, 2, 3, 4, 7, 16, 100, 1000):
+        w = weights(n)
+        assert w.shape == (n,) and (w > 0).all(), n
+        assert abs(w.sum() - 1.0) < 1e-12, n
+        assert (np.diff(w) < 0).all(), n  # strictly decreasing: the oldest checkpoint weighs most
+        assert w[0] == pytest.approx(n ** -0.5, rel=1e-12)  # the oldest weighs 1/√n
+
+
 def test_linear_matches_numpy_and_no_normalize(tmp_path, llamas):
     models = [stored(p) for p in llamas]
     assert_matches(merged(tmp_path, llamas, "linear", weights=[0.5, 0.3, 0.2]),
@@ -161,7 +182,7 @@ def test_linear_matches_numpy_and_no_normalize(tmp_path, llamas):
     assert_matches(out, ref_average(models, [1.0, 2.0, -0.5]))
 
 
-@pytest.mark.parametrize("method", ["sma", "ema", "wma", "linear"])
+@pytest.mark.parametrize("method", ["sma", "ema", "wma", "minus-sqrt", "linear"])
 def test_averaging_identical_checkpoints_is_bit_exact(tmp_path, llamas, method):
     n = 5
     weights = [0.1, 0.3, 0.2, 0.15, 0.25] if method == "linear" else None
@@ -413,6 +434,25 @@ def test_cli_merges_last_steps_of_a_run(tmp_path, llamas):
     assert_matches(stored(tmp_path / "out"), want)
     step = json.loads((tmp_path / "out" / "upcycler.json").read_text())["lineage"][-1]
     assert [i["step"] for i in step["inputs"]] == [2000, 3000]
+
+
+def test_cli_minus_sqrt_over_a_run_is_the_wsm_weighted_average(tmp_path, llamas):
+    """`--method minus-sqrt` over steps 1000, 2000, 3000 (step 1500 skipped by --every): weights
+    √(1/3), √(2/3) − √(1/3), 1 − √(2/3), oldest first."""
+    run = tmp_path / "run"
+    for step, model in zip((1000, 2000, 3000), llamas):
+        shutil.copytree(model, run / f"step_{step}")
+    shutil.copytree(llamas[0], run / "1500")
+    weights = [(1 / 3) ** 0.5, (2 / 3) ** 0.5 - (1 / 3) ** 0.5, 1 - (2 / 3) ** 0.5]
+    dry = run_cli("merge", run, tmp_path / "out", "--method", "minus-sqrt", "--every", "1000", "--dry-run")
+    assert "https://arxiv.org/abs/2507.17634" in dry.stdout
+    rows = [line.split() for line in dry.stdout.splitlines() if line.startswith("  ") and "step_" in line]
+    assert [int(row[2]) for row in rows] == [1000, 2000, 3000]
+    np.testing.assert_allclose([float(row[1]) for row in rows], weights, rtol=1e-5)
+    run_cli("merge", run, tmp_path / "out", "--method", "minus-sqrt", "--every", "1000")
+    assert_matches(stored(tmp_path / "out"), ref_average([stored(p) for p in llamas], weights))
+    step = json.loads((tmp_path / "out" / "upcycler.json").read_text())["lineage"][-1]
+    assert [i["step"] for i in step["inputs"]] == [1000, 2000, 3000]
 
 
 # --- memory ---------------------------------------------------------------------------------------------

@@ -4,16 +4,22 @@ Layout of `RUN_DIR/<step>/`:
 
     params/          the parameters in the canonical Orbax layout (leaf `layers.3.attn.q_proj`, …, one
                      array per canonical tensor, float32), so the step is also a model checkpoint
+    ema/             with `optimizer.ema`: the weights' moving average, in the same layout as params/
     opt_state/       the optax state (Adam moments laid out like the training parameters)
     data/            the data iterator's state (JSON; the same on every process)
-    meta/            step, ModelSpec, lineage (JSON)
+    meta/            step, tokens_seen, lr (of the last step trained), ModelSpec, lineage, and the
+                     loss-spike guard's record of rewinds (JSON)
     upcycler.json    the model manifest (spec + lineage, as `upcycler.io.orbax_write` writes it), added once
                      the step is committed, with the tokenizer files beside it, so `read_checkpoint` and
                      `upcycle convert RUN_DIR/<step> OUT --to hf` work on the step directory
+    hf/              with `checkpoint.hf_every`: the step as a Hugging Face checkpoint (`checkpoint.hf_dtype`)
 
 A step directory appears only when Orbax has committed every item (a run killed mid-save leaves a
-temporary directory that the next run ignores and removes). The manifest and tokenizer are added after
-the commit by the primary process; `export_committed` repairs any step that lacks them.
+temporary directory that the next run ignores and removes). The manifest, tokenizer and Hugging Face
+export are added after the commit by the primary process, on Orbax's background thread when saves are
+async (the steps go on meanwhile); the export is staged (`upcycler.io.staging`) and appears only
+complete. `export_committed` repairs any step that lacks them, so a run killed during an export
+rewrites it when it resumes.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import json
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import orbax.checkpoint as ocp
@@ -30,11 +36,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.manifest import MANIFEST, write_manifest
+from upcycler.io.orbax_layout import PARAMS
 from upcycler.spec import ModelSpec
 from upcycler.train.model.params import ParamInfo, Params, declare_tree
 from upcycler.train.preflight import committed_steps
 
-ITEMS = ("params", "opt_state", "data", "meta")
+ITEMS = ("params", "ema", "opt_state", "data", "meta")
+HF_DIR = "hf"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
@@ -87,13 +95,17 @@ class RunCheckpoints:
         async_save: bool = True,
         lineage: Sequence[Mapping[str, Any]] = (),
         tokenizer: Path | None = None,
+        hf_every: int = 0,
+        hf_dtype: str = "bfloat16",
     ):
         self.run_dir = Path(run_dir).absolute()
         self.spec = spec
         self.lineage = [dict(x) for x in lineage]
         self.tokenizer = tokenizer
+        self.hf_every, self.hf_dtype = hf_every, hf_dtype
         self._async = async_save
-        callback = self.export_committed if async_save else None
+        self._export_error: BaseException | None = None
+        callback = self._export_in_background if async_save else None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             create=True,
@@ -118,50 +130,78 @@ class RunCheckpoints:
         opt_state: Any,
         data_state: Mapping[str, Any],
         lineage_step: Mapping[str, Any],
+        *,
+        ema: Params | None = None,
+        extra_meta: Mapping[str, Any] = {},
     ) -> None:
-        """Start saving `step` (returns once the arrays are copied off the devices when async)."""
-        canonical = self._canonical(params, self.spec)
+        """Start saving `step` (returns once the arrays are copied off the devices when async).
+
+        `extra_meta` goes into meta/ beside step, spec and lineage (tokens_seen, lr, rewinds)."""
         meta = {
             "step": step,
+            **extra_meta,
             "spec": json.loads(self.spec.to_json()),
             "lineage": [*self.lineage, dict(lineage_step)],
         }
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                params=ocp.args.StandardSave(canonical),
-                opt_state=ocp.args.StandardSave(opt_state),
-                data=ocp.args.JsonSave(dict(data_state)),
-                meta=ocp.args.JsonSave(meta),
-            ),
-            force=True,
-        )
+        items = {
+            "params": ocp.args.StandardSave(self._canonical(params, self.spec)),
+            "opt_state": ocp.args.StandardSave(opt_state),
+            "data": ocp.args.JsonSave(dict(data_state)),
+            "meta": ocp.args.JsonSave(meta),
+        }
+        if ema is not None:
+            items["ema"] = ocp.args.StandardSave(self._canonical(ema, self.spec))
+        self.raise_export_error()
+        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         if not self._async:
             self.export_committed()
 
     def restore(
-        self, step: int, abstract_params: Params, abstract_opt_state: Any
-    ) -> tuple[Params, Any, dict, dict]:
-        """(params, opt_state, data state, meta) of `step`, placed like the abstract trees say."""
+        self, step: int, abstract_params: Params, abstract_opt_state: Any, *, with_ema: bool = False
+    ) -> Restored:
+        """Everything saved at `step`, placed like the abstract trees say (the EMA only `with_ema`)."""
         shardings = jax.tree.map(lambda a: a.sharding, abstract_params)
         canonical_abstract = _canonical_abstract(self.spec, abstract_params, shardings)
+        items = {
+            "params": ocp.args.StandardRestore(canonical_abstract),
+            "opt_state": ocp.args.StandardRestore(abstract_opt_state),
+            "data": ocp.args.JsonRestore(),
+            "meta": ocp.args.JsonRestore(),
+        }
+        if with_ema:
+            if not (self.step_dir(step) / "ema").is_dir():
+                raise UpcyclerError(
+                    f"{self.step_dir(step)}: was saved without optimizer.ema, so there is no average to "
+                    "continue; resume with optimizer.ema 0, or start a new run from this step"
+                )
+            items["ema"] = ocp.args.StandardRestore(canonical_abstract)
         try:
-            out = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    params=ocp.args.StandardRestore(canonical_abstract),
-                    opt_state=ocp.args.StandardRestore(abstract_opt_state),
-                    data=ocp.args.JsonRestore(),
-                    meta=ocp.args.JsonRestore(),
-                ),
-            )
+            out = self._manager.restore(step, args=ocp.args.Composite(**items))
         except (ValueError, KeyError, FileNotFoundError) as err:
             raise UpcyclerError(
                 f"{self.step_dir(step)}: cannot restore ({str(err).splitlines()[0]}); the checkpoint "
                 "does not match this model and optimiser; resume with the config it was written with"
             ) from None
-        params = jax.jit(from_canonical, static_argnums=1, out_shardings=shardings)(out["params"], self.spec)
-        return params, out["opt_state"], dict(out["data"]), dict(out["meta"])
+        stack = jax.jit(from_canonical, static_argnums=1, out_shardings=shardings)
+        ema = stack(out["ema"], self.spec) if with_ema else None
+        return Restored(stack(out["params"], self.spec), out["opt_state"], dict(out["data"]), dict(out["meta"]),
+                        ema)
+
+    def restore_params(self, step: int, abstract_params: Params) -> Params:
+        """The parameters saved at `step` alone, placed like `abstract_params`."""
+        shardings = jax.tree.map(lambda a: a.sharding, abstract_params)
+        canonical_abstract = _canonical_abstract(self.spec, abstract_params, shardings)
+        out = self._manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(canonical_abstract)))
+        return jax.jit(from_canonical, static_argnums=1, out_shardings=shardings)(out["params"], self.spec)
+
+    def delete(self, step: int) -> None:
+        """Remove the checkpoint of `step` (collective, like a save)."""
+        self._manager.delete(step)
+
+    def committed(self) -> list[int]:
+        """The steps saved and committed so far, oldest first (waits for a save in flight)."""
+        self._manager.wait_until_finished()
+        return sorted(self._manager.all_steps())
 
     def close(self) -> None:
         self._manager.wait_until_finished()
@@ -169,18 +209,40 @@ class RunCheckpoints:
         self.export_committed()
 
     def export_committed(self) -> None:
-        """On the primary process: add the manifest and tokenizer files to committed steps that lack them."""
+        """On the primary process: add the manifest, tokenizer files and Hugging Face export (`hf_every`) to
+        committed steps that lack them; raises what an export in the background raised."""
+        self.raise_export_error()
         if jax.process_index() != 0:
             return
         for step_dir in committed_steps(self.run_dir).values():
             try:
                 self._export(step_dir)
-            except FileNotFoundError:
-                continue  # removed by keep-N while we looked
+            except (FileNotFoundError, UpcyclerError):
+                if step_dir.is_dir():
+                    raise
+                continue  # removed by keep-N while we looked or wrote
+
+    def raise_export_error(self) -> None:
+        """Raise (once) the error of an export that failed on the background thread."""
+        error, self._export_error = self._export_error, None
+        if error is not None:
+            raise error
+
+    def _export_in_background(self) -> None:
+        try:
+            self.export_committed()
+        except Exception as err:  # noqa: BLE001  (kept for the main thread: Orbax's thread would only log it)
+            self._export_error = err
 
     def _export(self, step_dir: Path) -> None:
-        if (step_dir / MANIFEST).exists() or not (step_dir / "meta").is_dir():
+        if not (step_dir / "meta").is_dir():
             return
+        if not (step_dir / MANIFEST).exists():
+            self._add_manifest(step_dir)
+        if self.hf_every and int(step_dir.name) % self.hf_every == 0 and not (step_dir / HF_DIR).exists():
+            export_hf(step_dir, self.hf_dtype)
+
+    def _add_manifest(self, step_dir: Path) -> None:
         meta = json.loads(_meta_file(step_dir).read_text(encoding="utf-8"))
         if self.tokenizer is not None:
             for name in TOKENIZER_FILES:
@@ -190,6 +252,31 @@ class RunCheckpoints:
         # no `files` or `tensors` digests: hashing every parameter byte at every checkpoint would cost more
         # than the save, and `read_checkpoint` does not need them
         write_manifest(step_dir, ModelSpec.from_json(json.dumps(meta["spec"])), meta["lineage"])
+
+
+class Restored(NamedTuple):
+    """A checkpoint read back: parameters, optimiser state, data position, meta, and the EMA (or None)."""
+
+    params: Params
+    opt_state: Any
+    data: dict
+    meta: dict
+    ema: Params | None
+
+
+def export_hf(step_dir: Path, dtype: str) -> Path:
+    """Write `step_dir/hf/`, the committed step as a Hugging Face checkpoint in `dtype`, staged: it appears
+    only complete, and a write killed midway leaves only a hidden partial directory the next one removes."""
+    from upcycler.io import read_checkpoint, write_checkpoint
+    from upcycler.io.manifest import convert_step
+    from upcycler.tensors import parse_dtype
+
+    ckpt = read_checkpoint(step_dir)
+    # the bytes come from params/ (and the side files beside it), never from hf/
+    ckpt = ckpt.replace(inputs=tuple(step_dir / PARAMS if p == step_dir else p for p in ckpt.inputs))
+    cast = ckpt.cast(parse_dtype(dtype))
+    ckpt = ckpt.with_step(convert_step("hf", ckpt.spec.family, dtype), ckpt.spec, cast.tensors)
+    return write_checkpoint(ckpt, step_dir / HF_DIR, to="hf", progress=False)
 
 
 def _canonical_abstract(spec: ModelSpec, abstract_params: Params, shardings: Params) -> Params:

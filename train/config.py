@@ -7,6 +7,7 @@ Schema (every section but `model` and `data` is optional; defaults shown):
     model:
       init: ckpt/                      # HF or Orbax checkpoint to start from (an upcycled MoE, say)
       tokenizer: null                  # tokenizer.json or its directory; default: init/tokenizer.json
+      init_from_merge: null            # "RUN --last 3 --method sma": start from an average of a run's steps
       compute_dtype: float32           # float32 | bfloat16 (master weights are always float32)
       weights_dtype: float32           # dtype the forward reads the weights in (bfloat16: half the FSDP traffic)
       attention: einsum                # einsum | dot_product | chunked (query blocks of attention_chunk)
@@ -30,11 +31,19 @@ Schema (every section but `model` and `data` is optional; defaults shown):
         - {kind: warmup, until_step: 100}
         - {kind: constant, until_step: 900}
         - {kind: cosine, until_step: 1000, lr: 3.0e-5}
-    loss: {lb_coef: 0.01, z_coef: 0.001, ce_chunk: 0}   # ce_chunk: positions per logits block (0: all)
+      trainable: all                   # all | new_layers | a regex over canonical tensor names
+      ema: 0.0                         # decay of the weights' moving average saved with checkpoints (0: off)
+    loss:
+      lb_coef: 0.01
+      z_coef: 0.001
+      ce_chunk: 0                      # positions per logits block (0: all)
+      bias_update_rate: 0.0            # aux-loss-free balancing of the selection bias (0: off)
+      bias_update: on                  # on | frozen (keep an inherited bias as it is)
+      spike: null                      # {factor: 3.0, window: 20, action: stop | rewind, average: 3}
     mesh: {data: 1, fsdp: -1, expert: 1}   # -1: all remaining devices
     distributed: {coordinator: null, num_processes: null, process_id: null}
-    checkpoint: {every: 100, keep: 3, async: true}
-    metrics: {peak_flops: null, expert_load_every: 1, progress: true}
+    checkpoint: {every: 100, keep: 3, async: true, hf_every: 0, hf_dtype: bfloat16}
+    metrics: {peak_flops: null, expert_load_every: 1, progress: true, dead_below: 0.1, stop_on_collapse: false}
 
 Each option is declared once, as a field below (type, default, choices, range, help); the YAML reader
 (`upcycler.schema.from_mapping`) and the `continued-pretrain` flags are derived from those fields.
@@ -49,6 +58,7 @@ so any document yields a `TrainConfig` or one `UpcyclerError` line naming the fi
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -68,6 +78,7 @@ GMM_BACKENDS = ("auto", "tiled", "ragged_dot", "megablox")  # the grouped-matmul
 MOE_DISPATCHES = ("gspmd", "all_to_all", "all_gather")  # `upcycler.train.model.expert_parallel`
 COMM_DTYPES = ("fp32", "bf16", "fp8")  # payloads of the compressed collectives, `upcycler.train.model.comm`
 GRAD_COMM_DTYPES = ("native", "fp32", "bf16")
+HF_DTYPES = ("bfloat16", "float16", "float32")
 MAX_DEVICES = 1 << 20
 _FIX = "fix the config (or the flag that sets it)"
 _STEPS = Range(1, MAX_STEP)
@@ -125,6 +136,11 @@ class ModelSection(ModelConfig):
 
     init: Path = field(help="The checkpoint to start from (HF or Orbax).")
     tokenizer: Path | None = field(None, help="tokenizer.json or its directory (default: init/tokenizer.json).")
+    init_from_merge: str | None = field(
+        None, metavar="'RUN --last N --method M'",
+        help="Start from an average of a run's checkpoints instead of model.init's weights: a run directory "
+             "and `upcycle merge` step options (--last, --every, --until, --method sma|ema|wma|minus-sqrt, "
+             "--alpha), e.g. 'runs/a --last 3 --method sma'. model.init still gives the architecture.")
 
     def run_config(self) -> ModelConfig:
         """The `ModelConfig` part alone: what the jitted forward is specialised on."""
@@ -149,6 +165,32 @@ class OptimizerConfig:
     weight_decay: float = field(0.1, range=_NON_NEGATIVE, help="Decoupled weight decay, on matrices only.")
     clip_norm: float = field(1.0, range=_NON_NEGATIVE, help="Global-norm clipping (0: off).")
     schedule: tuple[SchedulePhase, ...] = field((), help="Phases in absolute steps (empty: constant lr).")
+    trainable: str = field("all", metavar="all|new_layers|REGEX",
+                           help="What the optimiser changes: all; new_layers (the blocks inserted by the last "
+                                "depth growth, from the checkpoint's lineage); or a regular expression searched "
+                                "in canonical tensor names (e.g. 'experts|router'). Frozen tensors keep their "
+                                "bytes and have no optimiser state.")
+    ema: float = field(0.0, range=Range(0, 1, hi_open=True),
+                       help="Decay of an exponential moving average of the weights kept during training and "
+                            "saved with each checkpoint (0: off); `upcycle convert RUN/<step> --weights ema` "
+                            "exports it.")
+
+
+SPIKE_ACTIONS = ("stop", "rewind")
+BIAS_UPDATES = ("on", "frozen")
+
+
+@dataclass(frozen=True)
+class SpikeConfig:
+    """`loss.spike`: a step whose loss exceeds `factor` × the median of the previous `window` steps."""
+
+    factor: float = field(3.0, range=Range(1, None, lo_open=True),
+                          help="A loss above this multiple of the recent median is a spike.")
+    window: int = field(20, range=Range(1, 1 << 20), help="Steps whose median loss a step is compared with.")
+    action: str = field("stop", choices=SPIKE_ACTIONS,
+                        help="stop: end the run naming the last good checkpoints; rewind: continue from the "
+                             "average of the last `average` good checkpoints (and their optimiser state).")
+    average: int = field(3, range=Range(1, 1 << 10), help="How many good checkpoints a rewind averages.")
 
 
 @dataclass(frozen=True)
@@ -158,6 +200,13 @@ class LossConfig:
     ce_chunk: int = field(0, range=Range(0, 1 << 22),
                           help="Positions per block of the cross-entropy (0: all at once); with a block, "
                                "the [tokens, vocab] logits never exist in full.")
+    bias_update_rate: float = field(0.0, range=_NON_NEGATIVE,
+                                    help="Auxiliary-loss-free balancing: after each step every MoE layer's "
+                                         "selection bias moves by rate · sign(mean load − expert load) (0: off).")
+    bias_update: str = field("on", choices=BIAS_UPDATES,
+                             help="on: bias_update_rate moves the selection bias; frozen: an inherited bias "
+                                  "is used as it is and never changes.")
+    spike: SpikeConfig | None = field(None, help="Loss-spike guard (off when absent).")
 
 
 @dataclass(frozen=True)
@@ -181,6 +230,10 @@ class CheckpointConfig:
     every: int = field(100, range=_STEPS, help="Save every this many steps.")
     keep: int = field(3, range=_STEPS, help="Keep the newest this many checkpoints.")
     async_save: bool = field(True, key="async", help="Save in the background.")
+    hf_every: int = field(0, range=Range(0, MAX_STEP),
+                          help="Also write RUN_DIR/<step>/hf/, a Hugging Face checkpoint, for every saved step "
+                               "divisible by this (0: never); written after the save commits, in the background.")
+    hf_dtype: str = field("bfloat16", choices=HF_DTYPES, help="dtype of the Hugging Face exports.")
 
 
 @dataclass(frozen=True)
@@ -189,6 +242,11 @@ class MetricsConfig:
                                      help="Per-device peak FLOP/s; MFU is reported only when set.")
     expert_load_every: int = field(1, range=_STEPS, help="Log the expert load every this many steps.")
     progress: bool = field(True, help="Show a progress bar.")
+    dead_below: float = field(0.1, range=Range(0, 1),
+                              help="An expert is dead when it received less than this fraction of its fair share "
+                                   "of token copies over the last expert_load_every steps.")
+    stop_on_collapse: bool = field(False, help="Stop the run when an MoE layer has collapsed (at least half its "
+                                               "routed experts dead), naming the layer and the last checkpoint.")
 
 
 @dataclass(frozen=True)
@@ -250,7 +308,26 @@ def check(config: TrainConfig, origin: str = "config") -> None:
             f"{origin}: model.moe_chunks {config.model.moe_chunks} applies to the all_gather dispatch; set "
             "model.moe_dispatch to all_gather, or model.moe_chunks to 1"
         )
+    if config.loss.bias_update == "frozen" and config.loss.bias_update_rate > 0:
+        raise UpcyclerError(
+            f"{origin}: loss.bias_update is frozen but loss.bias_update_rate is {config.loss.bias_update_rate}; "
+            "set the rate to 0 to keep the bias fixed, or bias_update to on"
+        )
+    _check_trainable(config.optimizer.trainable, origin)
     _check_distributed(config.distributed, origin)
+
+
+def _check_trainable(trainable: str, origin: str) -> None:
+    """`optimizer.trainable` is all, new_layers or a regular expression that compiles."""
+    if trainable in ("all", "new_layers"):
+        return
+    try:
+        re.compile(trainable)
+    except re.error as err:
+        raise UpcyclerError(
+            f"{origin}: optimizer.trainable {describe(trainable)} is not all, new_layers or a valid regular "
+            f"expression ({err}); fix the pattern"
+        ) from None
 
 
 def _check_distributed(d: DistributedConfig, origin: str) -> None:

@@ -14,6 +14,11 @@
     mfu             model FLOPs utilisation against `metrics.peak_flops` per device (only when set)
     expert_load     per MoE layer, the fraction of token copies each expert received (every
                     `metrics.expert_load_every` steps); sums to 1 per layer
+    expert_health   per MoE layer over a window of `metrics.expert_load_every` steps, on the window's
+                    last step (windows start at multiples of it, so a run resumed from a checkpoint at
+                    such a step logs what it would have uninterrupted): load_min, load_max, load_cv,
+                    dead, overload, entropy, bias_norm (`upcycler.train.expert_health`)
+    spike           on a step the loss-spike guard caught: {action, median, averaged} (`spike_guard`)
 
 A resumed run first drops the lines of steps at or after its start step (they were not checkpointed), so
 the log always describes one uninterrupted trajectory. A value that is not finite is written as null.
@@ -40,6 +45,7 @@ import numpy as np
 from upcycler.errors import UpcyclerError
 from upcycler.layout import declare_params
 from upcycler.spec import ModelSpec
+from upcycler.train.expert_health import check_logged_health, layer_health
 from upcycler.untrusted import MAX_JSON_BYTES, describe, integer, open_regular, parse_json, real, shown_path
 
 METRICS_FILE = "metrics.jsonl"
@@ -108,8 +114,10 @@ def step_record(
     peak_flops: float | None,
     num_devices: int,
     with_load: bool,
+    health: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The JSON record of one step from the train step's (host) metric arrays."""
+    """The JSON record of one step from the train step's (host) metric arrays (and the expert health of
+    the window that ends here, when given)."""
     rec: dict[str, Any] = {"step": step, "loss": float(raw["loss"])}
     src_loss, src_tokens = np.asarray(raw["source_loss"]), np.asarray(raw["source_tokens"])
     for name, loss_sum, count in zip(sources, src_loss, src_tokens):
@@ -132,7 +140,43 @@ def step_record(
         counts = np.asarray(raw["expert_counts"], dtype=np.float64)
         totals = np.maximum(counts.sum(axis=1, keepdims=True), 1.0)
         rec["expert_load"] = np.round(counts / totals, 6).tolist()
+    if health is not None:
+        rec["expert_health"] = dict(health)
     return rec
+
+
+class ExpertWindow:
+    """Token copies per expert, router entropy and selection bias over the steps since the last health
+    record; `take` turns them into `expert_health` statistics and starts a new window."""
+
+    def __init__(self, spec: ModelSpec, dead_below: float):
+        self.top_k = spec.moe.top_k if spec.moe is not None else 1  # unused for a dense model: no counts
+        self.dead_below = dead_below
+        self._counts: np.ndarray | None = None
+        self._entropy: np.ndarray | None = None
+        self._steps = 0
+        self._bias: np.ndarray | None = None
+
+    def add(self, raw: Mapping[str, Any]) -> None:
+        """Add one step's host metrics (a dense model's carry no expert counts: nothing happens)."""
+        if "expert_counts" not in raw:
+            return
+        counts = np.asarray(raw["expert_counts"], np.int64)
+        entropy = np.asarray(raw["router_entropy"], np.float64)
+        self._counts = counts if self._counts is None else self._counts + counts
+        self._entropy = entropy if self._entropy is None else self._entropy + entropy
+        self._steps += 1
+        if "selection_bias" in raw:
+            self._bias = np.asarray(raw["selection_bias"], np.float64)
+
+    def take(self) -> dict[str, list] | None:
+        """The window's health statistics (None before any MoE step), and an empty window."""
+        if self._counts is None:
+            return None
+        health = layer_health(self._counts, self.top_k, self.dead_below, self._entropy / self._steps, self._bias)
+        self._counts = self._entropy = None
+        self._steps = 0
+        return health
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -198,6 +242,8 @@ def parse_metrics_line(line: str | bytes, where: str) -> dict[str, Any] | None:
             real(value, key, where, fix=_FIX)
     if "expert_load" in record:
         _check_load(record["expert_load"], where)
+    if "expert_health" in record:
+        check_logged_health(record["expert_health"], where, fix=_FIX)
     return record
 
 
@@ -249,12 +295,15 @@ class Progress:
 
             self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
 
-    def update(self, record: Mapping[str, Any]) -> None:
+    def update(self, record: Mapping[str, Any], experts: str = "") -> None:
+        """Show one step's record; `experts` is the expert-health summary of its window, when it has one."""
         if not self.enabled:
             return
         summary = f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s"
         if "mfu" in record:
             summary += f" mfu {100 * record['mfu']:.1f}%"
+        if experts:
+            summary += f" {experts}"
         if self._bar is not None:
             self._bar.set_postfix_str(summary, refresh=False)
             self._bar.update(1)

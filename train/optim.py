@@ -16,22 +16,33 @@ the last phase the last value holds. An empty schedule is the constant peak lear
 Master weights are float32 (the model casts them to the compute dtype where they are used), and so are the
 gradients and both Adam moments. Buffers (the sigmoid router's selection bias) get no update, and weight
 decay applies to matrices only, never to norms, biases or buffers.
+
+`optimizer.trainable` freezes parameters row by row (a row: one layer of a stacked leaf): `all`, the
+blocks depth growth inserted (`new_layers`, read from the init checkpoint's lineage), or the tensors whose
+canonical name a regex finds. Frozen rows have no optimiser state: the update gathers the trainable rows
+(static indices), runs clipping and AdamW on them alone (the clipping norm counts only them) and scatters
+the result back, so a frozen row never changes by a bit and a leaf with no trainable row keeps no state.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from upcycler.errors import UpcyclerError
+from upcycler.io.manifest import new_layers
 from upcycler.spec import ModelSpec
 from upcycler.train.config import OptimizerConfig
 from upcycler.train.model.params import ParamInfo, Params, declare_tree
+from upcycler.untrusted import describe
 
 Schedule = Callable[[Any], jax.Array]
 
@@ -89,17 +100,126 @@ def decay_mask(spec: ModelSpec) -> Params:
     return jax.tree.map(decays, declare_tree(spec), is_leaf=_is_info)
 
 
-def make_optimizer(o: OptimizerConfig, spec: ModelSpec) -> tuple[optax.GradientTransformation, Schedule]:
+def trainable_rows(o: OptimizerConfig, spec: ModelSpec, lineage: Sequence[Mapping[str, Any]] = ()) -> Params | None:
+    """Which rows (layers of a stacked leaf) `optimizer.trainable` lets the optimiser change; None: all.
+
+    A tree like the parameters: per stacked leaf a numpy bool array over its rows, per other leaf a numpy
+    bool scalar. Buffers never train. `lineage` (the init checkpoint's) says which layers are new."""
+    if o.trainable == "all":
+        return None
+    if o.trainable == "new_layers":
+        layers = _new_layers(spec, lineage)
+        trains = lambda name: _layer(name) in layers
+    else:
+        pattern = re.compile(o.trainable)
+        trains = lambda name: pattern.search(name) is not None
+
+    def rows(info: ParamInfo) -> np.ndarray:
+        kept = np.array([trains(name) and not info.is_buffer for name in info.names], bool)
+        return kept if info.stacked else kept[0]
+
+    out = jax.tree.map(rows, declare_tree(spec), is_leaf=_is_info)
+    if not any(r.any() for r in jax.tree.leaves(out)):
+        raise UpcyclerError(f"optimizer.trainable {describe(o.trainable)} matches no trainable tensor of the "
+                            "model; fix the pattern (it is searched in canonical names such as "
+                            "layers.3.attn.q_proj, embed, final_norm)")
+    return out
+
+
+def _new_layers(spec: ModelSpec, lineage: Sequence[Mapping[str, Any]]) -> frozenset[int]:
+    layers = new_layers(lineage)
+    fix = ("grow the model with `upcycle depth` (which records them), or name the tensors to train with a "
+           "regex, e.g. optimizer.trainable: '^layers\\.(4|9)\\.'")
+    if layers is None:
+        raise UpcyclerError("optimizer.trainable new_layers: the init checkpoint's lineage (upcycler.json) records "
+                            f"no depth growth with its new layers; {fix}")
+    if not layers:
+        raise UpcyclerError("optimizer.trainable new_layers: the depth growth in the init checkpoint's lineage "
+                            f"added no layer; {fix}")
+    if any(j >= spec.num_layers for j in layers):
+        raise UpcyclerError(f"optimizer.trainable new_layers: the lineage's new layers {list(layers)} are not all "
+                            f"among the model's {spec.num_layers} layers; {fix}")
+    return frozenset(layers)
+
+
+def _layer(name: str) -> int | None:
+    """The layer index of a canonical tensor name (`layers.{i}.…`), None outside the layers."""
+    parts = name.split(".", 2)
+    return int(parts[1]) if parts[0] == "layers" else None
+
+
+def keep_trainable(grads: Params, rows: Params | None) -> Params:
+    """`grads` with the rows `trainable_rows` freezes set to zero (unchanged when `rows` is None)."""
+    if rows is None:
+        return grads
+
+    def keep(r: np.ndarray, g: jax.Array) -> jax.Array:
+        if r.all():
+            return g
+        if not r.any():
+            return jnp.zeros_like(g)
+        return jnp.where(r.reshape(-1, *(1,) * (g.ndim - 1)), g, jnp.zeros((), g.dtype))
+
+    return jax.tree.map(keep, rows, grads)
+
+
+class TrainableRowsState(NamedTuple):
+    """The state of `only_rows`: the inner state, over the trainable rows alone."""
+
+    inner_state: optax.OptState
+
+
+def only_rows(inner: optax.GradientTransformation, rows: Params) -> optax.GradientTransformation:
+    """`inner` applied to the trainable rows of every leaf (`trainable_rows`); its state holds only those.
+
+    Per leaf: all rows train: the leaf as it is; none: an `optax.MaskedNode` (no state at all); some: the
+    rows at static indices. Frozen rows get the update -0.0, which leaves every float bit for bit
+    (x + -0.0 == x, signed zeros included), so they never change, whatever the decay or the gradients."""
+
+    def gather(r: np.ndarray, x: Any) -> Any:
+        if r.all():
+            return x
+        if not r.any():
+            return optax.MaskedNode()
+        return jnp.take(x, np.flatnonzero(r), axis=0, indices_are_sorted=True, unique_indices=True)
+
+    def scatter(r: np.ndarray, u: Any, like: jax.Array) -> jax.Array:
+        if r.all():
+            return u
+        frozen = jnp.full_like(like, -0.0)
+        if not r.any():
+            return frozen
+        return frozen.at[np.flatnonzero(r)].set(u.astype(like.dtype), indices_are_sorted=True, unique_indices=True)
+
+    def init(params: Params) -> TrainableRowsState:
+        if not isinstance(params, Mapping):  # `optax.tree_map_params` probes `init` with a placeholder
+            return TrainableRowsState(inner.init(params))
+        return TrainableRowsState(inner.init(jax.tree.map(gather, rows, params)))
+
+    def update(updates: Params, state: TrainableRowsState, params: Params | None = None):
+        kept = None if params is None else jax.tree.map(gather, rows, params)
+        new, inner_state = inner.update(jax.tree.map(gather, rows, updates), state.inner_state, kept)
+        return jax.tree.map(scatter, rows, new, updates), TrainableRowsState(inner_state)
+
+    return optax.GradientTransformation(init, update)
+
+
+def make_optimizer(o: OptimizerConfig, spec: ModelSpec, lineage: Sequence[Mapping[str, Any]] = ()
+                   ) -> tuple[optax.GradientTransformation, Schedule]:
     """(AdamW with clipping and the schedule, the schedule itself). The update count is the step.
 
     The state's structure does not depend on the hyperparameters, so a checkpoint resumes under a changed
-    learning rate, schedule, clipping or weight decay."""
+    learning rate, schedule, clipping or weight decay; it does depend on `optimizer.trainable` (moments of
+    the trainable rows only, see `only_rows`)."""
     schedule = make_schedule(o)
-    frozen = jax.tree.map(lambda t: not t, trainable_mask(spec))
     clip = optax.clip_by_global_norm(o.clip_norm) if o.clip_norm > 0 else optax.identity()
     adamw = optax.adamw(
         schedule, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mask=decay_mask(spec)
     )
+    rows = trainable_rows(o, spec, lineage)
+    if rows is not None:
+        return only_rows(optax.chain(clip, adamw), rows), schedule
+    frozen = jax.tree.map(lambda t: not t, trainable_mask(spec))
     return optax.chain(optax.masked(optax.set_to_zero(), frozen), clip, adamw), schedule
 
 
@@ -112,15 +232,19 @@ def grad_norm(grads: Params, spec: ModelSpec) -> jax.Array:
 def opt_state_shardings(
     tx: optax.GradientTransformation, abstract_params: Params, param_shardings: Params, mesh: Mesh
 ) -> Any:
-    """Shardings of the optimiser state: moments like their parameters, counters replicated."""
+    """Shardings of the optimiser state: moments like their parameters, counters replicated.
+
+    Moments of some rows only (`only_rows`) take their parameter's sharding as it is: the layer axis is
+    never split (`sharding.RULES`), so fewer rows change nothing; a leaf without state stays a MaskedNode."""
     abstract_state = jax.eval_shape(tx.init, abstract_params)
     replicated = NamedSharding(mesh, PartitionSpec())
     return optax.tree_map_params(
         tx,
-        lambda _, sharding: sharding,
+        lambda leaf, sharding: leaf if isinstance(leaf, optax.MaskedNode) else sharding,
         abstract_state,
         param_shardings,
         transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, optax.MaskedNode),
     )
 
 

@@ -16,11 +16,13 @@ from typing import Any
 
 from upcycler.errors import UpcyclerError
 from upcycler.io import read_checkpoint
+from upcycler.io.checkpoint import Checkpoint
 from upcycler.io.hashing import sha256_file
 from upcycler.io.staging import overlap
 from upcycler.spec import ModelSpec
 from upcycler.train.config import TrainConfig
 from upcycler.train.data.sources import open_source
+from upcycler.train.init_merge import plan_init_merge
 from upcycler.untrusted import shown_path
 
 
@@ -32,6 +34,7 @@ class RunInputs:
     lineage: tuple[dict[str, Any], ...]
     tokenizer: Path
     init: Path
+    merged_init: Checkpoint | None = None  # `model.init_from_merge`: the (lazy) average to start from
 
 
 def prepare(config: TrainConfig, resume: bool) -> RunInputs:
@@ -73,17 +76,38 @@ def prepare(config: TrainConfig, resume: bool) -> RunInputs:
         raise UpcyclerError(
             f"{shown_path(config.run_dir)}: no checkpoint to resume from; drop --resume to start a new run"
         )
-    return RunInputs(init.spec, tuple(init.lineage), tokenizer.absolute(), config.model.init)
+    _check_balancing(config, init.spec)
+    merged = None
+    if config.model.init_from_merge is not None and not resume:
+        merged = plan_init_merge(config.model.init_from_merge, init.spec)
+        for source in merged.inputs:
+            refuse_overlap(config.run_dir, source, "model.init_from_merge")
+    lineage = tuple((merged or init).lineage)
+    return RunInputs(init.spec, lineage, tokenizer.absolute(), config.model.init, merged)
+
+
+def _check_balancing(config: TrainConfig, spec: ModelSpec) -> None:
+    """Bias balancing needs a router with a selection bias to move."""
+    if config.loss.bias_update_rate > 0 and not (spec.moe is not None and spec.moe.router_bias):
+        raise UpcyclerError(
+            f"{shown_path(config.model.init)}: loss.bias_update_rate {config.loss.bias_update_rate:g} moves the "
+            f"router's selection bias, but this {spec.family} model has none (GLM-4-MoE and DeepSeek-V3 "
+            "routers have one: upcycle with --target glm4_moe); set loss.bias_update_rate to 0 or use lb_coef"
+        )
 
 
 def refuse_run_dir_overlap(config: TrainConfig) -> None:
     """Refuse a run_dir that is, contains or lies inside model.init or data.dir (symlinks resolved)."""
     for option, source in (("model.init", config.model.init), ("data.dir", config.data.dir)):
-        why = overlap(config.run_dir, source)
-        if why is None:
-            continue
+        refuse_overlap(config.run_dir, source, option)
+
+
+def refuse_overlap(run_dir: Path, source: Path, option: str) -> None:
+    """Refuse a run_dir that is, contains or lies inside `source` (what `option` names)."""
+    why = overlap(run_dir, source)
+    if why is not None:
         raise UpcyclerError(
-            f"{shown_path(config.run_dir)}: run_dir {why} {option} {shown_path(source)}; the run would write "
+            f"{shown_path(run_dir)}: run_dir {why} {option} {shown_path(source)}; the run would write "
             "over its own input; choose a run_dir outside the checkpoint and the data"
         )
 

@@ -7,6 +7,11 @@
     expert_load_layer{i}.png for MoE runs: per MoE layer i (0-based among MoE layers), a heatmap of the
                              fraction of token copies each expert received, step by step; a perfectly
                              balanced layer is flat at 1/E
+    expert_health.png        when records carry `expert_health` (`upcycler.train.expert_health`): one panel
+                             per logged statistic (load_cv, dead, overload, entropy, bias_norm) over the
+                             steps, a thin line per MoE layer (coloured by depth, viridis: first layer
+                             dark, last yellow) and a bold line for the worst layer at each step (the
+                             highest value; the lowest for entropy)
 
 The report reads only the metrics log, so it works on a run in progress and on a copy of the log. The
 log is read with `read_metrics` (every line checked; a torn last line of a killed run is ignored, any
@@ -26,6 +31,7 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.staging import staged_files
+from upcycler.train.expert_health import HEALTH_KEYS, check_logged_health
 from upcycler.train.metrics import METRICS_FILE, read_metrics
 from upcycler.untrusted import shown_path
 
@@ -42,10 +48,13 @@ def make_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     records = read_metrics(run_dir)
     if not records:
         raise UpcyclerError(f"{shown_path(log)}: no complete step yet; run at least one step first")
+    health = _health_series(records, shown_path(log))  # checked before anything is drawn
     out = Path(out) if out is not None else run_dir / "report"
     with staged_files(out, "--out") as stage:
         names = [_loss(records, stage / "loss.png"), _training(records, stage / "training.png")]
         names += _expert_load(records, stage)
+        if health is not None:
+            names.append(_expert_health(*health, stage / "expert_health.png"))
     return [out / name for name in names]
 
 
@@ -141,6 +150,73 @@ def _expert_load(records: Sequence[dict[str, Any]], out: Path) -> list[str]:
         ax.set(xlabel="step", ylabel="expert", title=f"expert load, MoE layer {layer}")
         paths.append(_save(fig, out / f"expert_load_layer{layer}.png"))
     return paths
+
+
+_HEALTH_PANELS = (  # key, title, whether a low value is the bad one
+    ("load_cv", "load CV (std / mean of counts; 0 = balanced)", False),
+    ("dead", "dead experts", False),
+    ("overload", "overload (max count / fair share)", False),
+    ("entropy", "router entropy (nats/token)", True),
+    ("bias_norm", "selection-bias L2 norm", False),
+)
+
+
+def _health_series(
+    records: Sequence[dict[str, Any]], log: str
+) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
+    """The steps [T] that logged `expert_health` and, per statistic present, its values [T, M] (NaN
+    where a step lacks it or logged null); None when no record has it. Every `expert_health` is checked
+    (`check_logged_health`) and must cover as many layers as the first one."""
+    logged = [r for r in records if "expert_health" in r]
+    first: tuple[int, int] | None = None  # (layers, step)
+    for r in logged:
+        where = f"{log}: step {r['step']}"
+        health = check_logged_health(r["expert_health"], where)  # its lists are of one length
+        layers = next((len(health[key]) for key in HEALTH_KEYS if key in health), None)
+        if layers is None:
+            continue
+        if first is None:
+            first = (layers, r["step"])
+        elif layers != first[0]:
+            raise UpcyclerError(f"{where}: expert_health covers {layers} layers, but step {first[1]} covers "
+                                f"{first[0]}; fix or delete that line")
+    if first is None:
+        return None
+    nulls = [None] * first[0]
+    series = {
+        key: np.asarray([[np.nan if v is None else v for v in r["expert_health"].get(key, nulls)]
+                         for r in logged], dtype=np.float64)
+        for key, _, _ in _HEALTH_PANELS
+        if any(key in r["expert_health"] for r in logged)
+    }
+    return (np.asarray([r["step"] for r in logged]), series) if series else None
+
+
+def _expert_health(steps: np.ndarray, series: dict[str, np.ndarray], path: Path) -> str:
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    panels = [p for p in _HEALTH_PANELS if p[0] in series]
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 4 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    layers = next(iter(series.values())).shape[1]
+    colours = plt.get_cmap("viridis")(np.linspace(0, 1, layers))
+    for ax, (key, title, low_is_bad) in zip(axes.flat, panels):
+        values = series[key]  # [T, M]
+        for layer in range(layers):
+            ax.plot(steps, values[:, layer], color=colours[layer], lw=0.8, alpha=0.7,
+                    label=f"MoE layer {layer}" if layers <= 8 or layer in (0, layers - 1) else None)
+        worst = (np.fmin if low_is_bad else np.fmax).reduce(values, axis=1)  # NaN only if all are
+        ax.plot(steps, worst, color="black", lw=1.8, label="worst layer")
+        ax.set(xlabel="step", title=title)
+        if key == "dead":
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return _save(fig, path)
 
 
 def _save(fig: Any, path: Path) -> str:

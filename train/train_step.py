@@ -10,7 +10,7 @@ Shape suffixes follow the dimension key of `upcycler.train.model` (here: B, L, V
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,12 +20,20 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from upcycler.spec import ModelSpec
+from upcycler.train import balancing, sharding
 from upcycler.train import model as model_lib
-from upcycler.train import sharding
 from upcycler.train.config import LossConfig, OptimizerConfig
+from upcycler.train.ema import ema_update
 from upcycler.train.model import moe
 from upcycler.train.model.params import ParamInfo, Params, abstract_params, declare_tree
-from upcycler.train.optim import Schedule, grad_norm, make_optimizer, opt_state_shardings
+from upcycler.train.optim import (
+    Schedule,
+    grad_norm,
+    keep_trainable,
+    make_optimizer,
+    opt_state_shardings,
+    trainable_rows,
+)
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "mask", "source_id")
@@ -34,11 +42,13 @@ BATCH_KEYS = ("inputs", "targets", "mask", "source_id")
 @jax.tree_util.register_dataclass
 @dataclass
 class TrainState:
-    """Step counter (int32 scalar: steps done), float32 parameters and the optax state."""
+    """Step counter (int32 scalar: steps done), float32 parameters, the optax state and, with
+    `optimizer.ema`, the float32 moving average of the parameters (`upcycler.train.ema`; else None)."""
 
     step: jax.Array
     params: Params
     opt_state: Any
+    ema: Params | None = None
 
 
 def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
@@ -50,15 +60,26 @@ def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
 
 def router_terms(aux: model_lib.Aux, mask_BL: jax.Array, spec: ModelSpec) -> dict[str, jax.Array]:
     """Load-balancing loss (1.0 when balanced) and z-loss, each the mean over MoE layers, over the whole
-    batch's real tokens; and the token copies each expert received, per layer [M, E]."""
+    batch's real tokens; the token copies each expert received, per layer [M, E]; and the mean over real
+    tokens of the entropy (nats) of the router's distribution over experts, per layer [M]."""
     E, kind = spec.moe.num_experts, spec.moe.router  # type: ignore[union-attr]
 
-    def one_layer(logits_BLE: jax.Array, ids_BLk: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def one_layer(logits_BLE: jax.Array, ids_BLk: jax.Array) -> tuple[jax.Array, ...]:
         lb = moe.load_balancing_loss(logits_BLE, ids_BLk, mask_BL, E, "batch", router_kind=kind)
-        return lb, moe.router_z_loss(logits_BLE, mask_BL), moe.expert_load(ids_BLk, mask_BL, E)
+        entropy = router_entropy(logits_BLE, mask_BL, kind)
+        return lb, moe.router_z_loss(logits_BLE, mask_BL), moe.expert_load(ids_BLk, mask_BL, E), entropy
 
-    lb_M, z_M, counts_ME = jax.vmap(one_layer)(aux.router_logits, aux.expert_ids)
-    return {"lb_loss": lb_M.mean(), "z_loss": z_M.mean(), "expert_counts": counts_ME}
+    lb_M, z_M, counts_ME, entropy_M = jax.vmap(one_layer)(aux.router_logits, aux.expert_ids)
+    return {"lb_loss": lb_M.mean(), "z_loss": z_M.mean(), "expert_counts": counts_ME, "router_entropy": entropy_M}
+
+
+def router_entropy(logits_BLE: jax.Array, mask_BL: jax.Array, router_kind: str) -> jax.Array:
+    """Mean over real tokens of the entropy of each token's routing distribution (the softmax, or the
+    sigmoid scores normalised to sum 1): log E when uniform, 0 when one expert takes everything."""
+    scores = jax.lax.stop_gradient(moe.router_probs(logits_BLE, router_kind))
+    probs = scores / jnp.maximum(scores.sum(-1, keepdims=True), 1e-30)
+    per_token = -jnp.sum(jnp.where(probs > 0, probs * jnp.log(jnp.where(probs > 0, probs, 1.0)), 0.0), -1)
+    return (per_token * mask_BL).sum() / jnp.maximum(mask_BL.sum(), 1.0)
 
 
 def token_nll(
@@ -125,7 +146,8 @@ def loss_fn(
         terms = router_terms(aux, mask_BL, spec)
         lb, z = share * terms["lb_loss"], share * terms["z_loss"]
         total = total + loss.lb_coef * lb + loss.z_coef * z
-        metrics.update(lb_loss=lb, z_loss=z, expert_counts=terms["expert_counts"])
+        metrics.update(lb_loss=lb, z_loss=z, expert_counts=terms["expert_counts"],
+                       router_entropy=share * terms["router_entropy"])
     metrics["total_loss"] = total
     return total, metrics
 
@@ -138,11 +160,16 @@ def make_train_step(
     schedule: Schedule,
     num_sources: int,
     microbatches: int = 1,
+    trainable: Params | None = None,
+    ema_decay: float = 0.0,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-    """The (unjitted) step: gradients of `loss_fn`, clipped AdamW update, metrics of the step.
+    """The (unjitted) step: gradients of `loss_fn`, clipped AdamW update, metrics of the step; then the
+    selection-bias update (`loss.bias_update_rate`, `upcycler.train.balancing`) and the weights' moving
+    average (`ema_decay`, `upcycler.train.ema`, when the state carries one).
 
     With `microbatches` > 1 the rows run in that many parts under a `lax.scan`, gradients and metrics
     summed in fp32: the same update as one batch (see `loss_fn`), with one part's activations alive.
+    `trainable` (from `optim.trainable_rows`) zeroes the frozen rows' gradients before the norm is taken.
     """
 
     def loss_of(weights: Params, batch: Batch, step_tokens: jax.Array | None):
@@ -163,10 +190,16 @@ def make_train_step(
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         grads, metrics = gradients(state, batch)
+        grads = keep_trainable(grads, trainable)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics.update(grad_norm=grad_norm(grads, spec), lr=schedule(state.step))
-        return TrainState(state.step + 1, params, opt_state), metrics
+        if balancing.has_selection_bias(spec):
+            metrics["selection_bias"] = balancing.selection_bias(state.params)
+            if loss.bias_update == "on" and loss.bias_update_rate > 0:
+                params = balancing.update_selection_bias(params, metrics["expert_counts"], loss.bias_update_rate)
+        ema = None if state.ema is None else ema_update(state.ema, params, state.step + 1, ema_decay)
+        return TrainState(state.step + 1, params, opt_state, ema), metrics
 
     return step
 
@@ -216,12 +249,15 @@ class StateLayout:
     schedule: Schedule
     shardings: TrainState
     abstract: TrainState
+    trainable: Params | None  # `optim.trainable_rows`: None when every parameter trains
 
 
-def state_layout(spec: ModelSpec, optimizer: OptimizerConfig, mesh: Mesh) -> StateLayout:
+def state_layout(spec: ModelSpec, optimizer: OptimizerConfig, mesh: Mesh,
+                 lineage: Sequence[Mapping[str, Any]] = ()) -> StateLayout:
     """The layout of the train state of `spec` on `mesh`: float32 master weights laid out by the
-    sharding rules, Adam moments like their parameters, counters replicated."""
-    tx, schedule = make_optimizer(optimizer, spec)
+    sharding rules, Adam moments like their parameters (of the trainable rows only), counters replicated.
+    `lineage` (the init checkpoint's) tells `optimizer.trainable: new_layers` which blocks are new."""
+    tx, schedule = make_optimizer(optimizer, spec, lineage)
     param_shardings = sharding.param_shardings(spec, mesh)
     params = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, jnp.float32, sharding=s), abstract_params(spec), param_shardings
@@ -231,9 +267,11 @@ def state_layout(spec: ModelSpec, optimizer: OptimizerConfig, mesh: Mesh) -> Sta
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), jax.eval_shape(tx.init, params), opt_shardings
     )
     replicated = sharding.replicated(mesh)
-    shardings = TrainState(replicated, param_shardings, opt_shardings)
-    abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params, opt_state)
-    return StateLayout(tx, schedule, shardings, abstract)
+    with_ema = optimizer.ema > 0
+    shardings = TrainState(replicated, param_shardings, opt_shardings, param_shardings if with_ema else None)
+    abstract = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated), params, opt_state,
+                          params if with_ema else None)
+    return StateLayout(tx, schedule, shardings, abstract, trainable_rows(optimizer, spec, lineage))
 
 
 def abstract_batch(global_batch_size: int, seq_len: int, mesh: Mesh) -> Batch:

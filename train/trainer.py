@@ -9,7 +9,10 @@ Guarantees:
 - a resumed run (`resume=True`) restores parameters, optimiser state, step and data position from the
   latest committed checkpoint and then follows bit for bit the trajectory of an uninterrupted run;
 - a step whose loss or gradient norm is NaN or infinite stops the run with an error naming the step and
-  the last good checkpoint; nothing computed from it is saved;
+  the last good checkpoint; nothing computed from it is saved (with `loss.spike`, the guard decides:
+  `upcycler.train.spike_guard`);
+- with `metrics.stop_on_collapse`, a window in which an MoE layer lost half its experts stops the run
+  naming the layer and the last checkpoint;
 - SIGTERM finishes the current step, saves a checkpoint and exits normally.
 """
 
@@ -32,13 +35,23 @@ from upcycler.errors import UpcyclerError
 from upcycler.io import read_checkpoint
 from upcycler.io.manifest import PretrainStep, pretrain_step
 from upcycler.spec import ModelSpec
+from upcycler.train import expert_health
 from upcycler.train import mesh as mesh_lib
 from upcycler.train.checkpointing import RunCheckpoints
 from upcycler.train.config import TrainConfig
 from upcycler.train.data.mix import DataIterator, make_data_iterator
-from upcycler.train.metrics import MetricsLog, Progress, flops_per_token, step_record
+from upcycler.train.metrics import (
+    METRICS_FILE,
+    ExpertWindow,
+    MetricsLog,
+    Progress,
+    flops_per_token,
+    read_metrics,
+    step_record,
+)
 from upcycler.train.model.params import from_tensors
 from upcycler.train.preflight import RunInputs, prepare
+from upcycler.train.spike_guard import SpikeGuard
 from upcycler.train.train_step import TrainState, compile_step, global_batch, make_train_step, state_layout
 from upcycler.untrusted import shown_path
 
@@ -81,7 +94,7 @@ class _Run:
         self.config, self.checked, self.mesh, self.data = config, checked, mesh, data
         self.spec = spec = checked.spec
         self.model_cfg = config.model.run_config()
-        self.layout = state_layout(spec, config.optimizer, mesh)
+        self.layout = state_layout(spec, config.optimizer, mesh, checked.lineage)
         self.tx, self.schedule = self.layout.tx, self.layout.schedule
         self.state_shardings = self.layout.shardings
         self.ckpts = RunCheckpoints(
@@ -91,7 +104,10 @@ class _Run:
             async_save=config.checkpoint.async_save,
             lineage=checked.lineage,
             tokenizer=checked.tokenizer,
+            hf_every=config.checkpoint.hf_every,
+            hf_dtype=config.checkpoint.hf_dtype,
         )
+        self.rewinds: list[dict[str, Any]] = []
 
     def initial_state(self) -> TrainState:
         """Step 0: the init checkpoint's tensors as float32, each device reading only its shards.
@@ -99,23 +115,27 @@ class _Run:
         When the init is an upcycler output, what was read is checked against its manifest's digests
         before the first step: a corrupted init is refused, naming the file.
         """
-        init = read_checkpoint(self.checked.init)
+        init = self.checked.merged_init or read_checkpoint(self.checked.init)
         params = from_tensors(self.spec, init.tensors, dtype=np.float32, shardings=self.state_shardings.params)
         init.check_inputs()
         opt_state = jax.jit(self.tx.init, out_shardings=self.state_shardings.opt_state)(params)
-        return TrainState(jnp.asarray(0, jnp.int32), params, opt_state)
+        ema = None
+        if self.config.optimizer.ema > 0:  # a copy: the step donates the parameters' buffers
+            ema = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.state_shardings.params)(params)
+        return TrainState(jnp.asarray(0, jnp.int32), params, opt_state, ema)
 
     def resumed_state(self) -> TrainState:
         """The latest committed checkpoint, placed with the run's shardings; the data iterator follows it."""
         step = self.ckpts.latest_step()
         abstract = self.layout.abstract
-        params, opt_state, data_state, meta = self.ckpts.restore(step, abstract.params, abstract.opt_state)
-        if ModelSpec.from_json(json.dumps(meta["spec"])) != self.spec:
+        saved = self.ckpts.restore(step, abstract.params, abstract.opt_state, with_ema=abstract.ema is not None)
+        if ModelSpec.from_json(json.dumps(saved.meta["spec"])) != self.spec:
             raise UpcyclerError(
                 f"{self.ckpts.step_dir(step)}: was trained from another model than {self.checked.init}"
             )
-        self.data.set_state(data_state)
-        return TrainState(jnp.asarray(step, jnp.int32), params, opt_state)
+        self.rewinds = list(saved.meta.get("rewinds", []))
+        self.data.set_state(saved.data)
+        return TrainState(jnp.asarray(step, jnp.int32), saved.params, saved.opt_state, saved.ema)
 
     def loop(self, state: TrainState) -> RunResult:
         """Train from `state` to `config.steps`, logging every step and checkpointing as configured."""
@@ -124,11 +144,13 @@ class _Run:
         sources = self.data.source_names
         step_fn = make_train_step(
             self.spec, self.model_cfg, config.loss, self.tx, self.schedule, len(sources),
-            microbatches=config.data.microbatches,
+            microbatches=config.data.microbatches, trainable=self.layout.trainable, ema_decay=config.optimizer.ema,
         )
         batch_tokens = config.data.global_batch_size * config.data.seq_len
         flops = flops_per_token(self.spec, config.data.seq_len) * batch_tokens
+        guard = SpikeGuard(config.loss.spike, _history(config.run_dir, start)) if config.loss.spike else None
         log = MetricsLog(config.run_dir, enabled=primary, start_step=start)
+        experts = ExpertWindow(self.spec, config.metrics.dead_below)
         progress = Progress(enabled=primary and config.metrics.progress, start=start, total=config.steps)
         progress.note(f"{mesh_lib.describe(self.mesh)}; starting at step {start}")
         stop = _SigtermFlag()
@@ -143,7 +165,12 @@ class _Run:
                 state, raw = compiled(state, batch)
                 raw = jax.device_get(raw)
                 elapsed = time.perf_counter() - t0
-                _check_finite(raw, step, last)
+                spike = guard is not None and guard.is_spike(float(raw["loss"]))
+                if not spike:
+                    _check_finite(raw, step, last)
+                every = config.metrics.expert_load_every
+                experts.add(raw)
+                health = experts.take() if (step + 1) % every == 0 else None  # windows start at multiples
                 record = step_record(
                     step,
                     raw,
@@ -153,10 +180,17 @@ class _Run:
                     flops_per_step=flops,
                     peak_flops=config.metrics.peak_flops,
                     num_devices=jax.device_count(),
-                    with_load=step % config.metrics.expert_load_every == 0,
+                    with_load=step % every == 0,
+                    health=health,
                 )
+                if spike:
+                    state, last = self._spike(guard, record, step, log, progress)
+                    step += 1
+                    continue
                 log.write(record)
-                progress.update(record)
+                progress.update(record, expert_health.summary(health, self.moe_layers) if health else "")
+                if health and config.metrics.stop_on_collapse:
+                    _check_collapse(health, self.spec, self.moe_layers, step, last)
                 step += 1
                 preempted = stop.agreed()
                 last = self._maybe_checkpoint(state, step, preempted, progress) or last
@@ -178,11 +212,54 @@ class _Run:
         config = self.config
         if not (step % config.checkpoint.every == 0 or step == config.steps or preempted):
             return None
-        lineage = _lineage_step(config, step)
-        self.ckpts.save(step, state.params, state.opt_state, self.data.get_state(), lineage)
+        return self._save(state, step, progress)
+
+    def _save(self, state: TrainState, step: int, progress: Progress) -> Path:
+        """Save `state` as step `step`, with its lineage and meta (tokens seen, lr, rewinds so far)."""
+        config = self.config
+        tokens = step * config.data.global_batch_size * config.data.seq_len
+        lineage = _lineage_step(config, step, self.rewinds)
+        meta = {"tokens_seen": tokens, "lr": float(self.schedule(max(step - 1, 0))), "rewinds": self.rewinds}
+        self.ckpts.save(step, state.params, state.opt_state, self.data.get_state(), lineage, ema=state.ema,
+                        extra_meta=meta)
         saved = self.ckpts.step_dir(step)
         progress.note(f"checkpoint {saved}")
         return saved
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return expert_health.moe_layer_numbers(self.spec)
+
+    def _spike(self, guard: SpikeGuard, record: dict[str, Any], step: int, log: MetricsLog,
+               progress: Progress) -> tuple[TrainState, Path]:
+        """Handle the spike the guard saw at `step` (its state is never saved): stop, or rewind and save.
+
+        Returns the rewound state (its step is `step` + 1: the data goes on) and its checkpoint."""
+        what = guard.describe(step, float(record["loss"]) if record["loss"] is not None else float("nan"))
+        good = [n for n in self.ckpts.committed() if n < step]
+        action = self.config.loss.spike.action
+        chosen = good[-self.config.loss.spike.average:]
+        record["spike"] = {"action": action, "median": guard.median(), "averaged": chosen}
+        log.write(record)
+        if action == "stop" or not good:
+            names = ", ".join(str(self.ckpts.step_dir(n)) for n in chosen) or "none (no checkpoint before it)"
+            later = [n for n in self.ckpts.committed() if n >= step]
+            caveat = (f"; checkpoint(s) {', '.join(map(str, later))} hold the spiked state: delete them before "
+                      "resuming" if later else "")
+            why = "" if good else "; there is no good checkpoint to rewind to"
+            raise UpcyclerError(f"loss spike: {what}; stopped without saving it{why}; the last good checkpoints "
+                                f"are {names}{caveat}; lower optimizer.lr or check the data")
+        for n in self.ckpts.committed():
+            if n >= step:
+                self.ckpts.delete(n)
+        abstract = self.layout.abstract
+        newest = self.ckpts.restore(chosen[-1], abstract.params, abstract.opt_state, with_ema=abstract.ema is not None)
+        params = _mean([self.ckpts.restore_params(n, abstract.params) for n in chosen[:-1]] + [newest.params])
+        self.rewinds.append({"step": step, "averaged": chosen})
+        progress.note(f"loss spike: {what}; rewound to the average of steps {', '.join(map(str, chosen))}")
+        opt_state = _with_count(newest.opt_state, step + 1)  # the schedule reads the optimiser's own count
+        state = TrainState(jnp.asarray(step + 1, jnp.int32), params, opt_state, newest.ema)
+        return state, self._save(state, step + 1, progress)
 
 
 def _check_finite(raw: dict[str, Any], step: int, last: Path | None) -> None:
@@ -194,6 +271,48 @@ def _check_finite(raw: dict[str, Any], step: int, last: Path | None) -> None:
         f"loss is {float(raw['total_loss'])} (grad norm {float(raw['grad_norm'])}) at step "
         f"{step}; stopped without saving it; {where}; lower optimizer.lr or check the data, "
         "then resume"
+    )
+
+
+def _history(run_dir: Path, start: int) -> list[dict[str, Any]]:
+    """The metrics records of the steps before `start` (read on every process: the spike guard of each
+    must decide alike)."""
+    if start == 0 or not (run_dir / METRICS_FILE).is_file():
+        return []
+    return [r for r in read_metrics(run_dir) if r["step"] < start]
+
+
+def _with_count(opt_state: Any, count: int) -> Any:
+    """`opt_state` with every update counter (optax's `count` fields) set to `count`: the learning-rate
+    schedule and Adam's bias correction then go on from the step the run is at."""
+
+    def reset(path, leaf):
+        named = getattr(path[-1], "name", None) if path else None
+        return jnp.full_like(leaf, count) if named == "count" else leaf
+
+    return jax.tree_util.tree_map_with_path(reset, opt_state)
+
+
+def _mean(trees: list[Any]) -> Any:
+    """The element-wise mean of parameter trees, as a float32 running mean (one accumulator)."""
+    mean = trees[0]
+    for i, tree in enumerate(trees[1:], start=2):
+        share = np.float32(1 / i)
+        mean = jax.tree.map(lambda m, x, c=share: m + (x - m) * c, mean, tree)
+    return mean
+
+
+def _check_collapse(health: dict[str, Any], spec: ModelSpec, layers: list[int], step: int, last: Path | None) -> None:
+    """`metrics.stop_on_collapse`: stop when a layer has lost at least half its experts in this window."""
+    collapsed = expert_health.collapsed_layers(health, spec.moe.num_experts)  # type: ignore[union-attr]
+    if not collapsed:
+        return
+    m = collapsed[0]
+    where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+    raise UpcyclerError(
+        f"expert collapse at step {step}: MoE layer {layers[m]} has {health['dead'][m]} of "
+        f"{spec.moe.num_experts} experts dead (load_cv {health['load_cv'][m]:.2f}); stopped; {where}; "  # type: ignore[union-attr]
+        "raise loss.lb_coef or loss.bias_update_rate, or lower optimizer.lr, then resume"
     )
 
 
@@ -210,12 +329,21 @@ def _make_run_dir(config: TrainConfig, primary: bool) -> None:
         ) from None
 
 
-def _lineage_step(config: TrainConfig, step: int) -> PretrainStep:
+def _lineage_step(config: TrainConfig, step: int, rewinds: list[dict[str, Any]]) -> PretrainStep:
+    o = config.optimizer
+    optimizer: dict[str, Any] = {"lr": o.lr, "schedule": [vars(p) for p in o.schedule]}
+    if o.trainable != "all":
+        optimizer["trainable"] = o.trainable
+    if o.ema:
+        optimizer["ema"] = o.ema
+    details: dict[str, Any] = {"rewinds": list(rewinds)} if rewinds else {}
+    if config.model.init_from_merge:
+        details["init_from_merge"] = config.model.init_from_merge
     return pretrain_step(
         step, step * config.data.global_batch_size * config.data.seq_len,
         data={"sources": list(config.data.source_names),
               "phases": [{"until_step": p.until_step, "weights": dict(p.weights)} for p in config.data.phases]},
-        optimizer={"lr": config.optimizer.lr, "schedule": [vars(p) for p in config.optimizer.schedule]},
+        optimizer=optimizer, **details,
     )
 
 

@@ -1,7 +1,8 @@
 """`depth`: grow a model's depth by copying decoder layers (LLaMA-Pro identity blocks, SOLAR, interleaving).
 
 The result is described by a *layer map*: the source layer of every output layer. Three built-in maps,
-or an explicit `--layer-map 0-23,8-31` (inclusive ranges):
+or an explicit `--layer-map 0-23,8-31` (inclusive ranges). The lineage step records the map and the new
+layers (every output layer but a source layer's first occurrence) as `layer_map` and `new_layers`:
 
     identity    LLaMA-Pro block expansion: the L − n copies are spread evenly (for 32 → 40, one after
                 every 4th layer) and each copy has o_proj and down_proj (every routed expert's and the
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec, within_limit
 from upcycler.tensors import LazyTensor, TensorMap, zeros
-from upcycler.transforms.registry import option, register, report
+from upcycler.transforms.registry import option, record, register, report
 from upcycler.untrusted import describe
 
 # Residual-stream writers of a layer: zeroed in an identity block.
@@ -58,11 +59,9 @@ def depth(cfg: Depth, spec: ModelSpec, tensors: TensorMap) -> tuple[ModelSpec, T
     """
     n = spec.num_layers
     layer_map = _layer_map(cfg, n)
-    seen: set[int] = set()
-    zeroed = []
-    for s in layer_map:
-        zeroed.append(cfg.method == "identity" and s in seen)
-        seen.add(s)
+    added = new_layers(layer_map)
+    copies = set(added) if cfg.method == "identity" else set()  # identity zeroes exactly the new layers
+    zeroed = [j in copies for j in range(len(layer_map))]
     by_layer: dict[int, dict[str, LazyTensor]] = {i: {} for i in range(n)}
     others: dict[str, LazyTensor] = {}
     for name, tensor in tensors.items():
@@ -82,7 +81,21 @@ def depth(cfg: Depth, spec: ModelSpec, tensors: TensorMap) -> tuple[ModelSpec, T
         dense_layers=tuple(j for j, s in enumerate(layer_map) if s in dense),
     )
     _report(cfg.method, layer_map, zeroed, n)
+    record(layer_map=list(layer_map), new_layers=added)
     return new_spec, TensorMap(out)
+
+
+def new_layers(layer_map: list[int]) -> list[int]:
+    """The inserted layers of a layer map: every output layer that is not its source's first occurrence
+    (for identity exactly the zeroed copies). Recorded in the lineage step (`upcycler.io.manifest.new_layers`
+    reads them back, e.g. for `optimizer.trainable: new_layers`)."""
+    seen: set[int] = set()
+    out = []
+    for j, s in enumerate(layer_map):
+        if s in seen:
+            out.append(j)
+        seen.add(s)
+    return out
 
 
 def _layer_map(cfg: Depth, n: int) -> list[int]:

@@ -120,11 +120,12 @@ def plan(recipe: Recipe, *, allow_config_only: bool = False) -> Plan:
             raise UpcyclerError(f"{shown_path(recipe.source)}: {err}") from None
         result = StepResult(step.transform.name, config_dict(step.config), applied.notes)
         results.append(result)
-        record = transform_step(result.name, result.config, result.exact, [n.text for n in result.notes])
+        record = transform_step(result.name, result.config, result.exact, [n.text for n in result.notes],
+                                applied.recorded)
         ckpt = ckpt.with_step(record, applied.spec, applied.tensors)
     out = recipe.output
     if out.dtype:
-        ckpt = ckpt.replace(tensors=ckpt.tensors.astype(parse_dtype(out.dtype)))
+        ckpt = ckpt.cast(parse_dtype(out.dtype))
     exact = all(r.exact for r in results)
     recorded = recipe.to_dict()
     recorded["output"].pop("path")  # the output is the directory the record lives in

@@ -12,8 +12,9 @@ choices and range and refuses NaN and infinities for float options. A field with
 required option.
 
 A transform never writes anything. What it wants the user to know (which family `auto` picked, that a
-step is not function-preserving) it says with `report(...)`; `Transform.apply` collects those notes,
-so a chain of transforms is still plain function composition over `(ModelSpec, TensorMap)`.
+step is not function-preserving) it says with `report(...)`; what its lineage step should carry beyond
+its config (depth's layer map) it gives `record(...)`. `Transform.apply` collects both, so a chain of
+transforms is still plain function composition over `(ModelSpec, TensorMap)`.
 """
 
 from __future__ import annotations
@@ -47,33 +48,49 @@ class Note:
     rounds: bool = False
 
 
-_NOTES: ContextVar[list[Note] | None] = ContextVar("transform_notes", default=None)
+@dataclass
+class _Collected:
+    notes: list[Note] = dataclasses.field(default_factory=list)
+    recorded: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_COLLECTED: ContextVar[_Collected | None] = ContextVar("transform_collected", default=None)
 
 
 def report(text: str, *, exact: bool = True, rounds: bool = False) -> None:
     """Tell the user something about the transform being applied (collected by `Transform.apply`)."""
-    notes = _NOTES.get()
-    if notes is not None:
-        notes.append(Note(text, exact, rounds))
+    collected = _COLLECTED.get()
+    if collected is not None:
+        collected.notes.append(Note(text, exact, rounds))
+
+
+def record(**fields: Any) -> None:
+    """Add JSON-ready fields to the lineage step of the transform being applied (collected by
+    `Transform.apply` into `Applied.recorded`; `upcycler.io.manifest.transform_step` writes them)."""
+    collected = _COLLECTED.get()
+    if collected is not None:
+        collected.recorded.update(fields)
 
 
 @contextmanager
-def _collecting() -> Iterator[list[Note]]:
-    notes: list[Note] = []
-    token = _NOTES.set(notes)
+def _collecting() -> Iterator[_Collected]:
+    collected = _Collected()
+    token = _COLLECTED.set(collected)
     try:
-        yield notes
+        yield collected
     finally:
-        _NOTES.reset(token)
+        _COLLECTED.reset(token)
 
 
 @dataclass(frozen=True)
 class Applied:
-    """The result of one transform: the new model and what the transform reported."""
+    """The result of one transform: the new model, what the transform reported and what it recorded for
+    its lineage step."""
 
     spec: ModelSpec
     tensors: TensorMap
     notes: tuple[Note, ...]
+    recorded: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def exact(self) -> bool:
@@ -105,17 +122,17 @@ class Transform:
                             fix=f"see `upcycle {self.name} --help`")
 
     def apply(self, cfg: Any, spec: ModelSpec, tensors: TensorMap) -> Applied:
-        """Run the transform, collecting its notes, and account for every tensor: the result holds exactly
-        the tensors its spec declares (each source tensor carried, transformed or dropped on purpose).
-        Nothing is read or computed beyond the spec."""
-        with _collecting() as notes:
+        """Run the transform, collecting its notes and recorded fields, and account for every tensor: the
+        result holds exactly the tensors its spec declares (each source tensor carried, transformed or
+        dropped on purpose). Nothing is read or computed beyond the spec."""
+        with _collecting() as collected:
             spec, tensors = self.fn(cfg, spec, tensors)
         try:
             account(spec, tensors)
         except UpcyclerError as err:
             raise UpcyclerError(f"{self.name} produced an inconsistent model (a bug; please report it): {err}") \
                 from None
-        return Applied(spec, tensors, tuple(notes))
+        return Applied(spec, tensors, tuple(collected.notes), dict(collected.recorded))
 
 
 TRANSFORMS: dict[str, Transform] = {}

@@ -222,11 +222,12 @@ def format_stats(stats: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def check_written(source: Path, written: Path, *, what: str) -> dict[str, Any]:
+def check_written(source: Path, written: Path, *, what: str, weights: str = "params") -> dict[str, Any]:
     """Probe `written` (a staged output) against `source`; the record for its manifest, or an error.
 
-    Run by every write that claims to preserve the function (`what` names it); the error leaves nothing
-    behind because the caller is still inside its staging directory.
+    Run by every write that claims to preserve the function (`what` names it; `weights` which weights of
+    `source` were written); the error leaves nothing behind because the caller is still inside its
+    staging directory.
     """
     from upcycler.io import read_checkpoint
 
@@ -234,7 +235,8 @@ def check_written(source: Path, written: Path, *, what: str) -> dict[str, Any]:
     # the write has just hashed both what it read and what it wrote: no digest watches the second time
     written_ckpt = read_checkpoint(written).replace(watches=())
     probe["tokens"] = min(probe["tokens"], written_ckpt.spec.max_position_embeddings)
-    stats = compare_checkpoints((source, read_checkpoint(source).replace(watches=())), (written, written_ckpt),
+    source_ckpt = read_checkpoint(source, weights).replace(watches=())
+    stats = compare_checkpoints((source, source_ckpt), (written, written_ckpt),
                                 **probe)
     passed, line = verdict(stats)
     if not passed:

@@ -67,10 +67,11 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
     mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, spec,
                                microbatches=config.data.microbatches, devices=tgt.devices,
                                seq_len=config.data.seq_len, moe_chunks=config.model.moe_chunks)
-    layout = state_layout(spec, config.optimizer, mesh)
+    layout = state_layout(spec, config.optimizer, mesh, _lineage(config.model.init))
     batch = abstract_batch(config.data.global_batch_size, config.data.seq_len, mesh)
     step = make_train_step(spec, config.model.run_config(), config.loss, layout.tx, layout.schedule,
-                           len(config.data.source_names), microbatches=config.data.microbatches)
+                           len(config.data.source_names), microbatches=config.data.microbatches,
+                           trainable=layout.trainable, ema_decay=config.optimizer.ema)
     started = time.perf_counter()
     try:
         compiled = compile_step(step, layout.shardings, mesh, layout.abstract, batch)
@@ -86,6 +87,13 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
         config, spec, mesh, layout, batch, compiled,
         target_name=tgt.name, chip=tgt.chip, budget=budget, compile_seconds=seconds, failure=failure,
     )
+
+
+def _lineage(init: Path) -> tuple[dict[str, Any], ...]:
+    """The init checkpoint's lineage when it has a manifest (`optimizer.trainable: new_layers` reads it)."""
+    from upcycler.io.manifest import MANIFEST, read_manifest
+
+    return read_manifest(init).lineage if (init / MANIFEST).is_file() else ()
 
 
 def _first_line(message: str, marker: str = "") -> str:

@@ -36,9 +36,9 @@ def output_options(fn: Callable) -> Callable:
 
 def write_output(ckpt: Checkpoint, out: Path, *, to: str, family: str | None, dtype: str | None,
                  shard_size: str, overwrite: bool, **extra: Any) -> Path:
-    """Apply --dtype, then write `ckpt` to `out` as requested by `output_options`."""
+    """Apply --dtype (buffers stay float32), then write `ckpt` to `out` as requested by `output_options`."""
     if dtype:
-        ckpt = ckpt.replace(tensors=ckpt.tensors.astype(parse_dtype(dtype)))
+        ckpt = ckpt.cast(parse_dtype(dtype))
     options: dict[str, Any] = {"overwrite": overwrite, **extra}
     if to == "hf":
         options.update(family=family, shard_size=parse_size(shard_size, "--shard-size"))
@@ -54,12 +54,12 @@ def verify_option(fn: Callable) -> Callable:
                              "after every function-preserving write, before the output is put in place).")(fn)
 
 
-def function_check(source: Path, what: str) -> Callable[[Path], dict]:
+def function_check(source: Path, what: str, weights: str = "params") -> Callable[[Path], dict]:
     """The check a function-preserving write runs on its staged output: the written model against
-    `source` on a probe (`upcycler.verify.check_written`); `what` names the write in a failure."""
+    `source` (its `weights`) on a probe (`upcycler.verify.check_written`); `what` names the write."""
     from upcycler.verify import check_written
 
-    return lambda staged: check_written(source, staged, what=what)
+    return lambda staged: check_written(source, staged, what=what, weights=weights)
 
 
 def echo_verification(out: Path, skipped: str) -> None:

@@ -39,16 +39,20 @@ def detect_format(path: Path) -> str:
     )
 
 
-def read_checkpoint(path: str | Path) -> Checkpoint:
-    """Read an HF or Orbax checkpoint directory lazily (no tensor bytes are read here)."""
+def read_checkpoint(path: str | Path, weights: str = "params") -> Checkpoint:
+    """Read an HF or Orbax checkpoint directory lazily (no tensor bytes are read here); `weights="ema"`
+    reads the moving average a training step saved beside its parameters."""
     path = Path(path)
     if detect_format(path) == "hf":
+        if weights != "params":
+            raise UpcyclerError(f"{shown_path(path)}: a Hugging Face checkpoint holds one set of weights; "
+                                f"--weights {weights} reads a training step (RUN_DIR/<step>)")
         from upcycler.io.hf_read import read_hf
 
         return read_hf(path)
     from upcycler.io.orbax_read import read_orbax
 
-    return read_orbax(path)
+    return read_orbax(path, weights)
 
 
 def write_checkpoint(ckpt: Checkpoint, out: str | Path, *, to: str = "hf", **options: Any) -> Path:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from upcycler.io.integrity import DigestWatch
+from upcycler.layout import declare_params
 from upcycler.spec import ModelSpec
 from upcycler.tensors import TensorMap
 
@@ -43,6 +44,13 @@ class Checkpoint:
 
     def replace(self, **changes: Any) -> Checkpoint:
         return dataclasses.replace(self, **changes)
+
+    def cast(self, dtype: Any) -> Checkpoint:
+        """Every floating tensor as `dtype`, except buffers (the router's selection bias), which stay float32
+        as the layout declares them: a rounded bias would choose other experts."""
+        buffers = {p.name for p in declare_params(self.spec) if p.is_buffer}
+        cast = self.tensors.astype(dtype)
+        return self.replace(tensors=TensorMap({k: self.tensors[k] if k in buffers else cast[k] for k in cast}))
 
     def with_step(self, step: dict[str, Any], spec: ModelSpec, tensors: TensorMap) -> Checkpoint:
         """The checkpoint after one more lineage step that produced `spec` and `tensors`."""

@@ -44,6 +44,7 @@ class ReadStep(TypedDict):
     revision: NotRequired[str | None]  # the commit of a Hub cache snapshot
     files: NotRequired[dict[str, int]]  # weight file sizes
     config_only: NotRequired[bool]
+    weights: NotRequired[str]  # "ema": a training step's moving average rather than its parameters
 
 
 class ConvertStep(TypedDict):
@@ -58,6 +59,9 @@ class TransformStep(TypedDict):
     config: dict[str, Any]
     function_preserving: bool
     notes: list[str]
+    # what the transform recorded of its result (`upcycler.transforms.registry.record`); depth:
+    layer_map: NotRequired[list[int]]  # the source layer of every output layer
+    new_layers: NotRequired[list[int]]  # the output layers that are copies (not a source layer's first)
 
 
 class RecipeStep(TypedDict):
@@ -82,7 +86,9 @@ class PretrainStep(TypedDict):
     trained_steps: int
     tokens: int
     data: dict[str, Any]  # {sources, phases}
-    optimizer: dict[str, Any]  # {lr, schedule}
+    optimizer: dict[str, Any]  # {lr, schedule, trainable, ema}
+    rewinds: NotRequired[list[dict[str, Any]]]  # loss-spike rewinds so far: {step, averaged}
+    init_from_merge: NotRequired[str]  # the checkpoints the run started from, as `model.init_from_merge`
 
 
 LineageStep = Mapping[str, Any]  # one of the above, or a step written by a newer version
@@ -98,9 +104,15 @@ def convert_step(to: str, family: str, dtype: str | None) -> ConvertStep:
     return ConvertStep(step="convert", to=to, family=family, dtype=dtype)
 
 
-def transform_step(name: str, config: dict[str, Any], exact: bool, notes: Sequence[str]) -> TransformStep:
-    """Transform `name` was applied with `config`; `exact` when it preserves the function."""
-    return TransformStep(step=name, config=config, function_preserving=exact, notes=list(notes))
+def transform_step(name: str, config: dict[str, Any], exact: bool, notes: Sequence[str],
+                   recorded: Mapping[str, Any] | None = None) -> TransformStep:
+    """Transform `name` was applied with `config`; `exact` when it preserves the function. `recorded`: the
+    fields the transform recorded of its result (e.g. depth's `layer_map` and `new_layers`)."""
+    step = TransformStep(step=name, config=config, function_preserving=exact, notes=list(notes))
+    clash = set(step).intersection(recorded or {})
+    if clash:
+        raise ValueError(f"transform {name!r} recorded lineage fields {sorted(clash)} the step already has")
+    return TransformStep(**step, **(recorded or {}))  # type: ignore[typeddict-item]
 
 
 def recipe_step(recipe: dict[str, Any], exact: bool) -> RecipeStep:
@@ -115,10 +127,45 @@ def merge_step(method: str, options: dict[str, Any], weights: Sequence[float] | 
                      weights=None if weights is None else list(weights), inputs=list(inputs), **details)
 
 
-def pretrain_step(trained_steps: int, tokens: int, data: dict[str, Any], optimizer: dict[str, Any]) -> PretrainStep:
-    """The model was trained on for `trained_steps` steps (`tokens` tokens) with this data and optimiser."""
-    return PretrainStep(step="continued-pretrain", trained_steps=trained_steps, tokens=tokens, data=data,
-                        optimizer=optimizer)
+def pretrain_step(trained_steps: int, tokens: int, data: dict[str, Any], optimizer: dict[str, Any],
+                  **details: Any) -> PretrainStep:
+    """The model was trained on for `trained_steps` steps (`tokens` tokens) with this data and optimiser
+    (details: rewinds, init_from_merge)."""
+    return PretrainStep(step="continued-pretrain", trained_steps=trained_steps, tokens=tokens, data=data,  # type: ignore[typeddict-item]
+                        optimizer=optimizer, **details)
+
+
+# --- reading lineage ---------------------------------------------------------------------------------
+
+def new_layers(lineage: Sequence[LineageStep]) -> tuple[int, ...] | None:
+    """The decoder layers that depth growth inserted, composed over every depth step of `lineage`; None
+    when there is no depth step, or one that did not record its layer map (written by an older upcycler).
+
+    An output layer of a depth step is new when the step recorded it as new (a copy) or its source layer
+    was new before the step. Other steps keep the layer count, so they keep the new layers as they are.
+    A malformed record is one `UpcyclerError` line."""
+    new: set[int] | None = None
+    layers: int | None = None  # the layer count after the last depth step
+    for index, step in enumerate(lineage):
+        if step.get("step") != "depth":
+            continue
+        layer_map, added = step.get("layer_map"), step.get("new_layers")
+        if layer_map is None or added is None:
+            return None
+        if not (_layer_list(layer_map, layers) and _layer_list(added, len(layer_map))):
+            raise UpcyclerError(f"lineage step {index} (depth) records a malformed layer_map or new_layers "
+                                f"({describe(layer_map)}, {describe(added)}); fix the manifest or {REWRITE}")
+        before, copies = new or set(), set(added)
+        new = {j for j, source in enumerate(layer_map) if j in copies or source in before}
+        layers = len(layer_map)
+    return None if new is None else tuple(sorted(new))
+
+
+def _layer_list(value: Any, below: int | None) -> bool:
+    """A list of layer indices, each below `below` (when known)."""
+    return isinstance(value, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i and (below is None or i < below) for i in value
+    )
 
 
 # --- the manifest ------------------------------------------------------------------------------------

@@ -10,11 +10,14 @@
 The tree is the canonical names split on "." into nested dicts, e.g. `{"embed": …, "layers": {"0": {"attn":
 {"q_proj": …}}}}`, each leaf a host numpy array of the tensor's own dtype (bf16 stays bf16), with routed
 experts stacked `[E, …]` and chunked one expert per chunk, so reading expert `e` reads only its bytes.
-Training steps (`upcycler.train.checkpointing`) use the same tree and manifest, without digests.
+Training steps (`upcycler.train.checkpointing`) use the same tree and manifest, without digests, and may
+hold a second tree of the same shape, `ema/`, the moving average of the weights.
 """
 
 from __future__ import annotations
 
 PARAMS = "params"
+EMA = "ema"  # training steps with `optimizer.ema`: the weights' moving average, a tree like params/
+WEIGHTS = {"params": PARAMS, "ema": EMA}  # what `read_checkpoint(..., weights=)` may read
 TREE = "state"  # the v1 layout keeps the pytree of a checkpoint in this subdirectory
 CHUNK_BYTES = 64 * 1024**2  # Orbax chunk size; routed experts are additionally chunked one expert per chunk

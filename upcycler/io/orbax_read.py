@@ -22,18 +22,23 @@ from upcycler.errors import UpcyclerError
 from upcycler.io.checkpoint import SIDE_FILES, Checkpoint
 from upcycler.io.integrity import DigestWatch, file_watch
 from upcycler.io.manifest import MANIFEST, REWRITE, read_manifest, read_step
-from upcycler.io.orbax_layout import PARAMS, TREE
+from upcycler.io.orbax_layout import TREE, WEIGHTS
 from upcycler.layout import declare_params
 from upcycler.tensors import LazyTensor, TensorMap, dtype_name
 from upcycler.untrusted import load_json_object, shown_path
 
 
-def read_orbax(path: str | Path) -> Checkpoint:
-    """Read an Orbax output directory lazily: metadata only here, each leaf's bytes when it is loaded."""
+def read_orbax(path: str | Path, weights: str = "params") -> Checkpoint:
+    """Read an Orbax output directory lazily: metadata only here, each leaf's bytes when it is loaded.
+
+    `weights="ema"` reads a training step's moving average (`ema/`) instead of its parameters."""
     path = Path(path)
     manifest = read_manifest(path, fix=f"an Orbax output needs the manifest written with it; {REWRITE}")
     spec = manifest.spec()
-    tree_dir = _tree_dir(path / PARAMS)
+    if not (path / WEIGHTS[weights]).is_dir() and weights != "params":
+        raise UpcyclerError(f"{shown_path(path)}: holds no {weights}/ weights (only training steps of a run with "
+                            "optimizer.ema do); drop --weights ema")
+    tree_dir = _tree_dir(path / WEIGHTS[weights])
     metadata = _read_json(tree_dir / "_METADATA", f"the Orbax checkpoint is damaged; {REWRITE}")
     stored = _leaf_names(metadata, tree_dir)
     decls = declare_params(spec)
@@ -69,7 +74,7 @@ def read_orbax(path: str | Path) -> Checkpoint:
                                 f"but {MANIFEST} records {record['dtype']}; the params do not match; "
                                 f"{REWRITE}")
         tensors[decl.name] = tensor
-    step = read_step(path, "orbax")
+    step = read_step(path, "orbax", **({"weights": weights} if weights != "params" else {}))
     side = tuple(path / n for n in SIDE_FILES if (path / n).is_file())
     for name, (_, sha) in manifest.file_records().items():
         if path / name in side:

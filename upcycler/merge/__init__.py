@@ -6,7 +6,7 @@
 
 - `METHODS` is the registry (`registry.py`; a method is added with its `averaging` or `merge_method`
   decorator): sma, ema, wma, linear (`averaging.py`), slerp (`interpolate.py`), task-arithmetic, ties,
-  dare-linear, dare-ties, model-stock (`task_vectors.py`).
+  dare-linear, dare-ties, model-stock (`task_vectors.py`); minus-sqrt (WSM) with the averages.
 - `plan_merge` checks everything before a tensor is read and `describe_plan` shows the plan (`plan.py`);
   `merge` turns a plan into a lazy `Checkpoint` (`engine.py`).
 - `find_checkpoints` picks steps of a training run directory (`runs.py`).

@@ -10,9 +10,12 @@ Inputs are ordered oldest → newest (the order given; a run directory expands i
   weights renormalised over the n checkpoints at hand (the recursion seeded with M_0 would give the
   oldest checkpoint weight (1−α)^(n−1) instead of α(1−α)^(n−1)).
 - `wma`: w_i ∝ i+1, i.e. 1, 2, …, n (PMA, Eq. 5).
+- `minus-sqrt`: w_i = g(i/n) − g((i+1)/n) with the decay g(x) = 1 − √x, i.e. √((i+1)/n) − √(i/n) (WSM):
+  the merge that emulates a 1 − √x learning-rate decay over the window; the oldest checkpoint weighs most.
 - `linear`: explicit weights (model soups); they must sum to 1 unless the caller opts out of that check.
 
-Papers: PMA, https://arxiv.org/abs/2505.12082; model soups, https://arxiv.org/abs/2203.05482.
+Papers: PMA, https://arxiv.org/abs/2505.12082; WSM, https://arxiv.org/abs/2507.17634; model soups,
+https://arxiv.org/abs/2203.05482.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from upcycler.merge.registry import Range, averaging
 
 PMA = "https://arxiv.org/abs/2505.12082"
 SOUPS = "https://arxiv.org/abs/2203.05482"
+WSM = "https://arxiv.org/abs/2507.17634"
 _CHUNK = 1 << 17  # elements per step of the blend: 512 KiB of fp32 stays in cache
 _WORKERS = max(1, min(4, os.cpu_count() or 1))
 _POOL = ThreadPoolExecutor(max_workers=_WORKERS, thread_name_prefix="merge")
@@ -53,6 +57,24 @@ def ema(n: int, *, alpha: Annotated[float, Range(0, 1, lo_open=True), "EMA facto
 def wma(n: int) -> np.ndarray:
     """Weighted moving average: w_i ∝ i+1, so the newest checkpoint weighs n times the oldest."""
     w = np.arange(1, n + 1, dtype=np.float64)
+    return w / w.sum()
+
+
+@averaging("minus-sqrt", paper=WSM)
+def minus_sqrt(n: int) -> np.ndarray:
+    """WSM merge emulating a 1 − √x learning-rate decay: w_i = √((i+1)/n) − √(i/n); the oldest weighs most.
+
+    WSM ("decay to merge", https://arxiv.org/abs/2507.17634) turns a decay schedule g, g(0) = 1 and
+    g(1) = 0, into merge weights over checkpoints θ_0 … θ_{n−1} (oldest → newest): with
+    w_i = g(i/n) − g((i+1)/n), Σ w_i·θ_i = θ_0 + Σ_k g(k/n)·(θ_k − θ_{k−1}), i.e. each update of the
+    window applied at the fraction g(k/n) of the learning rate it was taken with. Here g(x) = 1 − √x
+    (the `minus-sqrt` style of Megatron-LM's tools/checkpoint/weighted_merge.py), so
+    w_i = √((i+1)/n) − √(i/n) = 1 / (√n·(√i + √(i+1))):
+    all positive, strictly decreasing, and summing to g(0) − g(1) = 1 (telescoping). The oldest
+    checkpoint weighs 1/√n, the newest 1 − √(1 − 1/n). n = 1 gives [1].
+    """
+    i = np.arange(n, dtype=np.float64)
+    w = 1.0 / (math.sqrt(n) * (np.sqrt(i) + np.sqrt(i + 1.0)))  # the difference of roots, without cancellation
     return w / w.sum()
 
 
