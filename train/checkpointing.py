@@ -25,8 +25,11 @@ rewrites it when it resumes.
 from __future__ import annotations
 
 import json
+import os
 import shutil
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -229,10 +232,11 @@ class RunCheckpoints:
             raise error
 
     def _export_in_background(self) -> None:
-        try:
-            self.export_committed()
-        except Exception as err:  # noqa: BLE001  (kept for the main thread: Orbax's thread would only log it)
-            self._export_error = err
+        with _lowest_priority():  # the steps' threads come first; the export takes what CPU they leave
+            try:
+                self.export_committed()
+            except Exception as err:  # noqa: BLE001  (kept for the main thread: Orbax's thread would only log it)
+                self._export_error = err
 
     def _export(self, step_dir: Path) -> None:
         if not (step_dir / "meta").is_dir():
@@ -252,6 +256,24 @@ class RunCheckpoints:
         # no `files` or `tensors` digests: hashing every parameter byte at every checkpoint would cost more
         # than the save, and `read_checkpoint` does not need them
         write_manifest(step_dir, ModelSpec.from_json(json.dumps(meta["spec"])), meta["lineage"])
+
+
+@contextmanager
+def _lowest_priority() -> Iterator[None]:
+    """Run the body with the calling thread at the lowest CPU priority (nice 19) and restore it after,
+    where the OS schedules threads alone (Linux); elsewhere nothing changes."""
+    try:
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except (AttributeError, OSError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        with suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, before)
 
 
 class Restored(NamedTuple):

@@ -169,7 +169,8 @@ def shard_bytes(tree: Any) -> int:
 
 def _memory(layout, batch, compiled) -> Memory:
     params = shard_bytes(layout.abstract.params)
-    analytic = {"params": params, "optimizer": shard_bytes(layout.abstract.opt_state), "gradients": params,
+    optimizer = shard_bytes((layout.abstract.opt_state, layout.abstract.ema))  # the weights' EMA, when kept
+    analytic = {"params": params, "optimizer": optimizer, "gradients": params,
                 "batch": shard_bytes(batch)}
     if compiled is None:
         return Memory(**analytic)
