@@ -109,8 +109,8 @@ def test_trained_bias_round_trips_between_orbax_and_hf_bit_for_bit(demo, cache, 
     assert {e.dtype for name, e in entries.items() if name.endswith("q_proj.weight")} == {np.dtype("bfloat16")}
     F.run_cli("convert", step / "hf", tmp_path / "back", "--to", "orbax")
     back = {k: v for k, v in F.step_params(tmp_path / "back").items() if k.endswith("router_bias")}
-    for name in orbax:
-        assert orbax[name].tobytes() == hf[name].tobytes() == back[name].tobytes(), name
+    for name, value in orbax.items():
+        assert value.tobytes() == hf[name].tobytes() == back[name].tobytes(), name
 
 
 def test_bias_and_health_are_the_same_on_8_devices_2_processes_and_after_a_resume(demo, cache, tmp_path):

@@ -121,15 +121,19 @@ def test_spike_rewind_continues_from_the_average_and_resumes_bit_identically(ws,
     lineage = read_checkpoint(run_dir / "16").lineage
     assert lineage[-2]["rewinds"] == [{"step": SPIKE_AT, "averaged": [8, 9, 10]}]
 
-    # stopped after the rewind, then resumed: bit for bit the same run
-    train(TrainConfig.from_dict(spike_config(tmp_path / "split", ws, "rewind", steps=13)))
-    train(TrainConfig.from_dict(spike_config(tmp_path / "split", ws, "rewind")), resume=True)
-    resumed = F.step_params(tmp_path / "split" / "run" / "16")
-    reference = F.step_params(run_dir / "16")
-    assert all(resumed[n].tobytes() == reference[n].tobytes() for n in reference)
+    # stopped just before the spike is seen (the guard's window comes back from the checkpoint) and
+    # after the rewind, then resumed: bit for bit the same run
     strip = ("step_time", "tokens_per_s", "mfu")
-    assert [{k: v for k, v in r.items() if k not in strip} for r in F.metrics(tmp_path / "split" / "run")] == \
-           [{k: v for k, v in r.items() if k not in strip} for r in records]
+    for stop_at in (SPIKE_AT, SPIKE_AT + 2):
+        split = tmp_path / f"split{stop_at}"
+        train(TrainConfig.from_dict(spike_config(split, ws, "rewind", steps=stop_at)))
+        train(TrainConfig.from_dict(spike_config(split, ws, "rewind")), resume=True)
+        resumed = F.step_params(split / "run" / "16")
+        reference = F.step_params(run_dir / "16")
+        assert all(resumed[n].tobytes() == reference[n].tobytes() for n in reference), stop_at
+        assert [{k: v for k, v in r.items() if k not in strip} for r in F.metrics(split / "run")] == \
+               [{k: v for k, v in r.items() if k not in strip} for r in records], stop_at
+        assert read_checkpoint(split / "run" / "16").lineage[-2]["rewinds"] == lineage[-2]["rewinds"]
 
 
 def test_a_run_starts_from_the_average_of_another_runs_last_checkpoints(ws, cache, tmp_path):
@@ -143,6 +147,9 @@ def test_a_run_starts_from_the_average_of_another_runs_last_checkpoints(ws, cach
         np.testing.assert_allclose(value, sum(s[name] for s in steps) / 3, rtol=1e-6, atol=1e-7, err_msg=name)
     merge = [s for s in read_checkpoint(tmp_path / "b" / "run" / "1").lineage if s["step"] == "merge"]
     assert merge and [i["step"] for i in merge[-1]["inputs"]] == [2, 4, 6] and merge[-1]["method"] == "sma"
+    train(TrainConfig.from_dict({**cfg, "steps": 2}), resume=True)  # a resumed run keeps where it started
+    resumed = read_checkpoint(tmp_path / "b" / "run" / "2").lineage
+    assert [s for s in resumed if s["step"] == "merge"] == merge
 
     bad = {**cfg, "run_dir": str(tmp_path / "c"), "model": {**cfg["model"], "init_from_merge": "--last 3"}}
     proc = F.run_cli("continued-pretrain", "--config", F.write_config(tmp_path / "c.yaml", bad), check=False)

@@ -166,8 +166,8 @@ class OptimizerConfig:
     clip_norm: float = field(1.0, range=_NON_NEGATIVE, help="Global-norm clipping (0: off).")
     schedule: tuple[SchedulePhase, ...] = field((), help="Phases in absolute steps (empty: constant lr).")
     trainable: str = field("all", metavar="all|new_layers|REGEX",
-                           help="What the optimiser changes: all; new_layers (the blocks inserted by the last "
-                                "depth growth, from the checkpoint's lineage); or a regular expression searched "
+                           help="What the optimiser changes: all; new_layers (the blocks every depth growth "
+                                "in the checkpoint's lineage inserted); or a regular expression searched "
                                 "in canonical tensor names (e.g. 'experts|router'). Frozen tensors keep their "
                                 "bytes and have no optimiser state.")
     ema: float = field(0.0, range=Range(0, 1, hi_open=True),

@@ -64,8 +64,11 @@ def parse_init_merge(text: str) -> tuple[list[Path], dict[str, int], str, dict[s
 def plan_init_merge(text: str, spec: ModelSpec) -> Checkpoint:
     """The merged checkpoint (lazy) the option describes, checked against the run's `spec`."""
     paths, steps, method, options = parse_init_merge(text)
-    found = find_checkpoints(paths, **steps)
-    plan = plan_merge([MergeInput(read_checkpoint(p), step) for p, step in found], method, options=options)
+    try:
+        found = find_checkpoints(paths, **steps)
+        plan = plan_merge([MergeInput(read_checkpoint(p), step) for p, step in found], method, options=options)
+    except UpcyclerError as err:  # the merge's own words, said of this option
+        raise UpcyclerError(f"{OPTION}: {err}") from None
     merged = merge(plan)
     if merged.spec != spec:
         where = first_difference(merged.spec, spec) or "the architecture"

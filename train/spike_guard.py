@@ -14,16 +14,15 @@ never saved. Then:
 Good checkpoints are those of states before the spiking step: checkpoint N holds the state that
 computed step N's loss, so the checkpoint of the spiking step itself is not good.
 The spike is recorded in `metrics.jsonl` (`spike` on the step's record) and every later checkpoint's
-lineage (`rewinds`). The window is rebuilt from `metrics.jsonl` when a run resumes, so the guard decides
-exactly as it would have without the interruption.
+lineage (`rewinds`). The window is saved with every checkpoint (`meta/`, `spike_window`) and restored with it, so a
+resumed run decides exactly as it would have without the interruption, on every process.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -33,13 +32,10 @@ from upcycler.train.config import SpikeConfig
 class SpikeGuard:
     """The window of recent good losses, and the verdict on each new one."""
 
-    def __init__(self, config: SpikeConfig, history: Iterable[Mapping[str, Any]] = ()):
-        """`history`: the metrics records of the steps before this run's start, oldest first."""
+    def __init__(self, config: SpikeConfig, recent: Sequence[float] = ()):
+        """`recent`: the window a checkpoint saved (`meta/spike_window`), oldest first."""
         self.config = config
-        self.recent: deque[float] = deque(maxlen=config.window)
-        for record in history:
-            if "spike" not in record and record.get("loss") is not None:
-                self.recent.append(float(record["loss"]))
+        self.recent: deque[float] = deque((float(x) for x in recent), maxlen=config.window)
 
     def median(self) -> float | None:
         """The median of the window, or None while it holds fewer than `window` losses."""

@@ -41,12 +41,10 @@ from upcycler.train.checkpointing import RunCheckpoints
 from upcycler.train.config import TrainConfig
 from upcycler.train.data.mix import DataIterator, make_data_iterator
 from upcycler.train.metrics import (
-    METRICS_FILE,
     ExpertWindow,
     MetricsLog,
     Progress,
     flops_per_token,
-    read_metrics,
     step_record,
 )
 from upcycler.train.model.params import from_tensors
@@ -108,6 +106,7 @@ class _Run:
             hf_dtype=config.checkpoint.hf_dtype,
         )
         self.rewinds: list[dict[str, Any]] = []
+        self.guard = SpikeGuard(config.loss.spike) if config.loss.spike else None
 
     def initial_state(self) -> TrainState:
         """Step 0: the init checkpoint's tensors as float32, each device reading only its shards.
@@ -134,6 +133,10 @@ class _Run:
                 f"{self.ckpts.step_dir(step)}: was trained from another model than {self.checked.init}"
             )
         self.rewinds = list(saved.meta.get("rewinds", []))
+        if self.guard is not None:
+            self.guard = SpikeGuard(self.config.loss.spike, _spike_window(saved.meta, self.ckpts.step_dir(step)))
+        # the steps before this run's (a merge it started from, say), as the checkpoint recorded them
+        self.ckpts.lineage = [dict(x) for x in saved.meta["lineage"][:-1]]
         self.data.set_state(saved.data)
         return TrainState(jnp.asarray(step, jnp.int32), saved.params, saved.opt_state, saved.ema)
 
@@ -148,7 +151,7 @@ class _Run:
         )
         batch_tokens = config.data.global_batch_size * config.data.seq_len
         flops = flops_per_token(self.spec, config.data.seq_len) * batch_tokens
-        guard = SpikeGuard(config.loss.spike, _history(config.run_dir, start)) if config.loss.spike else None
+        guard = self.guard
         log = MetricsLog(config.run_dir, enabled=primary, start_step=start)
         experts = ExpertWindow(self.spec, config.metrics.dead_below)
         progress = Progress(enabled=primary and config.metrics.progress, start=start, total=config.steps)
@@ -219,7 +222,8 @@ class _Run:
         config = self.config
         tokens = step * config.data.global_batch_size * config.data.seq_len
         lineage = _lineage_step(config, step, self.rewinds)
-        meta = {"tokens_seen": tokens, "lr": float(self.schedule(max(step - 1, 0))), "rewinds": self.rewinds}
+        meta = {"tokens_seen": tokens, "lr": float(self.schedule(max(step - 1, 0))), "rewinds": self.rewinds,
+                "spike_window": list(self.guard.recent) if self.guard is not None else []}
         self.ckpts.save(step, state.params, state.opt_state, self.data.get_state(), lineage, ema=state.ema,
                         extra_meta=meta)
         saved = self.ckpts.step_dir(step)
@@ -274,12 +278,15 @@ def _check_finite(raw: dict[str, Any], step: int, last: Path | None) -> None:
     )
 
 
-def _history(run_dir: Path, start: int) -> list[dict[str, Any]]:
-    """The metrics records of the steps before `start` (read on every process: the spike guard of each
-    must decide alike)."""
-    if start == 0 or not (run_dir / METRICS_FILE).is_file():
-        return []
-    return [r for r in read_metrics(run_dir) if r["step"] < start]
+def _spike_window(meta: dict[str, Any], step_dir: Path) -> list[float]:
+    """The loss-spike guard's window saved in a checkpoint's meta (empty when saved without a guard)."""
+    window = meta.get("spike_window", [])
+    if not isinstance(window, list) or not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) for x in window
+    ):
+        raise UpcyclerError(f"{step_dir}: meta spike_window is not a list of finite losses; the checkpoint is "
+                            "damaged; resume from an earlier step")
+    return [float(x) for x in window]
 
 
 def _with_count(opt_state: Any, count: int) -> Any:
