@@ -181,6 +181,15 @@ def test_in_training_ema_equals_merge_ema_over_the_saved_steps(ws, cache, tmp_pa
     assert proc.returncode != 0 and "holds one set of weights" in proc.stderr and not (tmp_path / "x").exists()
 
 
+def test_turning_ema_on_at_a_resume_is_refused(ws, cache, tmp_path):
+    run(ws, tmp_path, steps=2, **{"checkpoint.every": 2})
+    cfg = F.config_dict(tmp_path, ws["dense"], ws["data"], steps=3, **{"optimizer.ema": 0.9})
+    with pytest.raises(UpcyclerError, match="was saved without optimizer.ema"):
+        train(TrainConfig.from_dict(cfg), resume=True)
+    assert F.metrics(tmp_path / "run")[-1]["step"] == 1  # nothing trained, nothing saved
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.isdigit()) == ["2"]
+
+
 # --- Hugging Face export in the loop ------------------------------------------------------------------------
 def test_hf_exports_in_the_loop_match_the_jax_model_of_their_step(ws, cache, tmp_path):
     run(ws, tmp_path, "moe", steps=4, **{"checkpoint.every": 2, "checkpoint.hf_every": 2,
