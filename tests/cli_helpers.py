@@ -17,6 +17,23 @@ def run_cli(*args: str | Path, check: bool = True, timeout: int = 600) -> subpro
     return proc
 
 
+_RSS_SCRIPT = """
+import sys
+from upcycler.cli import main
+main.main(sys.argv[1:], standalone_mode=False)
+print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
+"""
+
+
+def peak_rss(*args: str | Path) -> int:
+    """Peak resident bytes of `upcycle ARGS…` in a process of its own (VmHWM, read by that process: the
+    child's `ru_maxrss` would include the parent's memory it was forked from)."""
+    proc = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, *map(str, args)], capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.split()[-1]) * 1024
+
+
 def assert_clean_failure(proc: subprocess.CompletedProcess, *, mentions: str) -> str:
     """Non-zero exit, exactly one `error:` line on stderr that mentions `mentions`, no traceback."""
     assert proc.returncode != 0, f"expected failure, got success:\n{proc.stdout}"

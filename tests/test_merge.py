@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import zlib
 from itertools import combinations
 from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_helpers import assert_clean_failure, leftovers, run_cli
+from cli_helpers import assert_clean_failure, leftovers, peak_rss, run_cli
 from safetensors.numpy import load_file, save_file
 from tiny_models import logits, make_tiny, random_ids
 
@@ -457,23 +455,6 @@ def test_cli_minus_sqrt_over_a_run_is_the_wsm_weighted_average(tmp_path, llamas)
 
 # --- memory ---------------------------------------------------------------------------------------------
 
-_RSS_SCRIPT = """
-import sys
-from upcycler.cli import main
-main.main(sys.argv[1:], standalone_mode=False)
-print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
-"""
-
-
-def peak_rss_of_merge(args: list[str]) -> int:
-    """Peak resident bytes of `upcycle merge ARGS` in a process of its own (VmHWM, read by that process:
-    the child's `ru_maxrss` would include the parent's memory it was forked from)."""
-    proc = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, "merge", *args], capture_output=True, text=True,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr
-    return int(proc.stdout.split()[-1]) * 1024
-
-
 @pytest.fixture(scope="module")
 def wide_inputs(tmp_path_factory) -> list[Path]:
     """8 checkpoints whose largest tensor is 16 MiB, so holding one per input would show plainly."""
@@ -498,8 +479,8 @@ def test_peak_memory_does_not_grow_with_inputs(tmp_path, wide_inputs, method, fe
     largest = max(t.nbytes for t in load_file(wide_inputs[0] / "model.safetensors").values())
     assert largest == 16 * 2**20
     extra = ["--base", str(wide_inputs[0])] if method == "task-arithmetic" else []
-    peaks = {n: peak_rss_of_merge([*map(str, wide_inputs[:n]), str(tmp_path / f"out{n}"), "--method", method,
-                                   *extra]) for n in (few, 8)}
+    peaks = {n: peak_rss("merge", *wide_inputs[:n], tmp_path / f"out{n}", "--method", method, *extra)
+             for n in (few, 8)}
     # holding every input's tensor would add 16 MiB per extra input; allow a quarter of one tensor of noise
     assert peaks[8] <= peaks[few] + largest // 4, {n: p / 2**20 for n, p in peaks.items()}
 

@@ -10,6 +10,9 @@ caller can walk two models in lockstep and say which layer first differs.
 fixed shuffled order: the same function, a different fp32 summation order. Its distance to the plain run
 is the model's own fp32 noise floor, the yardstick `upcycler.verify` judges differences with. Both runs
 share one read of each layer.
+
+`ffn_inputs(ckpt, ids)` walks the same way and yields, per layer, the normalised hidden state its FFN and
+router read (what calibrating a router needs), a few sequences at a time.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from upcycler.spec import ModelSpec
 from upcycler.train.config import ModelConfig
 from upcycler.train.model import layers as nn
 from upcycler.train.model.params import layer_kind
-from upcycler.train.model.transformer import layer_windows, one_layer
+from upcycler.train.model.transformer import layer_windows, one_layer, one_layer_ffn_input
 
 FP32 = ModelConfig(compute_dtype="float32")
 # FFN parameters whose axis `neurons` is the intermediate (neuron) axis: reordered together
@@ -59,6 +62,24 @@ def hidden_trace(ckpt: Any, ids_BL: np.ndarray, *, reordered: bool = False) -> I
         yield [np.asarray(_logits(h, norm, jnp.asarray(head), spec)) for h in runs]
 
 
+def ffn_inputs(ckpt: Any, ids_BL: np.ndarray, *, chunk: int = 16) -> Iterator[tuple[int, np.ndarray]]:
+    """Per layer i, (i, the normalised input of its FFN and router [B, L, D] fp32), computed `chunk`
+    sequences at a time (the residual stream of all B sequences is kept); one layer in memory at a time."""
+    spec, tensors = ckpt.spec, ckpt.tensors
+    x = tensors["embed"].load()[ids_BL].astype(np.float32)
+    windows = layer_windows(spec)
+    with jax.default_matmul_precision("highest"):
+        for i in range(spec.num_layers):
+            params = _layer_params(spec, tensors, i)
+            kind, window = layer_kind(spec, i), windows[i]
+            h = np.empty_like(x)
+            for lo in range(0, len(x), chunk):
+                y, h_part = _apply_with_input(jnp.asarray(x[lo:lo + chunk]), params, spec, kind, window)
+                x[lo:lo + chunk], h[lo:lo + chunk] = np.asarray(y), np.asarray(h_part)
+            del params
+            yield i, h
+
+
 def logits_of(ckpt: Any, ids_BL: np.ndarray) -> np.ndarray:
     """fp32 logits [B, L, V] of a checkpoint on a probe, one layer in memory at a time."""
     last = None
@@ -72,6 +93,12 @@ def logits_of(ckpt: Any, ids_BL: np.ndarray) -> np.ndarray:
 def _apply(x_BLD, p, spec: ModelSpec, kind: str, window: int):
     p = jax.tree.map(lambda w: w.astype(jnp.float32), p)
     return one_layer(x_BLD, p, spec, FP32, kind=kind, window=window)
+
+
+@partial(jax.jit, static_argnames=("spec", "kind", "window"))
+def _apply_with_input(x_BLD, p, spec: ModelSpec, kind: str, window: int):
+    p = jax.tree.map(lambda w: w.astype(jnp.float32), p)
+    return one_layer_ffn_input(x_BLD, p, spec, FP32, kind=kind, window=window)
 
 
 @partial(jax.jit, static_argnames=("spec",))

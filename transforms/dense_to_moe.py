@@ -22,24 +22,34 @@ Tensors are lazy: expert e's slices are cut from the dense tensor only when a wr
 a few dense tensors whatever the number of experts. The router is drawn from a numpy Generator seeded by
 (seed, layer) and stored in the model's dtype (the routers of the HF families are plain linear layers of
 the model dtype; transformers upcasts the logits to fp32 itself).
+
+With `--experts-from NAME=PATH …` (Branch-Train-MiX) each virtual group is cut, exactly as above, from
+the dense MLP of one of N models of BASE's architecture, and the other tensors come from BASE, their mean
+or one source (`transforms.experts_from`). `--router-init centroids` then points each group's router row
+at its source's domain (`transforms.router_init`).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.families import moe_families
 from upcycler.layout import layer_prefix
+from upcycler.schema import Range
 from upcycler.spec import ROUTER_KINDS, ModelSpec, MoESpec, spec_real, within_limit
 from upcycler.tensors import LazyTensor, TensorMap, dtype_name, stack, zeros
 from upcycler.transforms.expert_cover import Cover, overlapping, powers_of_two, tiled
+from upcycler.transforms.experts_from import Sources, describe_assignment, open_sources
 from upcycler.transforms.moe_target import MoERequest, apply_attention, choose_target
-from upcycler.transforms.registry import option, register, report
+from upcycler.transforms.registry import option, record, register, report, service
+from upcycler.transforms.router_init import RouterCalibration, centroid_router
 
 MAX_GROWTH = 10  # refuse results with more than this many times the source's parameters (--allow-large)
 MAX_ROUTER_STD = 100.0  # router rows beyond this overflow half-precision weights
@@ -75,6 +85,30 @@ class DenseToMoE:
     allow_large: bool = option(False, help=f"Allow a result over {MAX_GROWTH}× the source's parameters.")
     allow_untrainable_router: bool = option(False, help="Allow top-1 with a renormalising router, whose "
                                                         "router the language-model loss never trains.")
+    experts_from: Mapping[str, Path] | None = option(
+        None, help="Branch-Train-MiX: cut the routed experts from these dense models of BASE's architecture "
+                   "and tokenizer (NAME=PATH …): virtual group g from source ⌊g·N/groups⌋.", metavar="NAME=PATH")
+    expert_sources: tuple[str, ...] | None = option(
+        None, help="With --experts-from: the source of every routed expert, by name (comma-separated; the "
+                   "experts of one virtual group share a source).", metavar="NAMES")
+    shared_params: str = option("base", help="With --experts-from: attention, norms, embeddings and head from "
+                                             "base (BASE's), mean (fp32 mean of the sources) or a source's name.",
+                                metavar="base|mean|NAME")
+    shared_ffn: str = option("base", help="With --experts-from: shared experts and dense first layers from "
+                                          "base, mean or a source's name.", metavar="base|mean|NAME")
+    router_init: str = option("random", choices=("random", "centroids"),
+                              help="random: rows ~ N(0, σ²); centroids (with --experts-from): each group's row "
+                                   "points at its source's mean router input on its own --calibration data.")
+    calibration: Path | None = option(  # noqa: RUF009 (option is dataclasses.field)
+        None, help="With --router-init centroids: prepared data (`upcycle prepare-data`) holding one source per "
+                   "--experts-from name.", metavar="DIR")
+    calibration_sequences: int = option(128, range=Range(1, 1 << 16), metavar="n",
+                                        help="Sequences of calibration data per source.")
+    calibration_length: int = option(256, range=Range(2, 1 << 20), metavar="L",
+                                     help="Tokens per calibration sequence.")
+    centroid_margin: float = option(2.0, range=Range(0, 100, lo_open=True), metavar="m",
+                                    help="With --router-init centroids: the mean logit by which a source's "
+                                         "tokens prefer its own groups, on its calibration data.")
 
 
 @register("dense-to-moe", DenseToMoE)
@@ -102,18 +136,80 @@ def dense_to_moe(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap) -> tuple[
                "(--allow-approximate)", exact=False)
     out = target.spec
     _check_size(cfg, spec, out)
-    tensors = apply_attention(target, spec, tensors)
+    sources = _sources(cfg, spec, tensors, cover)
+    tensors = apply_attention(target, spec, tensors if sources is None else _shared(cfg, sources, tensors))
     factor = _scale(out.moe, cover, cfg.router_std, tensors["embed"].dtype)  # type: ignore[arg-type]
     if cfg.reinit_ratio > 0:
         n = round(cfg.reinit_ratio * cover.width)
         report(f"NOT function-preserving: Drop-Upcycling re-initialises {n} of the {cover.width} neurons of every "
                f"routed expert ({cfg.reinit_ratio:.0%}, seed {cfg.seed})", exact=False)
+    routers = _routers(cfg, out, sources, tensors["embed"].dtype)
     recent = _Recent()
     new: dict[str, LazyTensor] = {}
     for i in out.moe_layers:
-        new.update(_moe_layer(cfg, out, cover, factor, tensors, i, recent))
+        new.update(_moe_layer(cfg, out, cover, factor, _Layer(tensors, sources, cfg.shared_ffn), i, recent, routers))
     dense = [layer_prefix(i) + f"mlp.{w}" for i in out.moe_layers for w in ("gate_proj", "up_proj", "down_proj")]
     return out, tensors.without(dense).updated(new)
+
+
+def _sources(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap, cover: Cover) -> Sources | None:
+    """The sources of `--experts-from` (None without it), checked; what they change is reported and recorded."""
+    if cfg.experts_from is None:
+        unused = [flag for flag, given in (("--expert-sources", cfg.expert_sources is not None),
+                                           ("--shared-params", cfg.shared_params != "base"),
+                                           ("--shared-ffn", cfg.shared_ffn != "base"),
+                                           ("--router-init centroids", cfg.router_init != "random"),
+                                           ("--calibration", cfg.calibration is not None)) if given]
+        if unused:
+            raise UpcyclerError(f"{unused[0]} applies to experts from several models; add --experts-from "
+                                "NAME=PATH … or drop it")
+        return None
+    if cfg.router_init == "centroids" and cfg.calibration is None:
+        raise UpcyclerError("--router-init centroids needs --calibration DIR (prepared data with one source per "
+                            "--experts-from name)")
+    if cfg.router_init != "centroids" and cfg.calibration is not None:
+        raise UpcyclerError("--calibration is read by --router-init centroids only; add it or drop --calibration")
+    groups = cfg.experts // cover.group
+    sources = open_sources(cfg.experts_from, spec, tensors, groups=groups, group=cover.group,
+                           assignment=cfg.expert_sources, base_checkpoint=service("checkpoint"),
+                           choices={"--shared-params": cfg.shared_params, "--shared-ffn": cfg.shared_ffn})
+    report(f"experts from {len(sources.names)} models: {describe_assignment(sources)}; attention, norms, "
+           f"embeddings and head from {cfg.shared_params}; shared experts and dense layers from {cfg.shared_ffn}")
+    if not sources.identical:
+        report(f"NOT function-preserving: the experts come from {len(sources.names)} different models",
+               exact=False)
+    record(**sources.lineage())
+    return sources
+
+
+def _shared(cfg: DenseToMoE, sources: Sources, tensors: TensorMap) -> TensorMap:
+    """BASE's tensors with the non-FFN ones (and the dense layers' MLPs) taken from the chosen source."""
+    def choice(name: str) -> str:
+        if ".mlp." not in name:
+            return cfg.shared_params
+        return cfg.shared_ffn if int(name.split(".")[1]) < cfg.dense_layers else "base"  # MoE layers: cut later
+
+    return TensorMap({name: sources.pick(choice(name), tensors, name) for name in tensors})
+
+
+def _routers(cfg: DenseToMoE, out: ModelSpec, sources: Sources | None, dtype: np.dtype) -> RouterCalibration | None:
+    """The centroid calibration shared by every layer's router (None: random routers)."""
+    if cfg.router_init != "centroids":
+        return None
+    assert sources is not None and cfg.calibration is not None
+    measure = service("router_inputs")
+    if measure is None:
+        raise UpcyclerError("--router-init centroids runs the JAX model on the calibration data; this command "
+                            "cannot (use `upcycle dense-to-moe` or `upcycle run`)")
+    if len(sources.names) < 2:
+        raise UpcyclerError("--router-init centroids tells sources apart; it needs two or more --experts-from "
+                            "sources (use --router-init random)")
+    measure.check(Path(cfg.calibration), sources.names, sources.checkpoints[0], cfg.calibration_length)
+    report(f"router rows point at each source's mean router input on {cfg.calibration_sequences} × "
+           f"{cfg.calibration_length} tokens of its own data in {cfg.calibration} (logit margin "
+           f"{cfg.centroid_margin:g}), plus the random rows (σ = {cfg.router_std:g})")
+    return RouterCalibration(sources, out.moe_layers, Path(cfg.calibration), cfg.calibration_sequences,
+                             cfg.calibration_length, cfg.centroid_margin, measure)
 
 
 def _check(cfg: DenseToMoE, spec: ModelSpec) -> Cover:
@@ -207,11 +303,31 @@ def _scale(moe: MoESpec, cover: Cover, router_std: float, dtype: np.dtype) -> fl
     return factor
 
 
-def _moe_layer(cfg: DenseToMoE, out: ModelSpec, cover: Cover, factor: float, tensors: TensorMap, i: int,
-               recent: _Recent) -> dict[str, LazyTensor]:
-    """Router, routed experts and shared expert of MoE layer `i`, all lazy views of its dense MLP."""
+@dataclass(frozen=True)
+class _Layer:
+    """Where one MoE layer's dense MLP comes from: BASE's (`tensors`), or per expert from `sources`."""
+
+    tensors: TensorMap
+    sources: Sources | None
+    shared_ffn: str
+
+    def mlp(self, p: str, e: int | None) -> tuple[LazyTensor, LazyTensor, LazyTensor]:
+        """gate, up and down of layer prefix `p`: routed expert e's source, or the shared expert's (None)."""
+        names = [p + f"mlp.{w}" for w in ("gate_proj", "up_proj", "down_proj")]
+        if self.sources is None:
+            return tuple(self.tensors[n] for n in names)  # type: ignore[return-value]
+        if e is None:
+            return tuple(self.sources.pick(self.shared_ffn, self.tensors, n) for n in names)  # type: ignore[return-value]
+        return tuple(self.sources.of_expert(e)[n] for n in names)  # type: ignore[return-value]
+
+
+def _moe_layer(cfg: DenseToMoE, out: ModelSpec, cover: Cover, factor: float, source: _Layer, i: int,
+               recent: _Recent, routers: RouterCalibration | None) -> dict[str, LazyTensor]:
+    """Router, routed experts and shared expert of MoE layer `i`, all lazy views of the dense MLPs they are
+    cut from (BASE's, or each expert's source's)."""
     p = layer_prefix(i)
-    gate, up, down = (tensors[p + f"mlp.{w}"] for w in ("gate_proj", "up_proj", "down_proj"))
+    experts = [source.mlp(p, e) for e in range(out.moe.num_experts)]  # type: ignore[union-attr]
+    gate, up, down = source.mlp(p, None)  # the shared expert's
     moe = out.moe
     assert moe is not None
     D, f, R, N = out.hidden_size, cover.width, cover.group, moe.num_experts
@@ -219,20 +335,23 @@ def _moe_layer(cfg: DenseToMoE, out: ModelSpec, cover: Cover, factor: float, ten
     reinit = round(cfg.reinit_ratio * f)
     scales = [None if cover.overlap == 0 else cover.column_scales(j, factor) for j in range(R)]
 
-    def rows(w: LazyTensor, e: int, k: int) -> np.ndarray:  # [f, D]: window e mod R of gate/up
+    def rows(e: int, k: int) -> np.ndarray:  # [f, D]: window e mod R of expert e's gate (k=0) or up (k=1)
+        w = experts[e][k]
         out_ = recent.get(w)[cover.window(e % R)]
         return _reinit(out_, recent.stats(w), cfg.seed, i, e, k, reinit, axis=0) if reinit else out_
 
-    def cols(e: int) -> np.ndarray:  # [D, f]: window e mod R of down, scaled
-        out_ = recent.get(down)[:, cover.window(e % R)]
+    def cols(e: int) -> np.ndarray:  # [D, f]: window e mod R of expert e's down, scaled
+        w = experts[e][2]
+        out_ = recent.get(w)[:, cover.window(e % R)]
         if reinit:
-            out_ = _reinit(out_, recent.stats(down), cfg.seed, i, e, 2, reinit, axis=1)
+            out_ = _reinit(out_, recent.stats(w), cfg.seed, i, e, 2, reinit, axis=1)
         return _scaled(out_, factor if scales[e % R] is None else scales[e % R])
 
+    random_rows = _router(cfg.seed, i, N // R, R, D, cfg.router_std, dtype)
     new = {
-        p + "moe.router": _router(cfg.seed, i, N // R, R, D, cfg.router_std, dtype),
-        p + "moe.experts.gate_proj": stack([lambda e=e: rows(gate, e, 0) for e in range(N)], (N, f, D), dtype),
-        p + "moe.experts.up_proj": stack([lambda e=e: rows(up, e, 1) for e in range(N)], (N, f, D), dtype),
+        p + "moe.router": random_rows if routers is None else centroid_router(routers, i, random_rows, R),
+        p + "moe.experts.gate_proj": stack([lambda e=e: rows(e, 0) for e in range(N)], (N, f, D), dtype),
+        p + "moe.experts.up_proj": stack([lambda e=e: rows(e, 1) for e in range(N)], (N, f, D), dtype),
         p + "moe.experts.down_proj": stack([lambda e=e: cols(e) for e in range(N)], (N, D, f), dtype),
     }
     if cover.shared:

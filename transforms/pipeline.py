@@ -36,7 +36,7 @@ from upcycler.spec import ModelSpec
 from upcycler.summary import format_summary, spec_summary
 from upcycler.tensors import LazyTensor, TensorMap, dtype_name, parse_dtype
 from upcycler.transforms.recipe import Recipe
-from upcycler.transforms.registry import Note, config_dict
+from upcycler.transforms.registry import Note, config_dict, providing
 from upcycler.units import human_bytes
 from upcycler.untrusted import shown_path
 
@@ -113,9 +113,11 @@ def plan(recipe: Recipe, *, allow_config_only: bool = False) -> Plan:
     ckpt, config_only = read_source(recipe.source, allow_config_only=allow_config_only)
     source_dtype = ckpt.tensors["embed"].dtype
     results = []
-    for step in recipe.steps:
+    for k, step in enumerate(recipe.steps):
         try:
-            applied = step.transform.apply(step.config, ckpt.spec, ckpt.tensors)
+            # the first step sees the source as read: a transform may compare other checkpoints with it
+            with providing(checkpoint=ckpt if k == 0 else None):
+                applied = step.transform.apply(step.config, ckpt.spec, ckpt.tensors)
         except UpcyclerError as err:  # transforms know the model, not where it came from
             raise UpcyclerError(f"{shown_path(recipe.source)}: {err}") from None
         result = StepResult(step.transform.name, config_dict(step.config), applied.notes)
@@ -123,6 +125,9 @@ def plan(recipe: Recipe, *, allow_config_only: bool = False) -> Plan:
         record = transform_step(result.name, result.config, result.exact, [n.text for n in result.notes],
                                 applied.recorded)
         ckpt = ckpt.with_step(record, applied.spec, applied.tensors)
+        for other in applied.inputs:  # checkpoints the step read besides its source (--experts-from)
+            ckpt = ckpt.replace(inputs=tuple(dict.fromkeys((*ckpt.inputs, *other.inputs))),
+                                watches=(*ckpt.watches, *other.watches))
     out = recipe.output
     if out.dtype:
         ckpt = ckpt.cast(parse_dtype(out.dtype))

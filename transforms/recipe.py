@@ -17,12 +17,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.hf_write import DEFAULT_SHARD_SIZE
+from upcycler.schema import options
 from upcycler.transforms.registry import Transform, config_dict, transform_named
 from upcycler.units import parse_size
 from upcycler.untrusted import describe, load_yaml, shown_path
@@ -115,7 +118,7 @@ def recipe_from_dict(data: Any, base: Path, where: str) -> Recipe:
         t = transform_named(name)
         if values is not None and not isinstance(values, dict):
             raise UpcyclerError(f"{where}: the options of {name} must be a mapping, not {describe(values)}")
-        steps.append(Step(t, t.make_config(values or {}, f"{where}: transforms[{k}] {name}")))
+        steps.append(Step(t, _rebased(t.make_config(values or {}, f"{where}: transforms[{k}] {name}"), base)))
     return Recipe(_path(base, data["source"]), tuple(steps), _output(data.get("output"), base, where))
 
 
@@ -134,6 +137,18 @@ def _output(data: Any, base: Path, where: str) -> Output:
     shard_size = parse_size(data.get("shard_size", DEFAULT_SHARD_SIZE), f"{where}: output.shard_size")
     return Output(_path(base, data["path"]), data.get("format") or "hf", data.get("family"), data.get("dtype"),
                   shard_size)
+
+
+def _rebased(config: Any, base: Path) -> Any:
+    """`config` with its relative path options (a path, or a mapping of paths) taken from `base`."""
+    changes: dict[str, Any] = {}
+    for opt in options(type(config)):
+        value = getattr(config, opt.name)
+        if isinstance(value, Path):
+            changes[opt.name] = _path(base, str(value))
+        elif isinstance(value, Mapping) and value and all(isinstance(v, Path) for v in value.values()):
+            changes[opt.name] = {k: _path(base, str(v)) for k, v in value.items()}
+    return dataclasses.replace(config, **changes) if changes else config
 
 
 def _path(base: Path, text: str) -> Path:

@@ -13,8 +13,13 @@ required option.
 
 A transform never writes anything. What it wants the user to know (which family `auto` picked, that a
 step is not function-preserving) it says with `report(...)`; what its lineage step should carry beyond
-its config (depth's layer map) it gives `record(...)`. `Transform.apply` collects both, so a chain of
-transforms is still plain function composition over `(ModelSpec, TensorMap)`.
+its config (depth's layer map) it gives `record(...)`. A transform that takes tensors from other
+checkpoints (dense-to-moe's `--experts-from`) opens them with `read_input(path)`, so the command knows
+every directory the output is read from (it may not overlap any of them, and every read is checked
+against its manifest). What a transform needs from a higher layer (the JAX model, to calibrate a router)
+the caller lends it with `providing(name=fn)` and the transform asks `service(name)`. `Transform.apply`
+collects notes, records and inputs, so a chain of transforms is still plain function composition over
+`(ModelSpec, TensorMap)`.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from upcycler.errors import UpcyclerError
+from upcycler.io import read_checkpoint
+from upcycler.io.checkpoint import Checkpoint
 from upcycler.layout import account
 from upcycler.schema import Option, from_mapping, options, to_plain
 from upcycler.schema import field as option  # noqa: F401  (the name transform configs declare options with)
@@ -52,9 +60,11 @@ class Note:
 class _Collected:
     notes: list[Note] = dataclasses.field(default_factory=list)
     recorded: dict[str, Any] = dataclasses.field(default_factory=dict)
+    inputs: list[Checkpoint] = dataclasses.field(default_factory=list)
 
 
 _COLLECTED: ContextVar[_Collected | None] = ContextVar("transform_collected", default=None)
+_SERVICES: ContextVar[Mapping[str, Any] | None] = ContextVar("transform_services", default=None)
 
 
 def report(text: str, *, exact: bool = True, rounds: bool = False) -> None:
@@ -70,6 +80,32 @@ def record(**fields: Any) -> None:
     collected = _COLLECTED.get()
     if collected is not None:
         collected.recorded.update(fields)
+
+
+def read_input(path: Path) -> Checkpoint:
+    """Open another checkpoint lazily (headers only) as an input of the transform being applied: its
+    directories join the output's inputs and its reads are checked against its manifest."""
+    ckpt = read_checkpoint(path)
+    collected = _COLLECTED.get()
+    if collected is not None:
+        collected.inputs.append(ckpt)
+    return ckpt
+
+
+@contextmanager
+def providing(**services: Any) -> Iterator[None]:
+    """Lend the transforms applied inside this block the named services (functions of a higher layer)."""
+    token = _SERVICES.set({**(_SERVICES.get() or {}), **services})
+    try:
+        yield
+    finally:
+        _SERVICES.reset(token)
+
+
+def service(name: str) -> Any | None:
+    """The service `name` lent by the caller (`providing`), or None. A transform captures it while it is
+    applied; its lazy tensors may call it later, when they are written."""
+    return (_SERVICES.get() or {}).get(name)
 
 
 @contextmanager
@@ -91,6 +127,7 @@ class Applied:
     tensors: TensorMap
     notes: tuple[Note, ...]
     recorded: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    inputs: tuple[Checkpoint, ...] = ()  # other checkpoints the tensors read (`read_input`)
 
     @property
     def exact(self) -> bool:
@@ -132,7 +169,7 @@ class Transform:
         except UpcyclerError as err:
             raise UpcyclerError(f"{self.name} produced an inconsistent model (a bug; please report it): {err}") \
                 from None
-        return Applied(spec, tensors, tuple(collected.notes), dict(collected.recorded))
+        return Applied(spec, tensors, tuple(collected.notes), dict(collected.recorded), tuple(collected.inputs))
 
 
 TRANSFORMS: dict[str, Transform] = {}

@@ -25,6 +25,7 @@ from upcycler.errors import UpcyclerError
 from upcycler.io.hf_read import read_json
 from upcycler.io.manifest import REWRITE, read_manifest
 from upcycler.spec import ModelSpec
+from upcycler.summary import expert_runs
 from upcycler.units import human_bytes, human_count
 from upcycler.untrusted import parse_yaml, read_text, shown_path
 
@@ -77,7 +78,17 @@ def _sources(lineage: list[dict]) -> list[str]:
             out.append(str(entry["source"]))
         elif entry.get("step") == "merge":
             out.extend(source for source, _ in _merge_inputs(entry))
+        for _, source, inner in _expert_models(entry):
+            out.extend(_sources(inner) or [source])
     return list(dict.fromkeys(out))
+
+
+def _expert_models(entry: dict[str, Any]) -> list[tuple[str, str, list[dict]]]:
+    """(name, source, its lineage) of each model a step cut experts from (`dense-to-moe --experts-from`)."""
+    models = entry.get("sources") if "expert_sources" in entry else None
+    return [(str(m.get("name", "?")), str(m.get("source", "?")),
+             [e for e in m.get("lineage", []) if isinstance(e, dict)] if isinstance(m.get("lineage"), list) else [])
+            for m in (models if isinstance(models, list) else []) if isinstance(m, dict)]
 
 
 def _merge_inputs(entry: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -196,6 +207,8 @@ def _render_step(entry: dict[str, Any], licenses: dict[str, str]) -> str:
         return f"**Transform** `{name}`" + (f": {shown}" if config else "") + _extra(rest)
     if step == "merge":
         return _render_merge(rest)
+    if "expert_sources" in rest:
+        return _render_experts_from(step, rest)
     if step == "train":
         amounts = [_amount(rest.pop("steps", None), "steps"), _amount(rest.pop("tokens", None), "tokens")]
         done = ", ".join(a for a in amounts if a)
@@ -223,6 +236,21 @@ def _render_merge(rest: dict[str, Any]) -> str:
     text = "**Merge**" + (f" with `{method}`" if method else "") + _extra(rest)
     for source, weight in inputs:
         text += f"\n   - {_source_link(source)}" + (f", weight {weight}" if weight is not None else "")
+    return text
+
+
+def _render_experts_from(step: str, rest: dict[str, Any]) -> str:
+    """A step that cut experts from several models: its options, then which experts each model gave."""
+    models = _expert_models(rest)
+    names = rest.pop("expert_sources")
+    rest.pop("sources", None)
+    config = rest.pop("config", None)
+    text = f"**{step}**" + (f": {_kv(config)}" if isinstance(config, dict) else "") + _extra(rest)
+    if not isinstance(names, list):
+        return text
+    per = {name: [e for e, n in enumerate(names) if n == name] for name, _, _ in models}
+    for name, source, _ in models:
+        text += f"\n   - {expert_runs({name: per[name]}) if per[name] else name} from {_source_link(source)}"
     return text
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from upcycler.families import FAMILIES
 from upcycler.io.checkpoint import Checkpoint
+from upcycler.io.manifest import expert_sources
 from upcycler.spec import ModelSpec
 from upcycler.tensors import dtype_name
 from upcycler.units import human_bytes, human_count
@@ -47,13 +48,32 @@ def checkpoint_summary(ckpt: Checkpoint) -> dict[str, Any]:
     dtypes = Counter()
     for t in ckpt.tensors.values():
         dtypes[dtype_name(t.dtype)] += t.numel
-    return {
+    out = {
         "path": str(ckpt.source) if ckpt.source else None,
         **spec_summary(ckpt.spec),
         "dtype": dtypes.most_common(1)[0][0] if dtypes else None,
         "dtypes": dict(dtypes),
         "bytes": ckpt.tensors.nbytes,
     }
+    names = expert_sources(ckpt.lineage, ckpt.spec.moe.num_experts) if ckpt.spec.moe else None
+    if names is not None:
+        out["moe"]["expert_sources"] = {n: [e for e, m in enumerate(names) if m == n] for n in dict.fromkeys(names)}
+    return out
+
+
+def expert_runs(sources: dict[str, list[int]]) -> str:
+    """`code: experts 0–3; math: experts 4–7`: each source's experts as runs of consecutive indices."""
+    parts = []
+    for name, experts in sources.items():
+        runs: list[list[int]] = []
+        for e in experts:
+            if runs and runs[-1][1] == e - 1:
+                runs[-1][1] = e
+            else:
+                runs.append([e, e])
+        shown = ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs)
+        parts.append(f"{name}: expert{'s' if len(experts) > 1 else ''} {shown}")
+    return "; ".join(parts)
 
 
 def format_summary(info: dict[str, Any]) -> str:
@@ -75,6 +95,8 @@ def format_summary(info: dict[str, Any]) -> str:
         dense = f", dense layers {m['dense_layers']}" if m["dense_layers"] else ""
         lines.append(f"experts         {m['experts']} × width {m['expert_width']}, top-{m['top_k']}, "
                      f"router {m['router']}{shared}{dense}")
+        if m.get("expert_sources"):
+            lines.append(f"expert sources  {expert_runs(m['expert_sources'])}")
     lines.append(f"parameters      {info['total_params']:,} total ({human_count(info['total_params'])}), "
                  f"{info['active_params']:,} active ({human_count(info['active_params'])})")
     if info.get("bytes") is not None and "dtype" in info:

@@ -193,8 +193,24 @@ def _scan_run(stack: Params, x_BLD: jax.Array, run: Run, spec: ModelSpec, cfg: M
     return jax.lax.scan(body, x_BLD, (stack, jnp.asarray(windows, jnp.int32)))
 
 
+def one_layer_ffn_input(x_BLD: jax.Array, p: Params, spec: ModelSpec, cfg: ModelConfig, *, kind: str,
+                        window: int) -> tuple[jax.Array, jax.Array]:
+    """`one_layer`, and the normalised hidden state its FFN (and its router) reads: (output, FFN input)."""
+    B, L, _ = x_BLD.shape
+    ctx = _context(spec, B, L, None, None)
+    x_BLD, h_BLD = _attention_block(x_BLD, p, spec, cfg, ctx, jnp.int32(window), windowed=window > 0)
+    y_BLD, _ = _ffn_block(x_BLD, h_BLD, p, kind, spec, cfg)
+    return y_BLD, h_BLD
+
+
 def _layer(x_BLD, layer, *, kind: str, spec: ModelSpec, cfg: ModelConfig, ctx: _Context, windowed: bool):
     p, window = layer
+    x_BLD, h_BLD = _attention_block(x_BLD, p, spec, cfg, ctx, window, windowed=windowed)
+    return _ffn_block(x_BLD, h_BLD, p, kind, spec, cfg)
+
+
+def _attention_block(x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig, ctx: _Context, window, *, windowed: bool):
+    """The residual stream after the layer's attention, and its normalisation for the FFN."""
     x_BLD = sharding.constrain(x_BLD, ACTIVATION_AXES)
     if windowed:
         visible_BLS = nn.window_mask(ctx.visible_BLS, ctx.distance_LS, window)
@@ -202,7 +218,11 @@ def _layer(x_BLD, layer, *, kind: str, spec: ModelSpec, cfg: ModelConfig, ctx: _
         visible_BLS = None if ctx.causal_only else ctx.visible_BLS
     h_BLD = nn.rms_norm(x_BLD, p["attn_norm"], spec.rms_norm_eps)
     x_BLD = x_BLD + _attention(h_BLD, p["attn"], spec, cfg, ctx, visible_BLS)
-    h_BLD = nn.rms_norm(x_BLD, p["mlp_norm"], spec.rms_norm_eps)
+    return x_BLD, nn.rms_norm(x_BLD, p["mlp_norm"], spec.rms_norm_eps)
+
+
+def _ffn_block(x_BLD, h_BLD, p: Params, kind: str, spec: ModelSpec, cfg: ModelConfig):
+    """The residual stream after the layer's FFN (dense or MoE) and the router's aux outputs (None: dense)."""
     if kind == "dense":
         return x_BLD + nn.gated_mlp(h_BLD, p["mlp"], spec.hidden_act), None
     y_BLD, router_aux = _moe(h_BLD, p["moe"], spec, cfg)

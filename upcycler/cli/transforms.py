@@ -9,7 +9,8 @@ one-step recipe, so it runs exactly like `upcycle run` and records the same line
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import click
@@ -20,6 +21,7 @@ from upcycler.schema import Option
 from upcycler.transforms import TRANSFORMS
 from upcycler.transforms.registry import Transform
 from upcycler.units import parse_size
+from upcycler.untrusted import describe
 
 _CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, Path: click.Path(path_type=Path)}
 _RESERVED = {"src", "out", "to", "family", "dtype", "shard_size", "overwrite", "dry_run", "as_json", "no_verify"}
@@ -46,10 +48,57 @@ def click_option(opt: Option, dest: str | None = None, *, override: bool = False
         flag = f"{opt.flag}/--no-{opt.flag[2:]}" if override else opt.flag
         return click.option(flag, dest, is_flag=True, default=None if override else bool(opt.default),
                             help=opt.help)
+    if typing.get_origin(opt.type) in (Mapping, dict):
+        return click.option(opt.flag, dest, multiple=True, metavar=opt.metavar or "NAME=VALUE",
+                            callback=lambda ctx, param, given: _pairs(opt.flag, given), help=opt.help)
+    if typing.get_origin(opt.type) is tuple:
+        return click.option(opt.flag, dest, default=None, metavar=opt.metavar or "A,B,…",
+                            callback=lambda ctx, param, given: _listed(given), help=opt.help)
     kind = click.Choice(opt.choices) if opt.choices else _CLICK_TYPES[opt.type]
     default = None if override else opt.default
     return click.option(opt.flag, dest, type=kind, required=opt.required and not override, default=default,
                         show_default=default is not None, metavar=opt.metavar, help=opt.help)
+
+
+def _pairs(flag: str, given: tuple[str, ...]) -> dict[str, str] | None:
+    """`NAME=VALUE` values of a mapping option as a dict (None when the flag was not given)."""
+    out: dict[str, str] = {}
+    for item in given:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise click.BadParameter(f"{describe(item)} is not NAME=VALUE", param_hint=flag)
+        if name in out:
+            raise click.BadParameter(f"{describe(name)} is given twice", param_hint=flag)
+        out[name] = value
+    return out or None
+
+
+def _listed(given: str | None) -> list[str] | None:
+    """A comma-separated list option as a list (None when not given)."""
+    return None if given is None else [v.strip() for v in given.split(",")]
+
+
+class _PairsCommand(click.Command):
+    """A command whose mapping options take several `NAME=VALUE` words after one flag
+    (`--experts-from code=a/ math=b/`), as if the flag were repeated before each."""
+
+    def __init__(self, *args, pair_flags: tuple[str, ...] = (), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pair_flags = pair_flags
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        out: list[str] = []
+        flag = None
+        for word in args:
+            if word in self.pair_flags:
+                flag = word
+            elif flag is not None and not word.startswith("-") and "=" in word:
+                if out[-1] != flag:
+                    out.append(flag)
+            else:
+                flag = None
+            out.append(word)
+        return super().parse_args(ctx, out)
 
 
 def _option(opt: Option) -> Callable:
@@ -75,17 +124,25 @@ def finish(p, *, dry_run: bool, as_json: bool, overwrite: bool, no_verify: bool 
     skipped = "--no-verify" if no_verify else unchecked_reason(p)
     check = None if skipped else function_check(p.recipe.source, " + ".join(s.name for s in p.steps))
     out = execute(p, overwrite=overwrite, check=check)
+    routing = initial_routing(p, out)
     if not as_json:
         for step in p.steps:
             for note in step.notes:
                 click.echo(f"{'note' if note.exact else 'warning'}: {step.name}: {note.text}", err=True)
         echo_verification(out, skipped)
+        if routing:
+            from upcycler.train.calibration import format_shares
+
+            click.echo("first forward on the calibration data: share of each source's tokens routed to the "
+                       f"experts of each source (mean over MoE layers)\n{format_shares(*routing)}", err=True)
     if as_json:
         from upcycler.io.manifest import read_manifest
 
         record = read_manifest(out).extra.get("verification")
-        click.echo(json.dumps({**p.to_json(), "written": str(out), "verification": record or {"skipped": skipped}},
-                              indent=2))
+        extra = {"initial_routing": {"sources": list(routing[1]), "per_layer": routing[0].round(4).tolist()}} \
+            if routing else {}
+        click.echo(json.dumps({**p.to_json(), "written": str(out), "verification": record or {"skipped": skipped},
+                               **extra}, indent=2))
         return
     spec = p.ckpt.spec
     click.echo(f"wrote {out}: {spec.family}, {spec.num_layers} layers, {human_count(spec.total_params())} "
@@ -93,18 +150,53 @@ def finish(p, *, dry_run: bool, as_json: bool, overwrite: bool, no_verify: bool 
                f"function {'preserved' if p.exact else 'NOT preserved'}")
 
 
+class _RouterInputs:
+    """The JAX model's router calibration, lent to the transforms (`--router-init centroids`); imported on
+    first use so that commands which never calibrate do not start JAX."""
+
+    def __getattr__(self, name: str):
+        from upcycler.train.calibration import RouterInputs
+
+        return getattr(RouterInputs(), name)
+
+
+def planned(recipe, *, dry_run: bool):
+    """`pipeline.plan` with the services a transform may borrow from the trainer."""
+    from upcycler.transforms.pipeline import plan
+    from upcycler.transforms.registry import providing
+
+    with providing(router_inputs=_RouterInputs()):
+        return plan(recipe, allow_config_only=dry_run)
+
+
+def initial_routing(p, out: Path) -> tuple | None:
+    """(shares [M, S, S], source names) of the written MoE's first forward on the calibration data of a
+    step that calibrated its router (`upcycler.train.calibration.routing_shares`); None otherwise."""
+    step = next((s for s in p.steps if s.config.get("router_init") == "centroids"), None)
+    if step is None:
+        return None
+    from upcycler.io import read_checkpoint
+    from upcycler.train.calibration import routing_shares
+
+    c = step.config
+    recorded = next(e for e in reversed(p.ckpt.lineage) if e.get("step") == step.name and "expert_sources" in e)
+    names = list(c["experts_from"])
+    shares = routing_shares(read_checkpoint(out), Path(c["calibration"]), names, recorded["expert_sources"],
+                            c["calibration_sequences"], c["calibration_length"])
+    return shares, names
+
+
 def transform_command(t: Transform) -> click.Command:
     """The click command of transform `t`: SRC, OUT, its options, the output options and --dry-run."""
 
     def callback(src: Path, out: Path | None, dry_run: bool, as_json: bool, no_verify: bool, to: str,
                  family: str | None, dtype: str | None, shard_size: str, overwrite: bool, **values) -> None:
-        from upcycler.transforms.pipeline import plan
         from upcycler.transforms.recipe import Output, single
 
         if out is None and not dry_run:
             raise click.UsageError("missing argument OUT (only --dry-run can do without it)")
         recipe = single(t.name, values, src, Output(out, to, family, dtype, parse_size(shard_size, "--shard-size")))
-        finish(plan(recipe, allow_config_only=dry_run), dry_run=dry_run, as_json=as_json, overwrite=overwrite,
+        finish(planned(recipe, dry_run=dry_run), dry_run=dry_run, as_json=as_json, overwrite=overwrite,
                no_verify=no_verify)
 
     fn: Callable = run_options(output_options(callback))
@@ -112,7 +204,8 @@ def transform_command(t: Transform) -> click.Command:
         fn = _option(info)(fn)
     fn = click.argument("out", required=False, type=click.Path(path_type=Path))(fn)
     fn = click.argument("src", type=click.Path(path_type=Path))(fn)
-    return click.command(t.name, help=t.doc, short_help=t.summary)(fn)
+    pairs = tuple(o.flag for o in t.options() if typing.get_origin(o.type) in (Mapping, dict))
+    return click.command(t.name, cls=_PairsCommand, pair_flags=pairs, help=t.doc, short_help=t.summary)(fn)
 
 
 @click.command("run")
@@ -121,10 +214,9 @@ def transform_command(t: Transform) -> click.Command:
 @run_options
 def run(recipe: Path, dry_run: bool, as_json: bool, no_verify: bool, overwrite: bool) -> None:
     """Apply the transforms of RECIPE (YAML) in one streaming pass and write its output."""
-    from upcycler.transforms.pipeline import plan
     from upcycler.transforms.recipe import load_recipe
 
-    finish(plan(load_recipe(recipe), allow_config_only=dry_run), dry_run=dry_run, as_json=as_json,
+    finish(planned(load_recipe(recipe), dry_run=dry_run), dry_run=dry_run, as_json=as_json,
            overwrite=overwrite, no_verify=no_verify)
 
 

@@ -161,6 +161,22 @@ def new_layers(lineage: Sequence[LineageStep]) -> tuple[int, ...] | None:
     return None if new is None else tuple(sorted(new))
 
 
+def expert_sources(lineage: Sequence[LineageStep], experts: int) -> list[str] | None:
+    """The source model of each of `experts` routed experts, by name, as the last step that took experts
+    from several models (`dense-to-moe --experts-from`) recorded them; None when no step did. Later steps
+    keep the experts in place (depth growth copies layers, merges average experts one by one). A malformed
+    record is one `UpcyclerError` line."""
+    for index, step in enumerate(reversed(lineage)):
+        names = step.get("expert_sources")
+        if names is None:
+            continue
+        if not (isinstance(names, list) and len(names) == experts and all(isinstance(n, str) for n in names)):
+            raise UpcyclerError(f"lineage step {len(lineage) - 1 - index} records malformed expert_sources "
+                                f"({describe(names)}) for {experts} experts; fix the manifest or {REWRITE}")
+        return names
+    return None
+
+
 def _layer_list(value: Any, below: int | None) -> bool:
     """A list of layer indices, each below `below` (when known)."""
     return isinstance(value, list) and all(

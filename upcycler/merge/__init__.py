@@ -24,14 +24,35 @@ from upcycler.io.checkpoint import Checkpoint
 from upcycler.merge import averaging, interpolate, task_vectors  # noqa: F401  (fill the registry)
 from upcycler.merge.averaging import weighted_average
 from upcycler.merge.engine import lineage_step, merge, merge_tensor, tensor_rng
-from upcycler.merge.plan import MergeInput, MergePlan, describe_plan, first_difference, plan_merge
+from upcycler.merge.plan import (
+    MergeInput,
+    MergePlan,
+    describe_plan,
+    field_value,
+    first_difference,
+    plan_merge,
+)
 from upcycler.merge.registry import METHODS, Method, Range, get_method
 from upcycler.merge.runs import find_checkpoints
 
 __all__ = [
-    "METHODS", "MergeInput", "MergePlan", "Method", "Range", "describe_plan", "find_checkpoints",
-    "first_difference", "get_method", "lineage_step", "merge", "merge_checkpoints", "merge_tensor",
-    "plan_merge", "tensor_rng", "weighted_average",
+    "METHODS",
+    "MergeInput",
+    "MergePlan",
+    "Method",
+    "Range",
+    "describe_plan",
+    "field_value",
+    "find_checkpoints",
+    "first_difference",
+    "get_method",
+    "lineage_step",
+    "merge",
+    "merge_checkpoints",
+    "merge_tensor",
+    "plan_merge",
+    "tensor_rng",
+    "weighted_average",
 ]
 
 

@@ -128,7 +128,7 @@ def _check_specs(items: Sequence[MergeInput], base: Checkpoint | None) -> None:
     for label, ckpt in others:
         field = first_difference(first.checkpoint.spec, ckpt.spec)
         if field is not None:
-            a, b = _field(first.checkpoint.spec, field), _field(ckpt.spec, field)
+            a, b = field_value(first.checkpoint.spec, field), field_value(ckpt.spec, field)
             raise UpcyclerError(
                 f"{label}: {field} is {b!r} but {first.label} has {a!r}; "
                 "only checkpoints of one architecture can be merged"
@@ -152,7 +152,8 @@ def first_difference(a: Any, b: Any, prefix: str = "") -> str | None:
     return None if a == b else prefix.rstrip(".")
 
 
-def _field(spec: Any, dotted: str) -> Any:
+def field_value(spec: Any, dotted: str) -> Any:
+    """The value of the dotted field `dotted` (as `first_difference` names it) of a ModelSpec."""
     for part in dotted.split("."):
         spec = getattr(spec, part)
     return spec

@@ -1,0 +1,111 @@
+"""Router calibration for an MoE built from several dense models: what each source's data looks like to a router.
+
+`dense-to-moe --experts-from … --router-init centroids --calibration DATA` points each virtual group's router
+row at its source's domain. It needs, per source and per MoE layer, the mean of the hidden state the router
+reads (the FFN's normalised input) when the source's own model runs on the source's own data. This
+module computes that with the JAX model, one layer in memory at a time (`layerwise.ffn_inputs`), and
+measures how an upcycled model routes each source's tokens (`routing_shares`), which the command prints
+after the write.
+
+Calibration data is a prepared-data directory (`upcycle prepare-data`) holding one source per
+`--experts-from` name; `sequences` windows of `length` tokens are taken evenly spaced over each stream,
+so the result depends only on the data, not on a seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from upcycler.errors import UpcyclerError
+from upcycler.io.checkpoint import Checkpoint
+from upcycler.io.hashing import sha256_file
+from upcycler.layout import layer_prefix
+from upcycler.train.data.sources import open_source
+from upcycler.train.layerwise import ffn_inputs
+from upcycler.train.model import moe
+from upcycler.untrusted import shown_path
+
+
+@dataclass(frozen=True)
+class RouterInputs:
+    """The service `dense-to-moe --router-init centroids` borrows (`transforms.registry.providing`)."""
+
+    def check(self, data: Path, names: Sequence[str], base: Checkpoint, length: int) -> None:
+        """Refuse calibration data that is missing, too short or of another tokenizer, before any write."""
+        for name in names:
+            calibration_tokens(data, name, 1, length, base)
+
+    def mean(self, ckpt: Checkpoint, data: Path, name: str, sequences: int, length: int,
+             layers: Sequence[int]) -> np.ndarray:
+        """[len(layers), D] float64: the mean FFN input of `ckpt` at `layers` on source `name` of `data`."""
+        ids = calibration_tokens(data, name, sequences, length, ckpt)
+        wanted = {layer: k for k, layer in enumerate(layers)}
+        out = np.zeros((len(layers), ckpt.spec.hidden_size))
+        for layer, h in ffn_inputs(ckpt, ids):
+            if layer in wanted:
+                out[wanted[layer]] = h.reshape(-1, h.shape[-1]).astype(np.float64).mean(0)
+            if layer >= max(layers):
+                break
+        return out
+
+
+def calibration_tokens(data: Path, name: str, sequences: int, length: int, model: Checkpoint) -> np.ndarray:
+    """[n, length] int32: up to `sequences` evenly spaced windows of source `name`, checked against the
+    model's vocabulary and tokenizer."""
+    source = open_source(Path(data), name)
+    where = shown_path(source.path) if source.path else name
+    tokenizer = next((p for p in model.side_files if p.name == "tokenizer.json"), None)
+    if tokenizer is not None and sha256_file(tokenizer) != source.tokenizer_sha256:
+        raise UpcyclerError(f"{where}: calibration data was prepared with another tokenizer than "
+                            f"{shown_path(tokenizer)}; prepare it with the model's tokenizer.json")
+    tokens = source.tokens
+    if len(tokens) < length:
+        raise UpcyclerError(f"{where}: {len(tokens)} tokens, fewer than one calibration sequence of {length}; "
+                            "prepare more data or lower --calibration-length")
+    count = min(sequences, len(tokens) // length)
+    starts = np.linspace(0, len(tokens) - length, count).astype(np.int64)
+    ids = np.stack([np.asarray(tokens[s:s + length]) for s in starts]).astype(np.int32)
+    if int(ids.max()) >= model.spec.vocab_size:
+        raise UpcyclerError(f"{where}: token id {int(ids.max())} is outside the model's vocabulary of "
+                            f"{model.spec.vocab_size}; prepare the data with the model's tokenizer")
+    return ids
+
+
+def routing_shares(ckpt: Checkpoint, data: Path, names: Sequence[str], expert_sources: Sequence[str],
+                   sequences: int, length: int) -> np.ndarray:
+    """[M, S, S]: per MoE layer of `ckpt`, the share of data source s's routed token copies that go to
+    experts cut from source t (rows sum to 1), measured by the model's own first forward."""
+    spec = ckpt.spec
+    assert spec.moe is not None
+    to_source = np.array([list(names).index(n) for n in expert_sources])
+    layers = spec.moe_layers
+    out = np.zeros((len(layers), len(names), len(names)))
+    for s, name in enumerate(names):
+        ids = calibration_tokens(data, name, sequences, length, ckpt)
+        for layer, h in ffn_inputs(ckpt, ids):
+            if layer not in layers:
+                continue
+            p = layer_prefix(layer)
+            bias = ckpt.tensors[p + "moe.router_bias"].load() if spec.moe.router_bias else None
+            logits = moe.router_logits(jnp.asarray(h.reshape(-1, h.shape[-1])),
+                                       jnp.asarray(ckpt.tensors[p + "moe.router"].load()))
+            routing = moe.route(logits, spec.moe.top_k, spec.moe.router, spec.moe.routed_scaling_factor,
+                                None if bias is None else jnp.asarray(bias))
+            chosen = to_source[np.asarray(routing.expert_Tk).ravel()]
+            out[layers.index(layer), s] = np.bincount(chosen, minlength=len(names)) / chosen.size
+    return out
+
+
+def format_shares(shares: np.ndarray, names: Sequence[str]) -> str:
+    """The routing matrix averaged over MoE layers, one row per data source, for people."""
+    mean = shares.mean(0)
+    corner = "data \\ experts of"
+    first, width = max(len(corner), *(len(n) for n in names)) + 2, max(8, *(len(n) + 2 for n in names))
+    lines = [f"{corner:<{first}}" + "".join(f"{n:>{width}}" for n in names)]
+    lines += [f"{n:<{first}}" + "".join(f"{v:>{width}.0%}" for v in row) for n, row in zip(names, mean)]
+    return "\n".join(lines)

@@ -1,0 +1,206 @@
+"""Experts from several dense models (Branch-Train-MiX): which model each expert and each shared tensor comes from.
+
+`dense-to-moe BASE OUT --experts-from code=ckpt_code/ math=ckpt_math/ …` builds the MoE from N dense
+models of BASE's architecture (typically fine-tunes of BASE on N domains). `open_sources` opens them
+lazily (headers only, through `registry.read_input`, so the command knows every directory it reads),
+refuses anything that is not interchangeable with BASE (the first differing architecture field, a tensor
+of another dtype, another tokenizer) and decides, before a byte is read:
+
+- which source each routed expert is cut from: virtual group g (the R experts that share one router row)
+  takes source ⌊g·N/(E/R)⌋, which is expert e ← source ⌊e·N/E⌋ whenever the N sources divide the groups
+  evenly; or the recipe's explicit `expert_sources` (one name per expert, whole groups alike);
+- where the tensors outside the routed experts come from (`pick`): `base` (BASE's own), `mean` (the
+  element-wise mean of the N sources, summed one source at a time in fp32 and cast once: `mean_of`), or one
+  source by name. `--shared-params` chooses for attention, norms, embeddings and head; `--shared-ffn`
+  for the shared experts and the dense first layers.
+
+Memory stays that of one tensor per source read at a time: a mean reads its sources one after another
+(`mean_of` over `read_ahead`), and an expert slice is cut from one source's dense tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from upcycler.errors import UpcyclerError
+from upcycler.io.checkpoint import Checkpoint
+from upcycler.io.manifest import read_manifest
+from upcycler.merge import field_value, first_difference
+from upcycler.spec import ModelSpec
+from upcycler.summary import expert_runs
+from upcycler.tensors import LazyTensor, TensorMap, dtype_name, read_ahead
+from upcycler.transforms.registry import read_input
+from upcycler.untrusted import describe, shown_path
+
+CHOICES = ("base", "mean")  # besides a source's name: where shared tensors come from
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The N dense models experts are cut from, and which one each routed expert takes."""
+
+    names: tuple[str, ...]
+    checkpoints: tuple[Checkpoint, ...]
+    expert_source: tuple[int, ...]  # per routed expert: index into `names`
+    identical: bool  # every source holds BASE's own weight files (same digests): the function is preserved
+
+    def of_expert(self, e: int) -> TensorMap:
+        return self.checkpoints[self.expert_source[e]].tensors
+
+    def pick(self, choice: str, base: TensorMap, name: str) -> LazyTensor:
+        """Tensor `name` from `choice`: BASE's, the mean of the sources (fp32 running mean, cast once to
+        BASE's dtype), or one source's."""
+        if choice == "base":
+            return base[name]
+        if choice != "mean":
+            return self.checkpoints[self.names.index(choice)].tensors[name]
+        like = base[name]
+        readers = [c.tensors[name].load for c in self.checkpoints]
+        return LazyTensor(like.shape, like.dtype, lambda: mean_of(read_ahead(readers), len(readers), like.dtype))
+
+    def lineage(self) -> dict[str, Any]:
+        """What the lineage step records: every source with its own lineage, and each expert's source."""
+        return {"sources": [{"name": n, "source": str(c.source), "lineage": list(c.lineage)}
+                            for n, c in zip(self.names, self.checkpoints)],
+                "expert_sources": [self.names[k] for k in self.expert_source]}
+
+
+def mean_of(arrays: Iterator[np.ndarray], n: int, dtype: np.dtype) -> np.ndarray:
+    """The element-wise mean of `n` arrays read one at a time, cast once to `dtype`: summed in fp32 (fp64 for
+    fp32 inputs), which holds the sum of 16-bit values exactly unless their magnitudes span more than about
+    2^14, then divided by n. So it is the fp64 mean cast once (up to a double rounding on an exact tie), and
+    the mean of identical inputs is that input, bit for bit."""
+    acc: np.ndarray | None = None
+    for x in arrays:
+        if acc is None:
+            acc = np.array(x, dtype=np.float64 if x.dtype.itemsize >= 4 else np.float32)
+        else:
+            np.add(acc, x, out=acc, casting="unsafe")
+        del x
+    assert acc is not None
+    acc /= n
+    return acc.astype(dtype)
+
+
+def open_sources(experts_from: Mapping[str, Path], spec: ModelSpec, base: TensorMap, *, groups: int, group: int,
+                 assignment: Sequence[str] | None, choices: Mapping[str, str],
+                 base_checkpoint: Checkpoint | None) -> Sources:
+    """Open and check the sources of `--experts-from` against BASE (`spec`, `base`; `base_checkpoint` when
+    the caller has it, for the tokenizer and the digests); `groups` virtual groups of `group` experts.
+
+    `choices` maps each option (`--shared-params`, `--shared-ffn`) to its value, checked here."""
+    names = tuple(experts_from)
+    if not names:
+        raise UpcyclerError("--experts-from needs at least one NAME=PATH")
+    for name in names:
+        if not _NAME.fullmatch(name) or name in CHOICES:
+            raise UpcyclerError(f"--experts-from: source name {describe(name)} must be letters, digits, '_', '.' "
+                                f"or '-' (at most 64) and not {' or '.join(CHOICES)}; rename it")
+    for flag, value in choices.items():
+        if value not in (*CHOICES, *names):
+            raise UpcyclerError(f"{flag} is {describe(value)}; use {', '.join(CHOICES)} or a source name "
+                                f"({', '.join(names)})")
+    checkpoints = tuple(read_input(Path(experts_from[n])) for n in names)
+    for name, ckpt in zip(names, checkpoints):
+        _check_compatible(name, ckpt, spec, base, base_checkpoint)
+    expert_source = _assign(names, groups, group, assignment)
+    identical = base_checkpoint is not None and all(_same_weights(base_checkpoint, c) for c in checkpoints)
+    return Sources(names, checkpoints, expert_source, identical)
+
+
+def _check_compatible(name: str, ckpt: Checkpoint, spec: ModelSpec, base: TensorMap,
+                      base_checkpoint: Checkpoint | None) -> None:
+    """Refuse a source that is not interchangeable with BASE, naming the first difference."""
+    where = f"--experts-from {name}={shown_path(ckpt.source) if ckpt.source else '?'}"
+    field = first_difference(spec, ckpt.spec)
+    if field is not None:
+        a, b = field_value(spec, field), field_value(ckpt.spec, field)
+        raise UpcyclerError(f"{where}: {field} is {b!r} but BASE has {a!r}; every source must have BASE's "
+                            "architecture (experts are cut from its dense MLPs)")
+    for tensor_name, like in base.items():
+        other = ckpt.tensors.get(tensor_name)
+        if other is None or other.dtype != like.dtype:
+            found = "missing" if other is None else dtype_name(other.dtype)
+            raise UpcyclerError(f"{where}: tensor {tensor_name} is {found}, BASE's is {dtype_name(like.dtype)}; "
+                                "convert the source to BASE's dtype first (`upcycle convert --dtype`)")
+    if base_checkpoint is not None:
+        _check_tokenizer(where, ckpt, base_checkpoint)
+
+
+def _check_tokenizer(where: str, ckpt: Checkpoint, base: Checkpoint) -> None:
+    """The tokenizer files of a source must be BASE's, byte for byte (both may have none)."""
+    mine = {p.name: p for p in base.side_files if p.name in TOKENIZER_FILES}
+    theirs = {p.name: p for p in ckpt.side_files if p.name in TOKENIZER_FILES}
+    for file in sorted(set(mine) | set(theirs)):
+        if file not in theirs or file not in mine:
+            has = "has no" if file not in theirs else "has a"
+            raise UpcyclerError(f"{where}: {has} {file} {'but BASE has one' if file in mine else 'that BASE lacks'}; "
+                                "every source must share BASE's tokenizer")
+        if _bytes(theirs[file]) != _bytes(mine[file]):
+            raise UpcyclerError(f"{where}: {file} differs from BASE's; every source must share BASE's tokenizer "
+                                "(experts of another vocabulary see other token ids)")
+
+
+def _bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise UpcyclerError(f"{shown_path(path)}: cannot read ({err.strerror}); check the file") from None
+
+
+def _same_weights(base: Checkpoint, other: Checkpoint) -> bool:
+    """True when `other` is BASE's directory, or both manifests record the same weight files (names, sizes
+    and sha256): then every expert is cut from BASE's own FFNs and the upcycle preserves the function."""
+    if base.source is None or other.source is None:
+        return False
+    if Path(base.source).resolve() == Path(other.source).resolve():
+        return True
+    try:
+        mine, theirs = read_manifest(base.source).file_records(), read_manifest(other.source).file_records()
+    except UpcyclerError:
+        return False
+    weights = [f for f in mine if f.endswith(".safetensors")]
+    return bool(weights) and all(theirs.get(f) == mine[f] for f in weights) and \
+        sorted(f for f in theirs if f.endswith(".safetensors")) == sorted(weights)
+
+
+def _assign(names: tuple[str, ...], groups: int, group: int, assignment: Sequence[str] | None) -> tuple[int, ...]:
+    """Per routed expert, the index of its source: the recipe's names, or source ⌊g·N/groups⌋ for group g."""
+    n = len(names)
+    experts = groups * group
+    if assignment is None:
+        if groups < n:
+            raise UpcyclerError(f"--experts {experts} in virtual groups of {group} gives {groups} group(s) for {n} "
+                                "sources; every source needs a group: raise --experts or pass fewer sources")
+        return tuple(g * n // groups for g in range(groups) for _ in range(group))
+    if len(assignment) != experts:
+        raise UpcyclerError(f"expert_sources has {len(assignment)} names for {experts} experts; give one per expert")
+    unknown = [a for a in assignment if a not in names]
+    if unknown:
+        raise UpcyclerError(f"expert_sources names {describe(unknown[0])}, which is not a source; use one of "
+                            f"{', '.join(names)}")
+    unused = [a for a in names if a not in assignment]
+    if unused:
+        raise UpcyclerError(f"expert_sources gives no expert to source {unused[0]}; drop it from --experts-from "
+                            "or give it an expert")
+    for g in range(groups):
+        members = set(assignment[g * group:(g + 1) * group])
+        if len(members) > 1:
+            raise UpcyclerError(f"expert_sources mixes {', '.join(sorted(members))} in virtual group {g} (experts "
+                                f"{g * group}–{(g + 1) * group - 1}), whose experts share one router row and "
+                                "together hold one dense FFN; give a group one source")
+    return tuple(names.index(a) for a in assignment)
+
+
+def describe_assignment(sources: Sources) -> str:
+    """`code: experts 0–3; math: experts 4–7` (runs of consecutive experts per source)."""
+    per = {n: [e for e, k in enumerate(sources.expert_source) if sources.names[k] == n] for n in sources.names}
+    return expert_runs(per)
