@@ -14,6 +14,11 @@
     mfu             model FLOPs utilisation against `metrics.peak_flops` per device (only when set)
     expert_load     per MoE layer, the fraction of token copies each expert received (every
                     `metrics.expert_load_every` steps); sums to 1 per layer
+    expert_load_by_source, sources
+                    on expert_load's lines and, like it, of that one step: per MoE layer, per data source,
+                    the fraction of that source's token copies each expert received ([layers][sources]
+                    [experts]; each row sums to 1, or is null when the step had no token of that source),
+                    and `sources`, the data sources' names in the order of the rows
     expert_health   per MoE layer over a window of `metrics.expert_load_every` steps, on the window's
                     last step (windows start at multiples of it, so a run resumed from a checkpoint at
                     such a step logs what it would have uninterrupted): load_min, load_max, load_cv,
@@ -25,9 +30,10 @@ the log always describes one uninterrupted trajectory. A value that is not finit
 
 Reading (`read_metrics`, for `upcycle report` and resuming) treats the log as untrusted: every line goes
 through the bounded JSON parser and `parse_metrics_line` checks each known field's type (numbers are
-finite, `expert_load` is a rectangle of the same shape on every line); unknown fields are kept as they
-are. A torn final line (no line break: a run killed mid-write) is ignored; any other bad line is an
-`UpcyclerError` naming the file and the line.
+finite, `expert_load` is a rectangle of the same shape on every line, `expert_load_by_source` a
+layers × sources × experts block of shares of the same shape and the same `sources` on every line);
+unknown fields are kept as they are. A torn final line (no line break: a run killed mid-write) is
+ignored; any other bad line is an `UpcyclerError` naming the file and the line.
 """
 
 from __future__ import annotations
@@ -140,9 +146,22 @@ def step_record(
         counts = np.asarray(raw["expert_counts"], dtype=np.float64)
         totals = np.maximum(counts.sum(axis=1, keepdims=True), 1.0)
         rec["expert_load"] = np.round(counts / totals, 6).tolist()
+    if with_load and "expert_counts_by_source" in raw:
+        rec["expert_load_by_source"] = source_shares(raw["expert_counts_by_source"])
+        rec["sources"] = list(sources)
     if health is not None:
         rec["expert_health"] = dict(health)
     return rec
+
+
+def source_shares(counts_MSE: Any) -> list[list[list[float] | None]]:
+    """`expert_load_by_source` from per-source counts [M, S, E]: each (layer, source) row divided by its
+    sum and rounded to 6 decimals (as `expert_load`), so it sums to 1; None for a source without tokens."""
+    counts = np.asarray(counts_MSE, dtype=np.float64)
+    totals = counts.sum(axis=2, keepdims=True)
+    shares = np.round(counts / np.where(totals > 0, totals, 1.0), 6)
+    return [[row.tolist() if total > 0 else None for row, total in zip(layer, layer_totals[:, 0])]
+            for layer, layer_totals in zip(shares, totals)]
 
 
 class ExpertWindow:
@@ -186,6 +205,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / METRICS_FILE
     records: list[dict[str, Any]] = []
     load_shape: tuple[tuple[int, int], int] | None = None  # (shape, line of its first appearance)
+    by_source: tuple[list[str], int, int | None, int] | None = None  # (sources, layers, experts, line)
     with os.fdopen(open_regular(path, "metrics log"), "rb") as f:
         lineno = 0
         while line := _read_line(f, path):
@@ -208,8 +228,37 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
                         f"{where}: expert_load is {shape[0]}×{shape[1]}, but line {load_shape[1]} has "
                         f"{load_shape[0][0]}×{load_shape[0][1]} (layers × experts); {_FIX}"
                     )
+            if "expert_load_by_source" in record:
+                by_source = _same_by_source(record, by_source, lineno, where)
             records.append(record)
     return records
+
+
+def _same_by_source(
+    record: dict[str, Any], first: tuple[list[str], int, int | None, int] | None, lineno: int, where: str
+) -> tuple[list[str], int, int | None, int]:
+    """The sources, layers and experts (None while every row was null) of the (checked)
+    `expert_load_by_source` lines so far, first seen on line `first[3]`; `UpcyclerError` naming `where`
+    when this line's differ."""
+    shares = record["expert_load_by_source"]
+    experts = next((len(row) for layer in shares for row in layer if row is not None), None)
+    if first is None:
+        return record["sources"], len(shares), experts, lineno
+    sources, layers, first_experts, line = first
+    if record["sources"] != sources:
+        raise UpcyclerError(f"{where}: sources are {_names(record['sources'])}, but line {line} has "
+                            f"{_names(sources)}; {_FIX}")
+    if len(shares) != layers or (None not in (experts, first_experts) and experts != first_experts):
+        shape = f"{len(shares)}×{len(sources)}×{experts}"
+        raise UpcyclerError(f"{where}: expert_load_by_source is {shape}, but line {line} has "
+                            f"{layers}×{len(sources)}×{first_experts} (layers × sources × experts); {_FIX}")
+    return sources, layers, first_experts if first_experts is not None else experts, line
+
+
+def _names(sources: Sequence[str]) -> str:
+    """Source names from a file for a one-line message: quoted, escaped, at most 8."""
+    more = f", … ({len(sources)})" if len(sources) > 8 else ""
+    return "[" + ", ".join(describe(name, 30) for name in sources[:8]) + more + "]"
 
 
 def _read_line(f: Any, path: Path) -> bytes:
@@ -228,7 +277,10 @@ def parse_metrics_line(line: str | bytes, where: str) -> dict[str, Any] | None:
     """The record of one metrics.jsonl line (None for a blank line), or `UpcyclerError` naming `where`.
 
     `step` is a non-negative integer; the fields of `NUMBER_FIELDS` and `loss/<source>` are finite
-    numbers or null; `expert_load` is a non-empty rectangle of finite numbers (layers × experts)."""
+    numbers or null; `expert_load` is a non-empty rectangle of finite numbers (layers × experts);
+    `expert_load_by_source` is a non-empty block layers × sources × experts of numbers in [0, 1], a whole
+    source row possibly null, with `sources` beside it naming each source once (and the
+    layers and experts of `expert_load` when the line has both)."""
     if not line.strip():
         return None
     record = parse_json(line, where, _FIX)
@@ -242,6 +294,10 @@ def parse_metrics_line(line: str | bytes, where: str) -> dict[str, Any] | None:
             real(value, key, where, fix=_FIX)
     if "expert_load" in record:
         _check_load(record["expert_load"], where)
+    if "sources" in record:
+        _check_sources(record["sources"], where)
+    if "expert_load_by_source" in record:
+        _check_load_by_source(record, where)
     if "expert_health" in record:
         check_logged_health(record["expert_health"], where, fix=_FIX)
     return record
@@ -257,6 +313,44 @@ def _check_load(load: Any, where: str) -> None:
     for row in rows:
         for share in row:
             real(share, "expert_load", where, fix=_FIX)
+
+
+def _check_sources(sources: Any, where: str) -> None:
+    """`sources` is a non-empty list of distinct non-empty names, or `UpcyclerError` naming `where`."""
+    if (not isinstance(sources, list) or not sources
+            or not all(isinstance(name, str) and name for name in sources)):
+        raise UpcyclerError(f"{where}: sources must be a non-empty list of source names, not "
+                            f"{describe(sources)}; {_FIX}")
+    if len(set(sources)) != len(sources):
+        raise UpcyclerError(f"{where}: sources names a source twice; {_FIX}")
+
+
+def _check_load_by_source(record: dict[str, Any], where: str) -> None:
+    """`expert_load_by_source` as `parse_metrics_line` documents it, or `UpcyclerError` naming `where`."""
+    layers = record["expert_load_by_source"]
+    if "sources" not in record:
+        raise UpcyclerError(f"{where}: expert_load_by_source without sources (the names of its rows); {_FIX}")
+    sources = record["sources"]
+    if not isinstance(layers, list) or not layers or not all(isinstance(layer, list) for layer in layers):
+        raise UpcyclerError(f"{where}: expert_load_by_source must be a list of per-layer lists of per-source "
+                            f"shares, not {describe(layers)}; {_FIX}")
+    rows = [row for layer in layers for row in layer]
+    if any(len(layer) != len(sources) for layer in layers):
+        raise UpcyclerError(f"{where}: expert_load_by_source must have one row per source in every layer "
+                            f"({len(sources)}: {_names(sources)}); {_FIX}")
+    if not all(row is None or (isinstance(row, list) and row) for row in rows):
+        raise UpcyclerError(f"{where}: expert_load_by_source rows must be non-empty lists of shares or null; "
+                            f"{_FIX}")
+    if len({len(row) for row in rows if row is not None}) > 1:
+        raise UpcyclerError(f"{where}: expert_load_by_source rows have different lengths (ragged); {_FIX}")
+    for row in rows:
+        for share in row or ():
+            real(share, "expert_load_by_source", where, low=0.0, high=1.0, fix=_FIX)
+    load = record.get("expert_load")
+    experts = next((len(row) for row in rows if row is not None), None)
+    if isinstance(load, list) and (len(load) != len(layers) or experts not in (None, len(load[0]))):
+        raise UpcyclerError(f"{where}: expert_load_by_source covers {len(layers)} layers × {experts} "
+                            f"experts, but expert_load {len(load)} × {len(load[0])}; {_FIX}")
 
 
 def _finite(value: Any) -> Any:

@@ -7,6 +7,13 @@
     expert_load_layer{i}.png for MoE runs: per MoE layer i (0-based among MoE layers), a heatmap of the
                              fraction of token copies each expert received, step by step; a perfectly
                              balanced layer is flat at 1/E
+    expert_usage_by_source.png
+                             for MoE runs that log `expert_load_by_source`: per MoE layer, a heatmap of
+                             the share of each data source's token copies (rows, labelled) each expert
+                             (columns) received, averaged over every logged step but the first (the
+                             router as initialised; the only one when it is the only one), one colour
+                             bar for all panels; a run with more than 12 MoE layers shows 12 evenly
+                             spaced ones, first and last included, and says so in the title
     expert_health.png        when records carry `expert_health` (`upcycler.train.expert_health`): one panel
                              per logged statistic (load_cv, dead, overload, entropy, bias_norm) over the
                              steps, a thin line per MoE layer (coloured by depth, viridis: first layer
@@ -24,6 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +57,13 @@ def make_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     if not records:
         raise UpcyclerError(f"{shown_path(log)}: no complete step yet; run at least one step first")
     health = _health_series(records, shown_path(log))  # checked before anything is drawn
+    usage = _usage_by_source(records)
     out = Path(out) if out is not None else run_dir / "report"
     with staged_files(out, "--out") as stage:
         names = [_loss(records, stage / "loss.png"), _training(records, stage / "training.png")]
         names += _expert_load(records, stage)
+        if usage is not None:
+            names.append(_expert_usage_by_source(usage, stage / "expert_usage_by_source.png"))
         if health is not None:
             names.append(_expert_health(*health, stage / "expert_health.png"))
     return [out / name for name in names]
@@ -150,6 +161,81 @@ def _expert_load(records: Sequence[dict[str, Any]], out: Path) -> list[str]:
         ax.set(xlabel="step", ylabel="expert", title=f"expert load, MoE layer {layer}")
         paths.append(_save(fig, out / f"expert_load_layer{layer}.png"))
     return paths
+
+
+MAX_USAGE_PANELS = 12
+
+
+@dataclass(frozen=True)
+class SourceUsage:
+    """What `expert_usage_by_source.png` draws: `shares` [M, S, E], the mean over the logged `steps` of
+    each source's expert shares (a source's null rows skipped; NaN for a source without a token in any
+    of them), rows named by `sources`."""
+
+    sources: list[str]
+    shares: np.ndarray
+    steps: list[int]
+
+
+def _usage_by_source(records: Sequence[dict[str, Any]]) -> SourceUsage | None:
+    """The mean `expert_load_by_source` over every record that logged it but the first (the routing of
+    the starting weights), or over that one when it is alone, each step weighing the same; None when no
+    record has it or every row is null. `read_metrics` checked one shape and one `sources` on every line."""
+    logged = [r for r in records if "expert_load_by_source" in r]
+    averaged = logged[1:] or logged
+    experts = next((len(row) for r in averaged for layer in r["expert_load_by_source"] for row in layer
+                    if row is not None), None)
+    if experts is None:
+        return None
+    nan_row = [np.nan] * experts
+    stacked = np.asarray([[[nan_row if row is None else row for row in layer]  # [T, M, S, E]
+                           for layer in r["expert_load_by_source"]] for r in averaged], dtype=np.float64)
+    seen = ~np.isnan(stacked)
+    count = seen.sum(axis=0)
+    mean = np.where(count > 0, np.where(seen, stacked, 0.0).sum(axis=0) / np.maximum(count, 1), np.nan)
+    return SourceUsage(list(averaged[0]["sources"]), mean, [r["step"] for r in averaged])
+
+
+def usage_layers(num_layers: int, most: int = MAX_USAGE_PANELS) -> list[int]:
+    """The MoE layers to draw: all of them, or `most` evenly spaced ones with the first and the last."""
+    if num_layers <= most:
+        return list(range(num_layers))
+    return sorted({round(i * (num_layers - 1) / (most - 1)) for i in range(most)})
+
+
+def _expert_usage_by_source(usage: SourceUsage, path: Path) -> str:
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    num_layers, num_sources, num_experts = usage.shares.shape
+    layers = usage_layers(num_layers)
+    cols = min(4 if num_experts <= 16 else 3 if num_experts <= 32 else 2, len(layers))
+    rows = -(-len(layers) // cols)
+    panel_w = min(9.0, max(3.0, 0.16 * num_experts + 1.6))
+    panel_h = min(6.0, max(1.8, 0.32 * num_sources + 1.2))
+    fig = plt.figure(figsize=(cols * panel_w + 1.2, rows * panel_h + 0.9))
+    grid = fig.add_gridspec(rows, cols + 1, width_ratios=[1.0] * cols + [0.04])
+    cmap = plt.get_cmap("viridis").with_extremes(bad="lightgrey")  # a source without tokens: grey
+    top = float(np.nanmax(usage.shares))
+    unseen = np.isnan(usage.shares).all(axis=(0, 2))  # [S]
+    labels = [name.replace("$", r"\$") + (" (no tokens)" if none else "")  # no mathtext from the log
+              for name, none in zip(usage.sources, unseen)]
+    image = None
+    for n, layer in enumerate(layers):
+        ax = fig.add_subplot(grid[n // cols, n % cols])
+        image = ax.imshow(usage.shares[layer], aspect="auto", interpolation="nearest", cmap=cmap,
+                          vmin=0.0, vmax=top if top > 0 else 1.0)
+        ax.set_yticks(range(num_sources), labels if n % cols == 0 else [""] * num_sources, fontsize=8)
+        ax.set_title(f"MoE layer {layer}", fontsize=9)
+        ax.set_xlabel("expert", fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.colorbar(image, cax=fig.add_subplot(grid[:, -1]), label="share of the source's token copies")
+    steps = usage.steps
+    span = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}–{steps[-1]} ({len(steps)} logged)"
+    shown = "" if len(layers) == num_layers else f"; {len(layers)} of {num_layers} MoE layers, evenly spaced"
+    fig.suptitle(f"expert usage by data source, mean over {span}{shown}", fontsize=10)
+    return _save(fig, path)
 
 
 _HEALTH_PANELS = (  # key, title, whether a low value is the bad one

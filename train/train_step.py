@@ -58,19 +58,40 @@ def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(logits_BLV, axis=-1) - target_BL
 
 
-def router_terms(aux: model_lib.Aux, mask_BL: jax.Array, spec: ModelSpec) -> dict[str, jax.Array]:
+def router_terms(
+    aux: model_lib.Aux, mask_BL: jax.Array, spec: ModelSpec, source_B: jax.Array, num_sources: int
+) -> dict[str, jax.Array]:
     """Load-balancing loss (1.0 when balanced) and z-loss, each the mean over MoE layers, over the whole
-    batch's real tokens; the token copies each expert received, per layer [M, E]; and the mean over real
-    tokens of the entropy (nats) of the router's distribution over experts, per layer [M]."""
+    batch's real tokens; the token copies each expert received, per layer [M, E], and the same split by
+    the data source of the token's row, per layer [M, S, E] (`expert_load_by_source`); and the mean over
+    real tokens of the entropy (nats) of the router's distribution over experts, per layer [M]."""
     E, kind = spec.moe.num_experts, spec.moe.router  # type: ignore[union-attr]
 
     def one_layer(logits_BLE: jax.Array, ids_BLk: jax.Array) -> tuple[jax.Array, ...]:
         lb = moe.load_balancing_loss(logits_BLE, ids_BLk, mask_BL, E, "batch", router_kind=kind)
         entropy = router_entropy(logits_BLE, mask_BL, kind)
-        return lb, moe.router_z_loss(logits_BLE, mask_BL), moe.expert_load(ids_BLk, mask_BL, E), entropy
+        counts_E = moe.expert_load(ids_BLk, mask_BL, E)
+        counts_SE = expert_load_by_source(ids_BLk, mask_BL, source_B, num_sources, E)
+        return lb, moe.router_z_loss(logits_BLE, mask_BL), counts_E, counts_SE, entropy
 
-    lb_M, z_M, counts_ME, entropy_M = jax.vmap(one_layer)(aux.router_logits, aux.expert_ids)
-    return {"lb_loss": lb_M.mean(), "z_loss": z_M.mean(), "expert_counts": counts_ME, "router_entropy": entropy_M}
+    lb_M, z_M, counts_ME, counts_MSE, entropy_M = jax.vmap(one_layer)(aux.router_logits, aux.expert_ids)
+    return {"lb_loss": lb_M.mean(), "z_loss": z_M.mean(), "expert_counts": counts_ME,
+            "expert_counts_by_source": counts_MSE, "router_entropy": entropy_M}
+
+
+def expert_load_by_source(
+    ids_BLk: jax.Array, mask_BL: jax.Array, source_B: jax.Array, num_sources: int, num_experts: int
+) -> jax.Array:
+    """Token copies each expert received from each data source over the unmasked tokens: int32 [S, E],
+    row s counting the tokens of the batch rows with `source_B` = s.
+
+    Counted like `moe.expert_load` (the mask as weights of a bincount, rounded to int32), over the cells
+    source · E + expert, so its sum over sources is exactly `moe.expert_load` of the same inputs; summed
+    over devices and microbatches by the step as the expert counts are."""
+    valid = jnp.broadcast_to(mask_BL.astype(jnp.float32)[..., None], ids_BLk.shape)
+    cell_BLk = source_B.astype(ids_BLk.dtype)[:, None, None] * num_experts + ids_BLk
+    counts = jnp.bincount(cell_BLk.reshape(-1), weights=valid.reshape(-1), length=num_sources * num_experts)
+    return jnp.round(counts).astype(jnp.int32).reshape(num_sources, num_experts)
 
 
 def router_entropy(logits_BLE: jax.Array, mask_BL: jax.Array, router_kind: str) -> jax.Array:
@@ -143,10 +164,11 @@ def loss_fn(
     }
     total = ce
     if aux.router_logits is not None:
-        terms = router_terms(aux, mask_BL, spec)
+        terms = router_terms(aux, mask_BL, spec, batch["source_id"], num_sources)
         lb, z = share * terms["lb_loss"], share * terms["z_loss"]
         total = total + loss.lb_coef * lb + loss.z_coef * z
         metrics.update(lb_loss=lb, z_loss=z, expert_counts=terms["expert_counts"],
+                       expert_counts_by_source=terms["expert_counts_by_source"],
                        router_entropy=share * terms["router_entropy"])
     metrics["total_loss"] = total
     return total, metrics

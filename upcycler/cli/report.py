@@ -1,4 +1,5 @@
-"""`upcycle report RUN_DIR`: PNG plots of a training run (loss curves, expert load per layer)."""
+"""`upcycle report RUN_DIR`: PNG plots of a training run (loss curves, expert load per layer, expert usage
+by data source, expert health)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import click
     help="Where to write the PNGs [default: RUN_DIR/report].",
 )
 def command(run_dir: Path, out: Path | None) -> None:
-    """Plot RUN_DIR/metrics.jsonl of a continued-pretrain run into PNG files.
+    """Plot RUN_DIR/metrics.jsonl of a continued-pretrain run into PNG files: losses, expert load per MoE
+    layer, which data source goes to which expert, expert health.
 
     A torn last line (a run killed mid-write) is ignored; any other malformed line is an error naming
     it. The PNGs appear in --out only once all of them are drawn.
