@@ -1,6 +1,6 @@
 """Benchmark checkpoint surgery on synthetic checkpoints with real tensor shapes (bf16 safetensors).
 
-    python bench/surgery.py [--scale 1.0] [--workdir DIR] [--only depth|moe] [--repeats 1]
+    python bench/surgery.py [--scale 1.0] [--workdir DIR] [--only depth|moe|sources] [--repeats 1]
 
 (a) depth 32 → 48 (SOLAR) at Llama-3-8B shapes; (b) dense-to-moe 64 experts top-8 G=8 (and 8 experts,
 to show memory does not grow with the expert count) at Llama-3.2-1B shapes; these are function-preserving,
@@ -11,6 +11,13 @@ subprocess that reports its own peak RSS (VmHWM); the baseline is a plain copy (
 of the same number of bytes from the source files, timed in the same run; the source is read once before
 each, so both start from the same page cache. One JSON line per benchmark, with
 the median over `--repeats`. The synthetic files are deleted at the end, also on failure.
+
+(c) `--only sources`: Branch-Train-MiX, dense-to-moe 8 experts top-2 from 4 dense models of Llama-3.2-1B
+shapes (`--experts-from s0=… s3=…`, 2 experts each; BASE is s0, so attention, norms and embeddings are s0's),
+each source written with its own seed (same architecture, different bytes). Not function-preserving, so there
+is no check to time. Same rounds as above (`--repeats`, default 3 for this case): the job, then a copy of its
+output bytes cycling over the sources' files. Then the same job once with 2 sources (4 experts each) and
+once with 8 (1 each) for `rss_by_sources`: peak RSS should not grow with the number of sources.
 """
 
 from __future__ import annotations
@@ -91,12 +98,13 @@ def dir_bytes(path: Path) -> int:
 
 
 def measure(name: str, source: Path, out: Path, args: list[str], repeats: int, extra: dict,
-            checked: bool = False) -> dict:
+            checked: bool = False, files: list[Path] | None = None) -> dict:
     """Median wall time, peak RSS and ratio to a copy of the output bytes. With `checked` (a function-preserving
     job), the job also runs with --no-verify in the same rounds, and the cost of its function check is
-    reported as the extra time over that run."""
+    reported as the extra time over that run. `files` (default: `source`'s) are what the job reads: warmed
+    before each run and copied (cyclically) by the baseline."""
     runs = []
-    files = sorted(source.glob("*.safetensors"))
+    files = sorted(source.glob("*.safetensors")) if files is None else files
     for _ in range(repeats):
         row = {}
         if checked:
@@ -115,6 +123,9 @@ def measure(name: str, source: Path, out: Path, args: list[str], repeats: int, e
     result = {"bench": name, **extra, "seconds": round(med["seconds"], 2), "output_bytes": int(med["bytes"]),
               "copy_seconds": round(med["copy_seconds"], 2), "ratio": round(med["seconds"] / med["copy_seconds"], 3),
               "peak_rss_mb": round(med["peak_rss"] / 2**20), "repeats": repeats}
+    if extra.get("sources"):  # the multi-source case also shows each round (a shared, noisy machine)
+        result["runs_s"] = [[round(r["seconds"], 1), round(r["copy_seconds"], 1)] for r in runs]
+        result["runs_peak_rss_mb"] = [round(r["peak_rss"] / 2**20) for r in runs]
     if checked:
         overheads = [r["seconds"] / r["unchecked_seconds"] - 1 for r in runs]
         result.update(unchecked_seconds=round(med["unchecked_seconds"], 2),
@@ -124,12 +135,54 @@ def measure(name: str, source: Path, out: Path, args: list[str], repeats: int, e
     return result
 
 
+def link_copy(src: Path, dst: Path) -> None:
+    """`dst`, a new directory whose files are hard links to `src`'s (another model to the tool, same bytes)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            os.link(f, dst / f.name)
+
+
+def multi_source(spec: ModelSpec, work: Path, repeats: int, extra: dict) -> dict:
+    """dense-to-moe 8 experts top-2 from 4 sources (BASE = s0), timed against a copy; then peak RSS at 2 and 8."""
+    dirs = [work / f"s{i}" for i in range(8)]
+    for i in range(4):
+        write_synthetic(spec, dirs[i], seed=i)
+    # Sources 4..7 are hard links to the files of 0..3 in other directories (other models to the tool; it
+    # checks no identity between sources). This does not change what is measured: each source is still read
+    # tensor by tensor with its own preads, the same bytes as 8 distinct files, and peak RSS does not depend
+    # on the values; only 10 GB of disk instead of 20 GB, and the page cache holds the same 4 × 2.5 GB.
+    for i in range(4, 8):
+        link_copy(dirs[i - 4], dirs[i])
+
+    def job(n: int) -> list[str]:
+        return ["dense-to-moe", "--experts", "8", "--topk", "2", "--experts-from",
+                *(f"s{i}={dirs[i]}" for i in range(n))]
+
+    files = [f for d in dirs[:4] for f in sorted(d.glob("*.safetensors"))]
+    result = measure("dense-to-moe 8 experts top-2 from 4 sources (--experts-from), Llama-3.2-1B shapes", dirs[0],
+                     work / "out", job(4), repeats, {**extra, "experts": 8, "sources": 4}, files=files)
+    rss = {"4": result["peak_rss_mb"]}
+    seconds = {"4": result["seconds"]}
+    for n in (2, 8):
+        warm(files)
+        child = run_child([job(n)[0], str(dirs[0]), str(work / "out"), *job(n)[1:]])
+        shutil.rmtree(work / "out")
+        rss[str(n)], seconds[str(n)] = round(child["peak_rss"] / 2**20), round(child["seconds"], 2)
+    for d in dirs:
+        shutil.rmtree(d)
+    result["rss_by_sources"] = {k: rss[k] for k in ("2", "4", "8")}
+    result["seconds_by_sources"] = {k: seconds[k] for k in ("2", "4", "8")}  # 2 and 8: one run each
+    result["load_avg_1m"] = round(os.getloadavg()[0], 1)
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=float, default=1.0, help="shrink widths and vocabulary (1.0 = real shapes)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the synthetic files go (default: a temp dir)")
-    ap.add_argument("--only", choices=("depth", "moe"), default=None)
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--only", choices=("depth", "moe", "sources"), default=None)
+    ap.add_argument("--repeats", type=int, default=None, help="rounds per job (default 1; 3 for sources)")
     a = ap.parse_args()
     big = llama_spec(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256,
                      tied=False, scale=a.scale)
@@ -142,16 +195,19 @@ def main() -> None:
             need = max(need, big.total_params() * 2 * (1 + 1.5) + 5e9)
         if a.only in (None, "moe"):
             need = max(need, small.total_params() * 2 * (1 + 6) + 5e9)
+        if a.only in (None, "sources"):  # 4 sources and one output of 8 full-width experts
+            need = max(need, small.total_params() * 2 * (4 + 6) + 5e9)
         free = shutil.disk_usage(work).free
         if free < need:
             raise SystemExit(f"needs about {need / 1e9:.0f} GB free in {work}, has {free / 1e9:.0f} GB; "
                              "use --scale to shrink the shapes")
         scale = {"scale": a.scale}
+        repeats = 1 if a.repeats is None else a.repeats
         if a.only in (None, "depth"):
             src = work / "llama-3-8b"
             write_synthetic(big, src)
             print(json.dumps(measure("depth 32->48 solar, Llama-3-8B shapes", src, work / "out",
-                                     ["depth", "--layers", "48", "--method", "solar"], a.repeats, scale)), flush=True)
+                                     ["depth", "--layers", "48", "--method", "solar"], repeats, scale)), flush=True)
             shutil.rmtree(src)
         if a.only in (None, "moe"):
             src = work / "llama-3.2-1b"
@@ -159,9 +215,11 @@ def main() -> None:
             for experts in (8, 64):
                 args = ["dense-to-moe", "--experts", str(experts), "--topk", "8", "--granularity", "8"]
                 print(json.dumps(measure(f"dense-to-moe {experts} experts top-8 G=8, Llama-3.2-1B shapes", src,
-                                         work / "out", args, a.repeats, {**scale, "experts": experts},
+                                         work / "out", args, repeats, {**scale, "experts": experts},
                                          checked=True)), flush=True)
             shutil.rmtree(src)
+        if a.only in (None, "sources"):
+            print(json.dumps(multi_source(small, work, 3 if a.repeats is None else a.repeats, scale)), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
