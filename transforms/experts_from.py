@@ -56,8 +56,8 @@ class Sources:
         return self.checkpoints[self.expert_source[e]].tensors
 
     def pick(self, choice: str, base: TensorMap, name: str) -> LazyTensor:
-        """Tensor `name` from `choice`: BASE's, the mean of the sources (fp32 running mean, cast once to
-        BASE's dtype), or one source's."""
+        """Tensor `name` from `choice`: BASE's, the mean of the sources (`mean_of`, cast once to BASE's
+        dtype), or one source's."""
         if choice == "base":
             return base[name]
         if choice != "mean":
