@@ -1,8 +1,10 @@
-"""Shared pieces of the benchmarks: synthetic real-shaped checkpoints, and a cold page cache."""
+"""Shared pieces of the benchmarks: synthetic real-shaped checkpoints, a cold page cache, interleaved timing."""
 
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from pathlib import Path
 
 import numpy as np
@@ -51,3 +53,22 @@ def evict(root: Path) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def time_round_robin(calls: dict[str, tuple], repeats: int) -> dict[str, dict[str, float]]:
+    """Median wall and CPU seconds per call: one warm-up each, then `repeats` rounds over all calls."""
+    import jax
+
+    for fn, params in calls.values():
+        jax.block_until_ready(fn(*params))
+    wall: dict[str, list[float]] = {name: [] for name in calls}
+    cpu: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, (fn, params) in calls.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            jax.block_until_ready(fn(*params))
+            cpu[name].append(time.process_time() - c0)
+            wall[name].append(time.perf_counter() - w0)
+    return {
+        name: {"wall": statistics.median(wall[name]), "cpu": statistics.median(cpu[name])} for name in calls
+    }

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from common import time_round_robin
 
 from upcycler.train.model import moe
 from upcycler.train.model.gmm import resolve_backend
@@ -103,23 +102,6 @@ def compiled_pair(layer: Callable[..., jax.Array], params: tuple[jax.Array, ...]
 
 def temp_bytes(compiled) -> int:
     return int(compiled.memory_analysis().temp_size_in_bytes)
-
-
-def time_round_robin(calls: dict[str, tuple], repeats: int) -> dict[str, dict[str, float]]:
-    """Median wall and CPU seconds per call: one warm-up each, then `repeats` rounds over all calls."""
-    for fn, params in calls.values():
-        jax.block_until_ready(fn(*params))
-    wall: dict[str, list[float]] = {name: [] for name in calls}
-    cpu: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, (fn, params) in calls.items():
-            w0, c0 = time.perf_counter(), time.process_time()
-            jax.block_until_ready(fn(*params))
-            cpu[name].append(time.process_time() - c0)
-            wall[name].append(time.perf_counter() - w0)
-    return {
-        name: {"wall": statistics.median(wall[name]), "cpu": statistics.median(cpu[name])} for name in calls
-    }
 
 
 def summarise(times: dict, compiled: dict, small_name: str, small: tuple) -> dict:

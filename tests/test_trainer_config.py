@@ -90,6 +90,8 @@ BAD = {
     "token chunks that do not divide the gathered tokens": (
         {"model.moe_dispatch": "all_gather", "model.moe_chunks": 3}, "model.moe_chunks 3"),
     "NaN chunk count": ({"model.moe_chunks": float("nan")}, "model.moe_chunks"),
+    "sparse prefill attention for training": ({"model.attention": "flexprefill"}, "upcycle eval"),
+    "prefill coverage above one": ({"model.prefill_gamma": 1.5}, "model.prefill_gamma"),
 }
 
 

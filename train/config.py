@@ -11,6 +11,7 @@ Schema (every section but `model` and `data` is optional; defaults shown):
       compute_dtype: float32           # float32 | bfloat16 (master weights are always float32)
       weights_dtype: float32           # dtype the forward reads the weights in (bfloat16: half the FSDP traffic)
       attention: einsum                # einsum | dot_product | chunked (query blocks of attention_chunk)
+                                       # (flexprefill: `upcycle eval` only; prefill_* options)
       attention_chunk: 512
       moe_impl: dropless               # dropless | reference (one-hot)
       gmm_backend: auto                # auto | tiled | ragged_dot | megablox (the dropless expert matmul)
@@ -71,7 +72,8 @@ from upcycler.untrusted import describe, escape, load_yaml, parse_yaml, shown_pa
 
 SCHEDULE_KINDS = ("warmup", "constant", "cosine", "linear")
 COMPUTE_DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLS = ("einsum", "dot_product", "chunked")
+ATTENTION_IMPLS = ("einsum", "dot_product", "chunked", "flexprefill")
+PREFILL_BUDGET_RULES = ("coverage", "reference")
 REMAT_POLICIES = ("none", "full", "dots")
 MOE_IMPLS = ("dropless", "reference")
 GMM_BACKENDS = ("auto", "tiled", "ragged_dot", "megablox")  # the grouped-matmul kernels of `upcycler.train.model.gmm`
@@ -99,8 +101,26 @@ class ModelConfig:
     attention: str = field("einsum", choices=ATTENTION_IMPLS,
                            help="einsum (explicit, exact), dot_product (jax.nn.dot_product_attention) or "
                                 "chunked (einsum over blocks of attention_chunk queries, recomputed in the "
-                                "backward pass: scores of one block at a time).")
+                                "backward pass: scores of one block at a time), or flexprefill (prefill only, "
+                                "`upcycle eval`: per prompt and head, the key blocks that hold γ of the attention).")
     attention_chunk: int = field(512, range=Range(1, 1 << 22), help="Queries per block of chunked attention.")
+    prefill_gamma: float = field(0.95, range=Range(0, 1, lo_open=True),
+                                 help="flexprefill: the attention mass the selected key blocks must cover.")
+    prefill_tau: float = field(0.1, range=Range(0, 1),
+                               help="flexprefill: heads whose pooled Q/K estimate is closer than this (√JSD) "
+                                    "to the probe choose blocks by pooled Q/K (query-aware); 0: never.")
+    prefill_block: int = field(128, range=Range(16, 4096), help="flexprefill: tokens per query and key block.")
+    prefill_min_budget: int = field(1024, range=Range(0, 1 << 24),
+                                    help="flexprefill: tokens of vertical and of slash blocks kept at least; "
+                                         "prompts up to max(2 blocks, this) run dense.")
+    prefill_max_budget: int = field(0, range=Range(0, 1 << 24),
+                                    help="flexprefill: tokens of vertical and of slash blocks kept at most (0: no limit).")
+    prefill_budget_rule: str = field("coverage", choices=PREFILL_BUDGET_RULES,
+                                     help="flexprefill: coverage (count blocks until their mass reaches γ) or "
+                                          "reference (the official code's tokens // 128 + 1 blocks).")
+    prefill_dense_above: float = field(0.5, range=Range(0, 1),
+                                       help="flexprefill: a layer whose selection keeps more than this fraction of "
+                                            "the causal blocks runs dense.")
     moe_impl: str = field("dropless", choices=MOE_IMPLS,
                           help="dropless (sort, then grouped matmul) or reference (one-hot, for tests).")
     gmm_backend: str = field("auto", choices=GMM_BACKENDS,
@@ -289,6 +309,11 @@ def check(config: TrainConfig, origin: str = "config") -> None:
         raise UpcyclerError(
             f"{origin}: data.global_batch_size {config.data.global_batch_size} is not divisible by the mesh "
             f"(data × fsdp × expert) × data.microbatches = {known}; make it a multiple of {known}"
+        )
+    if config.model.attention == "flexprefill":
+        raise UpcyclerError(
+            f"{origin}: model.attention flexprefill is a prefill for evaluation (upcycle eval --attention "
+            "flexprefill), not for training; set model.attention to einsum, dot_product or chunked"
         )
     blocks = {"loss.ce_chunk": config.loss.ce_chunk}
     if config.model.attention == "chunked":

@@ -7,6 +7,7 @@ The face of the package is the forward pass and how to run it (`ModelConfig`, `f
   `transformer` rather than `model` so the package and the module inside it do not share a name;
 - `layers.py`: RMSNorm, RoPE, masks, grouped-query attention, gated MLP;
 - `moe.py`: router, dropless dispatch, one-hot reference, router losses; `gmm.py`: its grouped matmul;
+- `flexprefill.py`: FlexPrefill's per-prompt block selection and block-sparse attention (prefill only);
 - `params.py`: the parameter tree declared from `upcycler.layout` (shapes, logical axes, init, loading).
 
 Dimension key. Array names end in `_` plus one letter per axis; a letter means the same thing in every

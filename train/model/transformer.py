@@ -216,8 +216,18 @@ def _attention_block(x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig, ctx: _
         visible_BLS = nn.window_mask(ctx.visible_BLS, ctx.distance_LS, window)
     else:
         visible_BLS = None if ctx.causal_only else ctx.visible_BLS
-    h_BLD = nn.rms_norm(x_BLD, p["attn_norm"], spec.rms_norm_eps)
-    x_BLD = x_BLD + _attention(h_BLD, p["attn"], spec, cfg, ctx, visible_BLS)
+    if cfg.attention == "flexprefill":
+        raise ValueError("flexprefill attention chooses its blocks per layer on the host: run it through "
+                         "upcycler.train.prefill, not the jitted forward")
+    q_BLHh, k_BLKh, v_BLKh = _qkv(x_BLD, p, spec, ctx)
+    out_BLHh = nn.attention(q_BLHh, k_BLKh, v_BLKh, visible_BLS, impl=cfg.attention, chunk=cfg.attention_chunk)
+    return _attention_residual(x_BLD, out_BLHh, p, spec)
+
+
+def _attention_residual(x_BLD, out_BLHh, p: Params, spec: ModelSpec):
+    """The residual stream after adding the attention's output projection, and its normalisation for the FFN."""
+    B, L, H, h = out_BLHh.shape
+    x_BLD = x_BLD + nn.linear(out_BLHh.reshape(B, L, H * h), p["attn"]["o_proj"], p["attn"].get("o_bias"))
     return x_BLD, nn.rms_norm(x_BLD, p["mlp_norm"], spec.rms_norm_eps)
 
 
@@ -229,19 +239,34 @@ def _ffn_block(x_BLD, h_BLD, p: Params, kind: str, spec: ModelSpec, cfg: ModelCo
     return x_BLD + y_BLD, router_aux
 
 
-def _attention(x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig, ctx: _Context, visible_BLS) -> jax.Array:
+def _qkv(x_BLD, p: Params, spec: ModelSpec, ctx: _Context) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The layer's queries [B, L, H, h] and keys and values [B, L, K, h] (q/k-normed and rotated)."""
     B, L, _ = x_BLD.shape
     H, K, h = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    q_BLHh = nn.linear(x_BLD, p["q_proj"], p.get("q_bias")).reshape(B, L, H, h)
-    k_BLKh = nn.linear(x_BLD, p["k_proj"], p.get("k_bias")).reshape(B, L, K, h)
-    v_BLKh = nn.linear(x_BLD, p["v_proj"], p.get("v_bias")).reshape(B, L, K, h)
+    a, x_BLD = p["attn"], nn.rms_norm(x_BLD, p["attn_norm"], spec.rms_norm_eps)
+    q_BLHh = nn.linear(x_BLD, a["q_proj"], a.get("q_bias")).reshape(B, L, H, h)
+    k_BLKh = nn.linear(x_BLD, a["k_proj"], a.get("k_bias")).reshape(B, L, K, h)
+    v_BLKh = nn.linear(x_BLD, a["v_proj"], a.get("v_bias")).reshape(B, L, K, h)
     if spec.qk_norm:
-        q_BLHh = nn.rms_norm(q_BLHh, p["q_norm"], spec.rms_norm_eps)
-        k_BLKh = nn.rms_norm(k_BLKh, p["k_norm"], spec.rms_norm_eps)
-    q_BLHh = nn.apply_rope(q_BLHh, ctx.cos_BLR, ctx.sin_BLR)
-    k_BLKh = nn.apply_rope(k_BLKh, ctx.cos_BLR, ctx.sin_BLR)
-    out_BLHh = nn.attention(q_BLHh, k_BLKh, v_BLKh, visible_BLS, impl=cfg.attention, chunk=cfg.attention_chunk)
-    return nn.linear(out_BLHh.reshape(B, L, H * h), p["o_proj"], p.get("o_bias"))
+        q_BLHh = nn.rms_norm(q_BLHh, a["q_norm"], spec.rms_norm_eps)
+        k_BLKh = nn.rms_norm(k_BLKh, a["k_norm"], spec.rms_norm_eps)
+    return nn.apply_rope(q_BLHh, ctx.cos_BLR, ctx.sin_BLR), nn.apply_rope(k_BLKh, ctx.cos_BLR, ctx.sin_BLR), v_BLKh
+
+
+def layer_qkv(x_BLD: jax.Array, p: Params, spec: ModelSpec, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's attention inputs on its own (positions 0..L−1): (q [B, L, H, h], k, v [B, L, K, h]) in the
+    compute dtype. With `layer_output`, the layer split around its attention, for a prefill that chooses
+    how to attend on the host (`upcycler.train.prefill`)."""
+    B, L, _ = x_BLD.shape
+    return _qkv(x_BLD, p, spec, _context(spec, B, L, None, None))
+
+
+def layer_output(x_BLD: jax.Array, out_BLHh: jax.Array, p: Params, spec: ModelSpec, cfg: ModelConfig, *,
+                 kind: str) -> jax.Array:
+    """The layer's output given its input and its attention's per-head output: the rest of `one_layer`."""
+    x_BLD, h_BLD = _attention_residual(x_BLD, out_BLHh, p, spec)
+    y_BLD, _ = _ffn_block(x_BLD, h_BLD, p, kind, spec, cfg)
+    return y_BLD
 
 
 def _moe(

@@ -1,0 +1,162 @@
+"""Long prompts through the JAX model one at a time, one layer at a time, with dense or FlexPrefill attention.
+
+`PrefillModel.run(prompt, answer)` is what a long-context check needs: the next-token logits after the
+prompt and after each answer token, and what the sparse attention computed. Each layer is the model's own
+code (`transformer.layer_qkv`, then attention, then `transformer.layer_output`), jitted per shape; between
+the two halves the host chooses how the prompt attends:
+
+- `attention: flexprefill` (`upcycler.train.model.flexprefill`): per head, the key blocks holding γ of the
+  probe's attention, in a power-of-two bucket of blocks chosen per layer (one compile per bucket), dense
+  when the prompt is short or the selection is dense anyway. Sliding-window layers run dense.
+- anything else: dense causal attention, by chunks of queries over the keys they can see.
+
+Answer tokens (teacher-forced after the prompt) always attend densely to the prompt and to each other,
+as a decode step would: FlexPrefill only changes how the prompt itself is computed. Logits are taken for
+the rows asked for only, so a 32k prompt never holds [N, V] logits. Everything runs in the compute
+dtype (fp32 by default) at the highest matmul precision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from upcycler.spec import ModelSpec
+from upcycler.train.config import ModelConfig
+from upcycler.train.model import layers as nn
+from upcycler.train.model.flexprefill import FlexPrefillOptions, causal_attention_jit, flexprefill_attention
+from upcycler.train.model.params import Params, layer_kind, layers_of_kind
+from upcycler.train.model.transformer import layer_output, layer_qkv, layer_windows, unembed
+
+_LOGITS_ROWS = 1024  # rows of logits alive at a time when scoring every position
+
+
+class PrefillStats(NamedTuple):
+    """Per layer and query head: the fraction of causal key blocks the prompt's attention computed (1 when
+    dense) and whether FlexPrefill chose the head's blocks from pooled Q/K (query-aware)."""
+
+    density: np.ndarray
+    query_aware: np.ndarray
+
+
+class PrefillResult(NamedTuple):
+    """Logits [V] after the prompt's last token, logits [m, V] after each answer token, and the stats."""
+
+    last_logits: np.ndarray
+    answer_logits: np.ndarray
+    stats: PrefillStats
+
+
+class PrefillModel:
+    """A checkpoint's weights held for prefills, with how to attend (`ModelConfig.attention` and `prefill_*`)."""
+
+    def __init__(self, spec: ModelSpec, params: Params, cfg: ModelConfig = ModelConfig()):
+        self.spec, self.params, self.cfg = spec, params, cfg
+        self.options = FlexPrefillOptions.of(cfg)
+        # what the jitted halves of a layer are specialised on: not how the prompt attends
+        self._layer_cfg = replace(cfg, attention="einsum", **{k: v for k, v in vars(ModelConfig()).items()
+                                                              if k.startswith("prefill_")})
+
+    @classmethod
+    def load(cls, path: str | Path, cfg: ModelConfig = ModelConfig()) -> PrefillModel:
+        """The checkpoint at `path` (HF or Orbax), its weights in the compute dtype."""
+        from upcycler.io import read_checkpoint
+        from upcycler.train.model.params import from_tensors
+
+        ckpt = read_checkpoint(path)
+        return cls(ckpt.spec, from_tensors(ckpt.spec, ckpt.tensors, dtype=np.dtype(cfg.compute_dtype)), cfg)
+
+    def run(self, prompt_ids: np.ndarray, answer_ids: np.ndarray | None = None) -> PrefillResult:
+        """Prefill `prompt_ids` [N], then `answer_ids` [m] teacher-forced: logits after the last prompt token
+        and after every answer token."""
+        answer = np.zeros(0, np.int32) if answer_ids is None else np.asarray(answer_ids, np.int32)
+        hidden_LD, stats = self.hidden(np.asarray(prompt_ids, np.int32), answer)
+        N = len(prompt_ids)
+        logits = np.asarray(_logits_jit(self.params, hidden_LD[N - 1:], self.spec))
+        return PrefillResult(logits[0], logits[1:], stats)
+
+    def next_token_logprobs(self, ids: np.ndarray) -> tuple[np.ndarray, PrefillStats]:
+        """log p(ids[t+1] | ids[..t]) for t = 0..N−2 [N−1], with the whole sequence prefilled as one prompt."""
+        ids = np.asarray(ids, np.int32)
+        hidden_LD, stats = self.hidden(ids, np.zeros(0, np.int32))
+        out = []
+        for start in range(0, len(ids) - 1, _LOGITS_ROWS):
+            end = min(len(ids) - 1, start + _LOGITS_ROWS)
+            out.append(np.asarray(_target_logprobs_jit(self.params, hidden_LD[start:end], jnp.asarray(ids[start + 1:end + 1]),
+                                                       self.spec)))
+        return np.concatenate(out), stats
+
+    def hidden(self, prompt_ids: np.ndarray, answer_ids: np.ndarray, *,
+               observe: Callable[[int, jax.Array, jax.Array, jax.Array], None] | None = None,
+               ) -> tuple[jax.Array, PrefillStats]:
+        """Final-normed hidden states [N + m, D] of the prompt followed by the answer, and the prompt's stats.
+
+        `observe(layer, q, k, v)`, if given, sees every layer's prompt attention inputs (benchmarks time the
+        attention on them)."""
+        spec, N = self.spec, len(prompt_ids)
+        H, windows = spec.num_heads, layer_windows(spec)
+        density, query_aware = np.ones((spec.num_layers, H)), np.zeros((spec.num_layers, H), bool)
+        ids = np.concatenate([prompt_ids, answer_ids]).astype(np.int32)
+        dtype = jnp.dtype(self.cfg.compute_dtype)
+        with jax.default_matmul_precision("highest"):
+            x_LD = jnp.take(self.params["embed"], jnp.asarray(ids), axis=0).astype(dtype)
+            for i in range(spec.num_layers):
+                kind = layer_kind(spec, i)
+                p = _layer_params(self.params, spec, i, kind)
+                q, k, v = _qkv_jit(x_LD, p, spec, self._layer_cfg)
+                if observe is not None:
+                    observe(i, q[:N], k[:N], v[:N])
+                if self.cfg.attention == "flexprefill" and not windows[i]:
+                    result = flexprefill_attention(q[:N], k[:N], v[:N], self.options)
+                    prompt_out, density[i], query_aware[i] = result
+                else:
+                    prompt_out = causal_attention_jit(q[:N], k[:N], v[:N], window=windows[i])
+                out = prompt_out
+                if len(answer_ids):
+                    out = jnp.concatenate([prompt_out, _answer_attention_jit(q[N:], k, v, N, windows[i])])
+                x_LD = _output_jit(x_LD, out, p, spec, self._layer_cfg, kind)
+            hidden_LD = nn.rms_norm(x_LD, self.params["final_norm"], spec.rms_norm_eps)
+        return hidden_LD, PrefillStats(density, query_aware)
+
+
+def _layer_params(params: Params, spec: ModelSpec, i: int, kind: str) -> Params:
+    j = layers_of_kind(spec, kind).index(i)
+    return jax.tree.map(lambda a: a[j], params["layers"][kind])
+
+
+@partial(jax.jit, static_argnames=("spec", "cfg"))
+def _qkv_jit(x_LD, p, spec, cfg):
+    q, k, v = layer_qkv(x_LD[None], p, spec, cfg)
+    return q[0], k[0], v[0]
+
+
+@partial(jax.jit, static_argnames=("spec", "cfg", "kind"))
+def _output_jit(x_LD, out_LHh, p, spec, cfg, kind):
+    return layer_output(x_LD[None], out_LHh[None], p, spec, cfg, kind=kind)[0]
+
+
+@partial(jax.jit, static_argnames=("prompt_len", "window"))
+def _answer_attention_jit(q_mHh, k_SKh, v_SKh, prompt_len: int, window: int):
+    """Answer tokens (positions prompt_len…) attending densely to every earlier key and to themselves."""
+    rows, cols = prompt_len + jnp.arange(q_mHh.shape[0])[:, None], jnp.arange(k_SKh.shape[0])[None, :]
+    visible = (cols <= rows) & ((rows - cols < window) if window else True)
+    return nn.attention(q_mHh[None], k_SKh[None], v_SKh[None], visible[None])[0]
+
+
+@partial(jax.jit, static_argnames="spec")
+def _logits_jit(params, hidden_LD, spec):
+    return unembed(params, hidden_LD[None], spec)[0]
+
+
+@partial(jax.jit, static_argnames="spec")
+def _target_logprobs_jit(params, hidden_LD, targets_L, spec):
+    logits_LV = unembed(params, hidden_LD[None], spec)[0]
+    picked = jnp.take_along_axis(logits_LV, targets_L[:, None], axis=-1)[:, 0]
+    return picked - jax.nn.logsumexp(logits_LV, axis=-1)
