@@ -17,10 +17,10 @@ For each length, one JSON line with:
 - `attention`, the attention op alone, on real inputs: the q, k, v of each `--layers` layer, captured by
   `PrefillModel.hidden(observe=...)` during one FlexPrefill prefill that stops right after the deepest
   layer's q/k/v (so layer i's inputs went through FlexPrefill in layers < i). On them, timed interleaved
-  after one warm-up call of each (`time_round_robin` of bench/moe_layer.py; medians over `--repeats`):
+  after one warm-up call of each (`time_round_robin` of bench/common.py; medians over `--repeats`):
   `flexprefill_attention` (selection, the host's bucket choice and the block-sparse attention, until its
   output is ready), the baseline `causal_attention_jit` (dense causal attention by chunks of queries: the
-  model's own dense path in `PrefillModel`), and the selection alone (`jax.jit(select_blocks)`). Per
+  model's own dense path in `PrefillModel`), and the selection alone (`select_blocks_jit`). Per
   layer: seconds, `ratio` = dense / flexprefill, `density` (the fraction of causal key blocks computed,
   mean over heads, from the Result: 1 when FlexPrefill fell back to dense), `selection_density` (what the
   selection kept, even when it then ran dense), `fallback`, query-aware heads, `rel_err` =
@@ -62,7 +62,7 @@ from upcycler.train.model.flexprefill import (
     FlexPrefillOptions,
     causal_attention_jit,
     flexprefill_attention,
-    select_blocks,
+    select_blocks_jit,
 )
 from upcycler.train.prefill import PrefillModel
 
@@ -70,7 +70,6 @@ REAL_MODEL = "smollm2-135m-instruct-bf16"  # the directory tests/real_model.py `
 END_TO_END_MAX = 16 * 1024  # longest length whose end-to-end prefill runs without --end-to-end-all
 SEED = 0
 
-select_jit = jax.jit(select_blocks, static_argnames="opts")
 
 
 def default_model() -> Path:
@@ -162,7 +161,7 @@ def attention_op(qkv: dict[int, tuple[jax.Array, ...]], opts: FlexPrefillOptions
         calls[f"flexprefill/{layer}"] = (keeping(outputs, f"flexprefill/{layer}", flexprefill_attention),
                                          (q, k, v, opts))
         calls[f"dense/{layer}"] = (keeping(outputs, f"dense/{layer}", causal_attention_jit), (q, k, v))
-        calls[f"select/{layer}"] = (keeping(outputs, f"select/{layer}", lambda q, k: select_jit(q, k, opts)),
+        calls[f"select/{layer}"] = (keeping(outputs, f"select/{layer}", lambda q, k: select_blocks_jit(q, k, opts)),
                                     (q, k))
     with jax.default_matmul_precision("highest"):  # as PrefillModel runs the layers
         times = time_round_robin(calls, repeats)

@@ -312,7 +312,7 @@ def causal_attention(q_NHh, k_NKh, v_NKh, *, chunk: int = 256, window: int = 0, 
     return jnp.concatenate(outs).reshape(n * chunk, *q_NHh.shape[1:])[:N]
 
 
-_select_jit = jax.jit(select_blocks, static_argnames="opts")
+select_blocks_jit = jax.jit(select_blocks, static_argnames="opts")
 causal_attention_jit = jax.jit(causal_attention, static_argnames=("chunk", "window", "bands"))
 
 
@@ -323,7 +323,7 @@ def flexprefill_attention(q_NHh, k_NKh, v_NKh, opts: FlexPrefillOptions) -> Resu
     dense = lambda: Result(causal_attention_jit(q_NHh, k_NKh, v_NKh), np.ones(H), np.zeros(H, bool))
     if opts.runs_dense(N):
         return dense()
-    selection = _select_jit(q_NHh, k_NKh, opts)
+    selection = select_blocks_jit(q_NHh, k_NKh, opts)
     counts_Hn = np.asarray(selection.mask_Hnn.sum(-1))
     nb = counts_Hn.shape[1]
     density_H = counts_Hn.sum(-1) / (nb * (nb + 1) / 2)
