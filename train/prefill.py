@@ -77,9 +77,13 @@ class PrefillModel:
         """Prefill `prompt_ids` [N], then `answer_ids` [m] teacher-forced: logits after the last prompt token
         and after every answer token."""
         answer = np.zeros(0, np.int32) if answer_ids is None else np.asarray(answer_ids, np.int32)
-        hidden_LD, stats = self.hidden(np.asarray(prompt_ids, np.int32), answer)
+        m = len(answer)
+        # answers of 5, 6 or 7 tokens share one compiled shape: repeats after the answer change nothing before
+        # them (causal), and their logits are dropped
+        padded = np.resize(answer, 1 << (m - 1).bit_length()) if m else answer
+        hidden_LD, stats = self.hidden(np.asarray(prompt_ids, np.int32), padded)
         N = len(prompt_ids)
-        logits = np.asarray(_logits_jit(self.params, hidden_LD[N - 1:], self.spec))
+        logits = np.asarray(_logits_jit(self.params, hidden_LD[N - 1:N + m], self.spec))
         return PrefillResult(logits[0], logits[1:], stats)
 
     def next_token_logprobs(self, ids: np.ndarray) -> tuple[np.ndarray, PrefillStats]:
