@@ -1,22 +1,27 @@
 """Benchmark checkpoint surgery on synthetic checkpoints with real tensor shapes (bf16 safetensors).
 
-    python bench/surgery.py [--scale 1.0] [--workdir DIR] [--only depth|moe|sources] [--repeats 1]
+    python bench/surgery.py [--scale 1.0] [--workdir DIR] [--only depth|moe|sources] [--repeats 3]
+                            [--before PYTHON]
 
-(a) depth 32 → 48 (SOLAR) at Llama-3-8B shapes; (b) dense-to-moe 64 experts top-8 G=8 (and 8 experts,
-to show memory does not grow with the expert count) at Llama-3.2-1B shapes; these are function-preserving,
+(a) depth 32 → 48 (SOLAR) at Llama-3-8B shapes; (b) dense-to-moe 8 experts top-2 and 64 experts top-8
+G=8 (the same 13.6 GB of output; memory must not grow with the expert count) at Llama-3.2-1B shapes;
+these are function-preserving,
 so each also runs with `--no-verify` in the same rounds and `check_overhead` is the median extra time of
 the function check every such write runs before its rename. `--scale s` shrinks the
 widths and the vocabulary by `s` for a quick run (layer counts stay). Each surgery runs in a fresh
-subprocess that reports its own peak RSS (VmHWM); the baseline is a plain copy (`os.sendfile` + fsync)
-of the same number of bytes from the source files, timed in the same run; the source is read once before
-each, so both start from the same page cache. One JSON line per benchmark, with
-the median over `--repeats`. The synthetic files are deleted at the end, also on failure.
+subprocess that reports its own peak RSS (VmHWM). Two baselines copy the output's number of bytes in the
+same rounds: `ratio` is to a copy with the job's I/O shape (`os.sendfile` of the source files, cyclically,
+each copy fsynced) and `ratio_cp` to `cp -r` of the source directory (repeated and scaled to the bytes,
+fsynced); the source is read once before each, so all start from the same page cache. Rounds are
+interleaved (job, copy, cp), `--repeats` of them (default 3), and medians are reported, one JSON line per
+benchmark with each round's seconds. `--before PYTHON` runs each job under another interpreter too (an
+older upcycler) in the same rounds: `before_ratio`, `before_ratio_cp`, `speedup`. The synthetic files are deleted at the end, also on failure.
 
 (c) `--only sources`: Branch-Train-MiX, dense-to-moe 8 experts top-2 from 4 dense models of Llama-3.2-1B
 shapes (`--experts-from s0=… s3=…`, 2 experts each; BASE is s0, so attention, norms and embeddings are s0's),
 each source written with its own seed (same architecture, different bytes). Not function-preserving, so there
-is no check to time. Same rounds as above (`--repeats`, default 3 for this case): the job, then a copy of its
-output bytes cycling over the sources' files. Then the same job once with 2 sources (4 experts each) and
+is no check to time. Same rounds as above: the job, then copies of its
+output bytes (cycling over the sources' files, and `cp -r` of BASE). Then the same job once with 2 sources (4 experts each) and
 once with 8 (1 each) for `rss_by_sources`: peak RSS should not grow with the number of sources.
 """
 
@@ -50,8 +55,8 @@ def llama_spec(*, layers: int, hidden: int, intermediate: int, heads: int, kv_he
                      rms_norm_eps=1e-5, max_position_embeddings=8192, tie_embeddings=tied)
 
 
-def run_child(args: list[str]) -> dict:
-    """Run `upcycle ARGS` in a fresh process that reports its wall time and peak RSS."""
+def run_child(args: list[str], python: str = sys.executable) -> dict:
+    """Run `upcycle ARGS` in a fresh `python` process that reports its wall time and peak RSS."""
     # VmHWM is this process's own peak RSS (ru_maxrss can carry the parent's peak across fork + exec)
     code = ("import json, sys, time\n"
             "from upcycler.cli import main\n"
@@ -60,7 +65,7 @@ def run_child(args: list[str]) -> dict:
             "seconds = time.perf_counter() - t\n"
             "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
             "print(json.dumps({'seconds': seconds, 'peak_rss': int(hwm.split()[1]) * 1024}))\n")
-    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False)
+    proc = subprocess.run([python, "-c", code, *args], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"upcycle {' '.join(args)} failed:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -85,6 +90,25 @@ def copy_seconds(sources: list[Path], nbytes: int, workdir: Path) -> float:
     return time.perf_counter() - start
 
 
+def cp_seconds(source: Path, nbytes: int, workdir: Path) -> float:
+    """Seconds `cp -r` takes for `nbytes`: the source directory copied (and fsynced) as many times as it takes
+    to reach `nbytes`, the time scaled to exactly `nbytes` (the issue's first baseline)."""
+    size = dir_bytes(source)
+    copies = max(1, -(-nbytes // size))
+    start = time.perf_counter()
+    for k in range(copies):
+        dst = workdir / f"cp-{k}"
+        subprocess.run(["cp", "-r", str(source), str(dst)], check=True)
+        for f in dst.iterdir():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        shutil.rmtree(dst)
+    return (time.perf_counter() - start) * nbytes / (copies * size)
+
+
 def warm(files: list[Path]) -> None:
     """Read `files` once so the surgery and the copy both start from the same page-cache state."""
     for f in files:
@@ -98,40 +122,61 @@ def dir_bytes(path: Path) -> int:
 
 
 def measure(name: str, source: Path, out: Path, args: list[str], repeats: int, extra: dict,
-            checked: bool = False, files: list[Path] | None = None) -> dict:
-    """Median wall time, peak RSS and ratio to a copy of the output bytes. With `checked` (a function-preserving
-    job), the job also runs with --no-verify in the same rounds, and the cost of its function check is
-    reported as the extra time over that run. `files` (default: `source`'s) are what the job reads: warmed
-    before each run and copied (cyclically) by the baseline."""
+            checked: bool = False, files: list[Path] | None = None, before: str | None = None) -> dict:
+    """Median wall time, peak RSS and ratio to two copies of the output's bytes, all in the same rounds:
+    `copy` (same I/O shape: the job's own input files sendfile'd cyclically into new files, fsynced) and
+    `cp` (`cp -r` of the source directory, scaled to the output's bytes). With `checked` (a
+    function-preserving job), the job also runs with --no-verify, and the cost of its function check is
+    reported as the extra time over that run. With `before` (another interpreter, whose upcycler is an
+    older version), the same job runs under it too, so before and after share the rounds and baselines.
+    `files` (default: `source`'s) are what the job reads: warmed before each run and copied by `copy`."""
     runs = []
     files = sorted(source.glob("*.safetensors")) if files is None else files
+    job = [*args[:1], str(source), str(out), *args[1:]]
     for _ in range(repeats):
         row = {}
         if checked:
             warm(files)
-            unchecked = run_child([*args[:1], str(source), str(out), *args[1:], "--no-verify"])
+            unchecked = run_child([*job, "--no-verify"])
             shutil.rmtree(out)
             row = {"unchecked_seconds": unchecked["seconds"], "unchecked_peak_rss": unchecked["peak_rss"]}
+        if before:
+            warm(files)
+            old = run_child([*job, *(["--no-verify"] if checked else [])], python=before)
+            shutil.rmtree(out)
+            row.update(before_seconds=old["seconds"], before_peak_rss=old["peak_rss"])
         warm(files)
-        child = run_child([*args[:1], str(source), str(out), *args[1:]])
+        child = run_child(job)
         nbytes = dir_bytes(out)
         shutil.rmtree(out)
         warm(files)
         copy = copy_seconds(files, nbytes, out.parent)
-        runs.append({**child, **row, "bytes": nbytes, "copy_seconds": copy})
+        warm(files)
+        cp = cp_seconds(source, nbytes, out.parent)
+        runs.append({**child, **row, "bytes": nbytes, "copy_seconds": copy, "cp_seconds": cp})
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     result = {"bench": name, **extra, "seconds": round(med["seconds"], 2), "output_bytes": int(med["bytes"]),
-              "copy_seconds": round(med["copy_seconds"], 2), "ratio": round(med["seconds"] / med["copy_seconds"], 3),
-              "peak_rss_mb": round(med["peak_rss"] / 2**20), "repeats": repeats}
-    if extra.get("sources"):  # the multi-source case also shows each round (a shared, noisy machine)
-        result["runs_s"] = [[round(r["seconds"], 1), round(r["copy_seconds"], 1)] for r in runs]
+              "copy_seconds": round(med["copy_seconds"], 2), "cp_seconds": round(med["cp_seconds"], 2),
+              "ratio": round(med["seconds"] / med["copy_seconds"], 3),
+              "ratio_cp": round(med["seconds"] / med["cp_seconds"], 3),
+              "peak_rss_mb": round(med["peak_rss"] / 2**20), "repeats": repeats,
+              "runs_s": [[round(r[k], 1) for k in ("seconds", "copy_seconds", "cp_seconds")] for r in runs]}
+    if extra.get("sources"):  # the multi-source case also shows each round's peak (a shared, noisy machine)
         result["runs_peak_rss_mb"] = [round(r["peak_rss"] / 2**20) for r in runs]
+    key = "unchecked_seconds" if checked else "seconds"
     if checked:
         overheads = [r["seconds"] / r["unchecked_seconds"] - 1 for r in runs]
         result.update(unchecked_seconds=round(med["unchecked_seconds"], 2),
                       unchecked_ratio=round(med["unchecked_seconds"] / med["copy_seconds"], 3),
+                      unchecked_ratio_cp=round(med["unchecked_seconds"] / med["cp_seconds"], 3),
                       unchecked_peak_rss_mb=round(med["unchecked_peak_rss"] / 2**20),
                       check_overhead=round(statistics.median(overheads), 3))
+    if before:  # compared with the same kind of run: unchecked when the job is function-preserving
+        result.update(before_seconds=round(med["before_seconds"], 2),
+                      before_ratio=round(med["before_seconds"] / med["copy_seconds"], 3),
+                      before_ratio_cp=round(med["before_seconds"] / med["cp_seconds"], 3),
+                      before_peak_rss_mb=round(med["before_peak_rss"] / 2**20),
+                      speedup=round(med["before_seconds"] / med[key], 3))
     return result
 
 
@@ -143,7 +188,7 @@ def link_copy(src: Path, dst: Path) -> None:
             os.link(f, dst / f.name)
 
 
-def multi_source(spec: ModelSpec, work: Path, repeats: int, extra: dict) -> dict:
+def multi_source(spec: ModelSpec, work: Path, repeats: int, extra: dict, before: str | None) -> dict:
     """dense-to-moe 8 experts top-2 from 4 sources (BASE = s0), timed against a copy; then peak RSS at 2 and 8."""
     dirs = [work / f"s{i}" for i in range(8)]
     for i in range(4):
@@ -161,7 +206,8 @@ def multi_source(spec: ModelSpec, work: Path, repeats: int, extra: dict) -> dict
 
     files = [f for d in dirs[:4] for f in sorted(d.glob("*.safetensors"))]
     result = measure("dense-to-moe 8 experts top-2 from 4 sources (--experts-from), Llama-3.2-1B shapes", dirs[0],
-                     work / "out", job(4), repeats, {**extra, "experts": 8, "sources": 4}, files=files)
+                     work / "out", job(4), repeats, {**extra, "experts": 8, "sources": 4}, files=files,
+                     before=before)
     rss = {"4": result["peak_rss_mb"]}
     seconds = {"4": result["seconds"]}
     for n in (2, 8):
@@ -182,7 +228,10 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="shrink widths and vocabulary (1.0 = real shapes)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the synthetic files go (default: a temp dir)")
     ap.add_argument("--only", choices=("depth", "moe", "sources"), default=None)
-    ap.add_argument("--repeats", type=int, default=None, help="rounds per job (default 1; 3 for sources)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per job; medians are reported")
+    ap.add_argument("--before", default=None, metavar="PYTHON",
+                    help="also run every job with this interpreter (one whose upcycler is an older version), "
+                         "in the same rounds, for before/after figures")
     a = ap.parse_args()
     big = llama_spec(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256,
                      tied=False, scale=a.scale)
@@ -202,24 +251,26 @@ def main() -> None:
             raise SystemExit(f"needs about {need / 1e9:.0f} GB free in {work}, has {free / 1e9:.0f} GB; "
                              "use --scale to shrink the shapes")
         scale = {"scale": a.scale}
-        repeats = 1 if a.repeats is None else a.repeats
+        repeats, before = a.repeats, a.before
         if a.only in (None, "depth"):
             src = work / "llama-3-8b"
             write_synthetic(big, src)
             print(json.dumps(measure("depth 32->48 solar, Llama-3-8B shapes", src, work / "out",
-                                     ["depth", "--layers", "48", "--method", "solar"], repeats, scale)), flush=True)
+                                     ["depth", "--layers", "48", "--method", "solar"], repeats, scale,
+                                     before=before)), flush=True)
             shutil.rmtree(src)
         if a.only in (None, "moe"):
             src = work / "llama-3.2-1b"
             write_synthetic(small, src)
-            for experts in (8, 64):
-                args = ["dense-to-moe", "--experts", str(experts), "--topk", "8", "--granularity", "8"]
-                print(json.dumps(measure(f"dense-to-moe {experts} experts top-8 G=8, Llama-3.2-1B shapes", src,
-                                         work / "out", args, repeats, {**scale, "experts": experts},
-                                         checked=True)), flush=True)
+            for experts, topk, granularity in ((8, 2, 1), (64, 8, 8)):
+                args = ["dense-to-moe", "--experts", str(experts), "--topk", str(topk),
+                        "--granularity", str(granularity)]
+                name = f"dense-to-moe {experts} experts top-{topk} G={granularity}, Llama-3.2-1B shapes"
+                print(json.dumps(measure(name, src, work / "out", args, repeats, {**scale, "experts": experts},
+                                         checked=True, before=before)), flush=True)
             shutil.rmtree(src)
         if a.only in (None, "sources"):
-            print(json.dumps(multi_source(small, work, 3 if a.repeats is None else a.repeats, scale)), flush=True)
+            print(json.dumps(multi_source(small, work, repeats, scale, before)), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

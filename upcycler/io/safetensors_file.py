@@ -27,7 +27,8 @@ offsets are relative to the end of the header.
   product is 2**63 bytes or more.
 - `lazy_tensor` reads one tensor (or one row of it, for `LazyTensor.part`) with `os.preadv` into a fresh
   array: no mmap, so resident memory stays one tensor whatever the file size.
-- `ShardWriter` writes a shard whose header is known up front, tensor by tensor, hashing as it goes.
+- `ShardWriter` writes a shard whose header is known up front, tensor by tensor, hashing each slice on
+  another thread while it is written, through `io.writeback.StreamingFile` (page cache kept small).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from upcycler.errors import UpcyclerError
+from upcycler.io.writeback import SLICE, StreamingFile
 from upcycler.tensors import BF16, LazyTensor
 from upcycler.untrusted import describe, escape, open_regular, shown_path
 
@@ -342,20 +344,23 @@ class ShardWriter:
         self._expected = [(name, prod(shape) * np.dtype(dt).itemsize) for name, shape, dt in items]
         self._next = 0
         self._pending = 0
-        self._file = open(path, "wb")
+        self._out = StreamingFile(path)
         self._sha = hashlib.sha256()
         self.bytes_written = 0
         self._write(encode_header(items, metadata))
 
     def _write(self, data) -> None:
-        if len(data) < _OVERLAP_MIN:
-            self._file.write(data)
-            self._sha.update(data)
-        else:  # hash on another thread while writing: both release the GIL, so this costs max(write, hash)
-            hashed = _HASHER.submit(self._sha.update, data)
-            self._file.write(data)
-            hashed.result()
-        self.bytes_written += len(data)
+        view = memoryview(data).cast("B")
+        if len(view) < _OVERLAP_MIN:
+            self._out.write(view)
+            self._sha.update(view)
+        else:  # hash each slice on another thread while it is written: both release the GIL, and the
+            for start in range(0, len(view), SLICE):  # slice is still in the CPU's cache for the second
+                piece = view[start:start + SLICE]
+                hashed = _HASHER.submit(self._sha.update, piece)
+                self._out.write(piece)
+                hashed.result()
+        self.bytes_written += len(view)
 
     def write(self, name: str, array: np.ndarray) -> None:
         """Append `array` (all of tensor `name`, or the next part of it when written part by part)."""
@@ -375,10 +380,8 @@ class ShardWriter:
         """Flush to disk and return the sha256 of the whole file."""
         if self._next != len(self._expected):
             raise AssertionError(f"shard {self.path.name}: closed before every tensor was written")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        self._out.close()
         return self._sha.hexdigest()
 
     def abort(self) -> None:
-        self._file.close()
+        self._out.abort()
