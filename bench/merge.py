@@ -1,6 +1,6 @@
 """Benchmark `upcycle merge --method linear` over 4 synthetic bf16 checkpoints of Llama-3.2-1B shape.
 
-    python bench/merge.py [--scale 1.0] [--inputs 4] [--repeat 1] [--workdir DIR]
+    python bench/merge.py [--scale 1.0] [--inputs 4] [--repeat 3] [--workdir DIR] [--before PYTHON]
 
 Writes `--inputs` random bf16 HF checkpoints (vocab 128256, hidden 2048, 16 layers, 32 heads, 8 KV
 heads, intermediate 8192, tied embeddings: 1.24B parameters, 2.5 GB each; `--scale s` shrinks widths
@@ -15,7 +15,8 @@ and the peak RSS of the merge at 2, `--inputs` and 2×`--inputs` inputs (the ext
 directories again under new names; memory does not depend on the values) to show that it is flat.
 Peak RSS is the child's own VmHWM; CPU seconds (all threads) are reported beside the wall times,
 since on a shared machine the wall time of the CPU-heavier merge moves with the load. With `--repeat r`, r copy/merge pairs run in alternating order
-and medians are reported (the machine's load drifts). Prints one JSON line, with the 1-minute load
+and medians are reported (the machine's load drifts); `--before PYTHON` adds a third run per round, the
+same merge under another interpreter (an older upcycler), for before/after figures. Prints one JSON line, with the 1-minute load
 average at the end. The files are deleted at the end, also on failure.
 """
 
@@ -38,7 +39,7 @@ from common import evict, write_synthetic
 from upcycler.layout import declare_params
 from upcycler.spec import ModelSpec
 
-TARGET_RATIO = 1.5
+TARGET_RATIO = 1.1
 _CHILD = """
 import json, sys, time
 from upcycler.cli import main
@@ -79,18 +80,18 @@ def copy_baseline(inputs: list[Path], out: Path) -> dict[str, float]:
     return {"seconds": time.perf_counter() - start, "cpu_s": time.process_time() - cpu}
 
 
-def run_merge(inputs: list[Path], out: Path) -> dict[str, float]:
-    """`upcycle merge` of `inputs` (linear, weights ∝ 1…n) in a fresh process: seconds and peak RSS."""
+def run_merge(inputs: list[Path], out: Path, python: str = sys.executable) -> dict[str, float]:
+    """`upcycle merge` of `inputs` (linear, weights ∝ 1…n) in a fresh `python` process: seconds and peak RSS."""
     n = len(inputs)
     weights = ",".join(f"{(i + 1) / (n * (n + 1) / 2):.17g}" for i in range(n))
     args = ["merge", *map(str, inputs), str(out), "--method", "linear", "--weights", weights]
-    proc = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, check=False)
+    proc = subprocess.run([python, "-c", _CHILD, *args], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"upcycle {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run(scale: float, n: int, repeat: int, workdir: Path | None) -> dict:
+def run(scale: float, n: int, repeat: int, workdir: Path | None, before: str | None = None) -> dict:
     spec = llama_1b(scale)
     nbytes = spec.total_params() * 2
     work = Path(tempfile.mkdtemp(prefix="merge-bench-", dir=workdir))
@@ -106,16 +107,19 @@ def run(scale: float, n: int, repeat: int, workdir: Path | None) -> dict:
         generate = time.perf_counter() - start
         for i in range(n, 2 * n):  # more inputs for the memory curve: the same files under other names
             (work / f"in{i}").symlink_to(inputs[i - n], target_is_directory=True)
-        copies, merges = [], []
-        for r in range(repeat):  # alternate which goes first, so drift in the machine's load hits both
-            for which in ("copy", "merge") if r % 2 == 0 else ("merge", "copy"):
+        copies, merges, befores = [], [], []
+        order = ["copy", "merge", *(["before"] if before else [])]
+        for r in range(repeat):  # rotate which goes first, so drift in the machine's load hits all
+            for which in order[r % len(order):] + order[:r % len(order)]:
                 os.sync()  # the previous run's deletions reach the disk before the clock starts
                 evict(work)
                 if which == "copy":
                     copies.append(copy_baseline(inputs, work / "copy"))
-                else:
-                    merges.append(run_merge(inputs, work / "out"))
-                shutil.rmtree(work / which.replace("merge", "out"))
+                    shutil.rmtree(work / "copy")
+                    continue
+                runs = merges if which == "merge" else befores
+                runs.append(run_merge(inputs, work / "out", sys.executable if which == "merge" else before))
+                shutil.rmtree(work / "out")
         peaks = {n: max(m["peak_rss_mb"] for m in merges)}
         for k in (2, 2 * n):
             evict(work)
@@ -124,6 +128,13 @@ def run(scale: float, n: int, repeat: int, workdir: Path | None) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     copy_s, merge_s = (statistics.median(r["seconds"] for r in runs) for runs in (copies, merges))
+    earlier = {}
+    if befores:
+        before_s = statistics.median(r["seconds"] for r in befores)
+        earlier = {"before_s": round(before_s, 2), "before_ratio": round(before_s / copy_s, 3),
+                   "before_runs_s": [round(b["seconds"], 1) for b in befores],
+                   "before_peak_rss_mb": round(max(b["peak_rss_mb"] for b in befores)),
+                   "before_cpu_s": round(statistics.median(b["cpu_s"] for b in befores), 1)}
     cpu = {name: round(statistics.median(r["cpu_s"] for r in runs), 1)
            for name, runs in (("copy", copies), ("merge", merges))}
     largest = max(int(np.prod(d.shape)) for d in declare_params(spec)) * 4
@@ -135,7 +146,7 @@ def run(scale: float, n: int, repeat: int, workdir: Path | None) -> dict:
         "cpu_s": cpu,
         "peak_rss_mb": {str(k): round(v) for k, v in sorted(peaks.items())},
         "largest_tensor_fp32_mb": round(largest / 2**20), "target_ratio": TARGET_RATIO,
-        "met": merge_s / copy_s <= TARGET_RATIO, "load_avg_1m": round(os.getloadavg()[0], 1),
+        "met": merge_s / copy_s <= TARGET_RATIO, **earlier, "load_avg_1m": round(os.getloadavg()[0], 1),
     }
 
 
@@ -143,10 +154,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=float, default=1.0, help="shrink widths and vocabulary (1.0 = real shapes)")
     ap.add_argument("--inputs", type=int, default=4, help="checkpoints averaged in the timed run")
-    ap.add_argument("--repeat", type=int, default=1, help="copy/merge pairs, alternating order; medians reported")
+    ap.add_argument("--repeat", type=int, default=3, help="interleaved rounds (copy, merge); medians reported")
     ap.add_argument("--workdir", type=Path, default=None, help="where the synthetic files go (default: temp dir)")
+    ap.add_argument("--before", default=None, metavar="PYTHON",
+                    help="also merge with this interpreter (one whose upcycler is an older version) in the same rounds")
     a = ap.parse_args()
-    print(json.dumps(run(a.scale, a.inputs, a.repeat, a.workdir)))
+    print(json.dumps(run(a.scale, a.inputs, a.repeat, a.workdir, a.before)))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 A `LazyTensor` knows its shape and dtype without reading a byte; its values are produced only when a
 writer calls `load()` (the whole tensor) or `part(i)` (index `i` of the leading axis, e.g. one expert of
-a stacked expert tensor, so a 64-expert output never holds 64 experts at once). Transforms build new
+a stacked expert tensor, so a 64-expert output never holds 64 experts at once). A tensor read unchanged
+from a file also says where its bytes are (`stored`, `stored_part(i)`), so a writer can stream them
+into its output in small reused buffers instead of loading the whole array. Transforms build new
 lazy tensors from old ones with `derive`, `stack` and `constant`; nothing is computed until written.
 
 Dtypes are numpy dtypes; bfloat16 comes from `ml_dtypes`.
@@ -14,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import prod
+from pathlib import Path
 from typing import TypeVar
 
 import ml_dtypes
@@ -44,14 +47,38 @@ def dtype_name(dtype: np.dtype) -> str:
     )
 
 
+@dataclass(frozen=True)
+class StoredBytes:
+    """Where a tensor's exact C-order bytes are stored: `nbytes` bytes at `offset` of the file `path`.
+
+    `seen(offset, data)`, when set, must be told of every range read from it (the source's digest watch).
+    """
+
+    path: Path
+    offset: int
+    nbytes: int
+    seen: Callable[[int, memoryview], None] | None = None
+
+    def row(self, index: int, rows: int) -> StoredBytes:
+        """Row `index` of the `rows` equal rows these bytes hold (index `index` of the leading axis)."""
+        size = self.nbytes // rows
+        return StoredBytes(self.path, self.offset + index * size, size, self.seen)
+
+
 @dataclass(frozen=True, eq=False)
 class LazyTensor:
-    """A tensor whose values are computed or read only on demand."""
+    """A tensor whose values are computed or read only on demand.
+
+    `stored` (the whole tensor) or `stored_parts` (each part) say where its exact bytes are, when they are
+    a file's bytes unchanged; anything derived from it is a new tensor without them.
+    """
 
     shape: tuple[int, ...]
     dtype: np.dtype
     _load: Callable[[], np.ndarray]
     _part: Callable[[int], np.ndarray] | None = None
+    stored: StoredBytes | None = None
+    stored_parts: tuple[StoredBytes, ...] | None = None
 
     @property
     def numel(self) -> int:
@@ -75,6 +102,12 @@ class LazyTensor:
         arr = np.ascontiguousarray(arr)
         _check(arr, self.shape[1:], self.dtype, "part")
         return arr
+
+    def stored_part(self, index: int) -> StoredBytes | None:
+        """Where `part(index)`'s exact bytes are stored, if they are stored unchanged."""
+        if self.stored_parts is not None:
+            return self.stored_parts[index]
+        return self.stored.row(index, self.shape[0]) if self.stored is not None and self.shape else None
 
     def astype(self, dtype: np.dtype) -> LazyTensor:
         """The same tensor cast to `dtype` (a no-op when it already has it)."""
@@ -119,12 +152,16 @@ def derive(
     return LazyTensor(out_shape, out_dtype, lambda: fn(source.load()))
 
 
-def stack(parts: Sequence[Callable[[], np.ndarray]], shape: Sequence[int], dtype: np.dtype) -> LazyTensor:
-    """A tensor whose `part(i)` is `parts[i]()`; `load()` stacks them all (avoid for large tensors)."""
+def stack(parts: Sequence[Callable[[], np.ndarray]], shape: Sequence[int], dtype: np.dtype,
+          stored: Sequence[StoredBytes | None] | None = None) -> LazyTensor:
+    """A tensor whose `part(i)` is `parts[i]()`; `load()` stacks them all (avoid for large tensors).
+    `stored`, when every part is a file's bytes unchanged, says where each one is."""
     shape = tuple(shape)
     if len(parts) != shape[0]:
         raise ValueError(f"{len(parts)} parts for a leading dimension of {shape[0]}")
-    return LazyTensor(shape, np.dtype(dtype), lambda: np.stack([p() for p in parts]), lambda i: parts[i]())
+    where = tuple(stored) if stored is not None and all(s is not None for s in stored) else None
+    return LazyTensor(shape, np.dtype(dtype), lambda: np.stack([p() for p in parts]), lambda i: parts[i](),
+                      stored_parts=where)  # type: ignore[arg-type]
 
 
 class TensorMap(Mapping[str, LazyTensor]):

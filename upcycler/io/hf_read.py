@@ -19,7 +19,7 @@ from upcycler.families import family_for_config
 from upcycler.io.checkpoint import SIDE_FILES, Checkpoint
 from upcycler.io.integrity import DigestWatch, file_watch
 from upcycler.io.manifest import MANIFEST, read_manifest, read_step
-from upcycler.io.safetensors_file import TensorEntry, lazy_tensor, read_header
+from upcycler.io.safetensors_file import TensorEntry, lazy_tensor, read_header, stored_bytes
 from upcycler.layout import declare_params
 from upcycler.spec import ModelSpec
 from upcycler.tensors import LazyTensor, TensorMap, stack
@@ -114,8 +114,9 @@ def read_hf(path: Path) -> Checkpoint:
             _check_entry(path, entries, name, decl.shape[1:] if decl.expert_stacked else decl.shape)
         used.update(names)
         if decl.expert_stacked:
-            parts = [_watched(entries[n], watches).load for n in names]
-            tensors[decl.name] = stack(parts, decl.shape, entries[names[0]].dtype)
+            experts = [_watched(entries[n], watches) for n in names]
+            tensors[decl.name] = stack([e.load for e in experts], decl.shape, entries[names[0]].dtype,
+                                       stored=[e.stored for e in experts])
         else:
             tensors[decl.name] = _watched(entries[names[0]], watches)
     if spec.tie_embeddings:
@@ -172,7 +173,8 @@ def _watched(entry: TensorEntry, watches: dict[str, DigestWatch]) -> LazyTensor:
         watch.saw(entry.start + i * row, array.reshape(-1).view(np.uint8))
         return array
 
-    return LazyTensor(tensor.shape, tensor.dtype, load, part if entry.shape else None)
+    return LazyTensor(tensor.shape, tensor.dtype, load, part if entry.shape else None,
+                      stored=stored_bytes(entry, watch.saw))
 
 
 def _check_entry(root: Path, entries: dict[str, TensorEntry], name: str, shape: tuple[int, ...]) -> None:

@@ -1,7 +1,9 @@
 """Write a `Checkpoint` as a Hugging Face directory, streaming, and only ever rename a finished one into place.
 
 - Tensors are written in canonical order, one tensor (one expert, for stacked experts) in memory at a
-  time; the next one is produced on a worker thread while the current one is written.
+  time; the next one is produced on a worker thread while the current one is written. A tensor that is
+  a source file's bytes unchanged (every tensor of a conversion or a depth growth, the attention, norms
+  and embeddings of an upcycle) is streamed from that file through one reused 8 MiB buffer instead.
 - Shards are cut at `shard_size` bytes (`model-0000K-of-0000N.safetensors` + index with `total_size`),
   or a single `model.safetensors` when everything fits.
 - `config.json` is written for the target family; tokenizer and generation files are copied.
@@ -24,6 +26,7 @@ import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from math import prod
 from pathlib import Path
 
@@ -39,7 +42,7 @@ from upcycler.io.manifest import write_manifest
 from upcycler.io.safetensors_file import ShardWriter, read_header
 from upcycler.io.staging import staged_directory
 from upcycler.layout import account, declare_params
-from upcycler.tensors import cut_in_order, dtype_name, read_ahead
+from upcycler.tensors import StoredBytes, cut_in_order, dtype_name, read_ahead
 from upcycler.untrusted import shown_path
 
 DEFAULT_SHARD_SIZE = 5 * 1000**3
@@ -47,12 +50,14 @@ DEFAULT_SHARD_SIZE = 5 * 1000**3
 
 @dataclass(frozen=True)
 class _Item:
-    """One stored tensor: its HF name, shape, dtype and how to produce its bytes."""
+    """One stored tensor: its HF name, shape, dtype and how to produce its bytes (or where they are stored,
+    when they are a file's bytes unchanged)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype
     produce: Callable[[], np.ndarray]
+    stored: StoredBytes | None = None
 
     @property
     def nbytes(self) -> int:
@@ -68,9 +73,10 @@ def plan_items(ckpt: Checkpoint, family: Family) -> list[_Item]:
         names = family.hf_names(decl)
         if decl.expert_stacked:
             for e, name in enumerate(names):
-                items.append(_Item(name, decl.shape[1:], tensor.dtype, lambda t=tensor, e=e: t.part(e)))
+                items.append(_Item(name, decl.shape[1:], tensor.dtype, lambda t=tensor, e=e: t.part(e),
+                                   tensor.stored_part(e)))
         else:
-            items.append(_Item(names[0], decl.shape, tensor.dtype, tensor.load))
+            items.append(_Item(names[0], decl.shape, tensor.dtype, tensor.load, tensor.stored))
     return items
 
 
@@ -158,21 +164,33 @@ def _shard_names(n: int) -> list[str]:
 
 
 def _write_shards(tmp: Path, shards: list[list[_Item]], total: int, progress: bool) -> dict[str, str]:
-    """Write every shard; return the sha256 of each, computed while its bytes streamed out."""
+    """Write every shard; return the sha256 of each, computed while its bytes streamed out. A tensor stored
+    unchanged in a source file is streamed from it (`ShardWriter.copy`); any other is produced on a
+    worker thread while the one before is written."""
     hashes = {}
-    arrays = read_ahead([item.produce for shard in shards for item in shard])
+    arrays = read_ahead([item.produce if item.stored is None else partial(_stored, item.stored)
+                         for shard in shards for item in shard])
     with tqdm(total=total, unit="B", unit_scale=True, desc="writing", disable=not progress or None) as bar:
         for name, shard in zip(_shard_names(len(shards)), shards):
             writer = ShardWriter(tmp / name, [(i.name, i.shape, i.dtype) for i in shard], {"format": "pt"})
             try:
                 for item in shard:
-                    writer.write(item.name, next(arrays))
+                    payload = next(arrays)
+                    if isinstance(payload, StoredBytes):
+                        writer.copy(item.name, payload)
+                    else:
+                        writer.write(item.name, payload)
+                    del payload
                     bar.update(item.nbytes)
                 hashes[name] = writer.close()
             except BaseException:
                 writer.abort()
                 raise
     return hashes
+
+
+def _stored(where: StoredBytes) -> StoredBytes:
+    return where  # read by the writer itself, in slices
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -2,8 +2,10 @@
 
 An upcycler output records the sha256 of every file (HF) or of every tensor's C-order bytes (Orbax).
 When a source has such a manifest, readers hand each byte range they read to a `DigestWatch`, which
-hashes it on the fly when ranges arrive in order (the usual case: canonical order is file order) and
-reads from disk only what was skipped. `Checkpoint.check_inputs()` completes every watch and compares;
+hashes it on the fly; a range that skips ahead first has the skipped bytes read and hashed, there and
+then, on the reader's thread (so that work overlaps the writing instead of following it), and a range
+already hashed is passed over. A watch over one tensor of an Orbax checkpoint leaves skipped rows to
+`check` instead (`ahead=False`), so reading expert e alone reads only expert e. `Checkpoint.check_inputs()` completes every watch and compares;
 writers call it before the output is renamed into place, so a corrupted source never yields a
 finished-looking output. A file or tensor of which nothing was read is not checked (its bytes cannot
 reach the output).
@@ -21,7 +23,6 @@ from pathlib import Path
 from upcycler.errors import UpcyclerError
 from upcycler.untrusted import shown_path
 
-_HEADER_LIMIT = 1 << 20  # a file's unread prefix up to this size (its header) is read at the first range
 _CHUNK = 8 * 1024 * 1024
 
 ReadRange = Callable[[int, int], bytes]  # (offset, length) -> bytes, straight from the stored object
@@ -35,8 +36,8 @@ class DigestWatch:
     size: int
     expected: str
     read_range: ReadRange
-    chunk: int = _CHUNK  # how much `check` asks `read_range` for at a time
-    prefix_gap: int = 0  # an unread prefix up to this size (a file's header) is read when the first range arrives
+    chunk: int = _CHUNK  # how much is asked of `read_range` at a time
+    ahead: bool = True  # hash skipped bytes when a later range arrives (else: left for `check`)
     _pos: int = 0
     _used: bool = False
 
@@ -50,17 +51,13 @@ class DigestWatch:
             self._used = True
 
     def saw(self, offset: int, data: bytes | memoryview) -> None:
-        """`data` was read at `offset`; hash it now if it continues what has been hashed so far.
-
-        Ranges that skip ahead are left for `check` (reading them now could read much more than the
-        caller asked for), except a file's header before its first tensor.
-        """
+        """`data` was read at `offset`: hash what lies between the bytes hashed so far and it (read from the
+        stored object; with `ahead` only), then whatever part of `data` is new. The bytes hashed are always
+        a prefix."""
         with self._lock:
             self._used = True
-            gap = offset - self._pos
-            if self._pos == 0 and 0 < gap <= self.prefix_gap:
-                self._sha.update(self.read_range(self._pos, gap))
-                self._pos = offset
+            if self.ahead:
+                self._hash_until(offset)
             if offset == self._pos:
                 self._sha.update(data)
                 self._pos += len(data)
@@ -68,17 +65,22 @@ class DigestWatch:
                 self._sha.update(memoryview(data)[self._pos - offset:])
                 self._pos = offset + len(data)
 
+    def _hash_until(self, end: int) -> None:
+        """Read and hash the stored bytes from the hashed prefix's end to `end` (at most the object's size)."""
+        end = min(end, self.size)
+        while self._pos < end:
+            chunk = self.read_range(self._pos, min(self.chunk, end - self._pos))
+            if not chunk:
+                break
+            self._sha.update(chunk)
+            self._pos += len(chunk)
+
     def check(self) -> None:
         """Hash what was not read in order and compare; an error names the object that differs."""
         with self._lock:
             if not self._used:
                 return
-            while self._pos < self.size:
-                chunk = self.read_range(self._pos, min(self.chunk, self.size - self._pos))
-                if not chunk:
-                    break
-                self._sha.update(chunk)
-                self._pos += len(chunk)
+            self._hash_until(self.size)
             if self._pos != self.size or self._sha.hexdigest() != self.expected:
                 raise UpcyclerError(f"{self.label}: contents differ from the sha256 recorded in upcycler.json "
                                     "(corrupted or modified after it was written); re-copy or re-download it, "
@@ -96,4 +98,4 @@ def file_watch(path: Path, size: int, sha: str) -> DigestWatch:
         finally:
             os.close(fd)
 
-    return DigestWatch(shown_path(path), size, sha, read_range, prefix_gap=_HEADER_LIMIT)
+    return DigestWatch(shown_path(path), size, sha, read_range)

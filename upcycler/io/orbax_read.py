@@ -96,7 +96,7 @@ def _watched(tensor: LazyTensor, store: Any, label: str, sha: str) -> tuple[Lazy
         rows = np.concatenate([tensor.part(i).reshape(-1).view(np.uint8) for i in range(first, last)])
         return rows[offset - first * row: offset - first * row + length].tobytes()
 
-    watch = DigestWatch(label, tensor.nbytes, sha, read_range, chunk=max(row, 1))
+    watch = DigestWatch(label, tensor.nbytes, sha, read_range, chunk=max(row, 1), ahead=False)
 
     def load() -> np.ndarray:
         array = tensor.load()

@@ -3,7 +3,9 @@
 - Leaves are produced in canonical order and saved in groups of about `group_bytes` with
   `partial.save_async`, the next group read while the previous one is written, so memory holds at most
   two groups (or one tensor when a tensor is larger); `partial.finalize` merges the groups. Each group is
-  hashed from memory on a worker thread while Orbax writes it, so nothing is read back.
+  hashed from memory on a worker thread while Orbax writes it, so nothing is read back. Once a group is
+  written its files start writing back, and those of the group before leave the page cache
+  (`io.writeback.DropBehind`).
 - Everything goes to a temporary sibling that is renamed to OUT only when complete
   (`upcycler.io.staging`); a full disk gives one error and leaves nothing behind.
 - Before that, `check` runs on the complete staged directory (`write_checkpoint` passes one that opens it
@@ -36,6 +38,7 @@ from upcycler.io.hashing import sha256_file
 from upcycler.io.manifest import write_manifest
 from upcycler.io.orbax_layout import CHUNK_BYTES, PARAMS
 from upcycler.io.staging import staged_directory
+from upcycler.io.writeback import DropBehind
 from upcycler.layout import ParamDecl, account, declare_params
 from upcycler.tensors import LazyTensor, TensorMap, cut_in_order, dtype_name
 
@@ -147,15 +150,18 @@ def _save_params(path: Path, tensors: TensorMap, groups: list[list[ParamDecl]], 
     digests: dict[str, str] = {}
     pending: tuple[Any, Future[dict[str, str]]] | None = None
     pending_bytes = 0
+    written = DropBehind(path)
     try:
         with _context(), bar, ThreadPoolExecutor(max_workers=1) as hasher:
             for group, nbytes in zip(groups, sizes):
                 if pending is not None and pending_bytes + nbytes > budget:
                     digests.update(_finish(pending))
                     pending = None
+                    written.step()
                 arrays = {d.name: _produce(d, tensors[d.name]) for d in group}
                 if pending is not None:
                     digests.update(_finish(pending))
+                    written.step()
                 pending = ocp.partial.save_async(path, _nest(arrays)), hasher.submit(_sha256_arrays, arrays)
                 pending_bytes = nbytes
                 del arrays

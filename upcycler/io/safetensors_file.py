@@ -39,7 +39,7 @@ import math
 import os
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from math import prod
@@ -50,7 +50,7 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.writeback import SLICE, StreamingFile
-from upcycler.tensors import BF16, LazyTensor
+from upcycler.tensors import BF16, LazyTensor, StoredBytes
 from upcycler.untrusted import describe, escape, open_regular, shown_path
 
 _DTYPES: dict[str, np.dtype] = {
@@ -70,7 +70,7 @@ _MAX_DIMS = 32  # numpy 1 holds at most 32 dimensions, numpy 2 at most 64
 _U64 = 2**64 - 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _OVERLAP_MIN = 1 << 20  # writes at least this large are hashed concurrently with the write
-_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
+_HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sha256")  # the output's digest, the source's
 
 
 @dataclass(frozen=True)
@@ -289,8 +289,16 @@ def _corrupt(path: Path, why: str) -> UpcyclerError:
 
 def _pread_into(path: Path, offset: int, out: np.ndarray) -> np.ndarray:
     """Fill `out` with the bytes at `offset` of `path`, which must still be a regular file."""
-    view = memoryview(out.reshape(-1).view(np.uint8))
     fd = open_regular(path, "safetensors file")  # not os.open: the file may have been swapped since
+    try:
+        _read_exact(fd, path, offset, memoryview(out.reshape(-1).view(np.uint8)))
+    finally:
+        os.close(fd)
+    return out
+
+
+def _read_exact(fd: int, path: Path, offset: int, view: memoryview) -> None:
+    """Fill `view` with the bytes at `offset` of the open file `fd` (`path`, for errors)."""
     try:
         done = 0
         while done < len(view):
@@ -302,9 +310,6 @@ def _pread_into(path: Path, offset: int, out: np.ndarray) -> np.ndarray:
     except OSError as err:
         raise UpcyclerError(f"{shown_path(path)}: cannot read ({err.strerror}); "
                             "check the file and re-copy it if needed") from None
-    finally:
-        os.close(fd)
-    return out
 
 
 def lazy_tensor(entry: TensorEntry) -> LazyTensor:
@@ -317,7 +322,12 @@ def lazy_tensor(entry: TensorEntry) -> LazyTensor:
         row = prod(entry.shape[1:]) * entry.dtype.itemsize
         return _pread_into(entry.path, entry.start + i * row, np.empty(entry.shape[1:], entry.dtype))
 
-    return LazyTensor(entry.shape, entry.dtype, load, part if entry.shape else None)
+    return LazyTensor(entry.shape, entry.dtype, load, part if entry.shape else None, stored=stored_bytes(entry))
+
+
+def stored_bytes(entry: TensorEntry, seen: Callable[[int, memoryview], None] | None = None) -> StoredBytes:
+    """Where `entry`'s bytes are, for a writer that copies them (`ShardWriter.copy`)."""
+    return StoredBytes(entry.path, entry.start, entry.nbytes, seen)
 
 
 def encode_header(items: Iterable[tuple[str, tuple[int, ...], np.dtype]], metadata: dict[str, str]) -> bytes:
@@ -345,6 +355,7 @@ class ShardWriter:
         self._next = 0
         self._pending = 0
         self._out = StreamingFile(path)
+        self._buffer: memoryview | None = None  # `copy`'s read buffer, reused
         self._sha = hashlib.sha256()
         self.bytes_written = 0
         self._write(encode_header(items, metadata))
@@ -364,15 +375,51 @@ class ShardWriter:
 
     def write(self, name: str, array: np.ndarray) -> None:
         """Append `array` (all of tensor `name`, or the next part of it when written part by part)."""
-        expected_name, nbytes = self._expected[self._next]
+        data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        self._expect(name, len(data))
+        self._write(data)
+
+    def copy(self, name: str, stored: StoredBytes) -> None:
+        """Append tensor `name` (or its next part) from where its bytes are stored, streamed through one
+        reused buffer: the same bytes `write` would append, without the whole array in memory. Every
+        slice read is shown to `stored.seen` (the source's digest watch) and hashed, on the other thread,
+        while it is written."""
+        self._expect(name, stored.nbytes)
+        if self._buffer is None:
+            self._buffer = memoryview(bytearray(SLICE))
+        fd = open_regular(stored.path, "safetensors file")
+        try:
+            for start in range(0, stored.nbytes, SLICE):
+                piece = self._buffer[:min(SLICE, stored.nbytes - start)]
+                _read_exact(fd, stored.path, stored.offset + start, piece)
+                offset = stored.offset + start
+                if len(piece) < _OVERLAP_MIN:
+                    self._sha.update(piece)
+                    if stored.seen is not None:
+                        stored.seen(offset, piece)
+                    self._out.write(piece)
+                    continue
+                # both digests on the other threads while the slice is written; all three before the
+                # buffer is reused, so each digest still sees its slices in order
+                hashed = [_HASHER.submit(self._sha.update, piece)]
+                if stored.seen is not None:
+                    hashed.append(_HASHER.submit(stored.seen, offset, piece))
+                self._out.write(piece)
+                for done in hashed:
+                    done.result()
+        finally:
+            os.close(fd)
+        self.bytes_written += stored.nbytes
+
+    def _expect(self, name: str, nbytes: int) -> None:
+        """Account for `nbytes` more of tensor `name`, which must be the one the header says comes next."""
+        expected_name, total = self._expected[self._next]
         if name != expected_name:
             raise AssertionError(f"shard {self.path.name}: expected {expected_name}, got {name}")
-        data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-        self._write(data)
-        self._pending += len(data)
-        if self._pending > nbytes:
+        self._pending += nbytes
+        if self._pending > total:
             raise AssertionError(f"shard {self.path.name}: too many bytes for {name}")
-        if self._pending == nbytes:
+        if self._pending == total:
             self._next += 1
             self._pending = 0
 

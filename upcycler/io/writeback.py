@@ -10,6 +10,9 @@ free are reused for the next ones. `close()` fsyncs, as before. On a platform wi
 it is a plain unbuffered writer with the same bytes and the same fsync.
 
 Measured on a 2-core VM writing 4 GiB from memory: 8.4 s plain, 1.6 s with the drop-behind.
+
+`DropBehind` does the same for files another library writes (Orbax's tensorstore): after each batch it
+starts the writeback of the files that changed and drops those of the batch before, once on disk.
 """
 
 from __future__ import annotations
@@ -85,3 +88,48 @@ class StreamingFile:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+class DropBehind:
+    """Page-cache drop-behind for a directory whose files another writer produces in batches.
+
+    Call `step()` after each batch: files that grew since the last step start writing back; those that
+    started at the step before are waited for and dropped from the page cache. Only the cache changes,
+    never the bytes; a file that disappears in between is skipped.
+    """
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._sizes: dict[Path, int] = {}
+        self._started: list[Path] = []
+
+    def step(self) -> None:
+        if _SYNC_RANGE is None:
+            return
+        grown = []
+        for path in self.root.rglob("*"):
+            try:
+                size = path.stat().st_size if path.is_file() and not path.is_symlink() else None
+            except OSError:
+                continue
+            if size is not None and size != self._sizes.get(path):
+                self._sizes[path] = size
+                grown.append(path)
+        for path in self._started:
+            self._flush(path, _WAIT_BEFORE | _WRITE | _WAIT_AFTER, drop=True)
+        for path in grown:
+            self._flush(path, _WRITE, drop=False)
+        self._started = grown
+
+    @staticmethod
+    def _flush(path: Path, flags: int, *, drop: bool) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return
+        try:
+            _SYNC_RANGE(fd, 0, 0, flags)  # 0 bytes: to the end of the file
+            if drop:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
