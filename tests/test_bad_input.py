@@ -137,17 +137,18 @@ def test_output_parent_is_created_but_a_file_parent_is_refused(src, tmp_path):
 
 
 def test_disk_full_leaves_nothing(src, tmp_path):
-    """A write that fails midway (ENOSPC from a tiny tmpfs-like quota) leaves no output behind."""
+    """A write that fails midway (ENOSPC from a tiny tmpfs-like quota) leaves no output behind.
+    Every shard byte, whether computed or streamed from the source, leaves through StreamingFile.write."""
     script = (
         "import errno, sys\n"
-        "from upcycler.io import safetensors_file as sf\n"
-        "real = sf.ShardWriter._write\n"
+        "from upcycler.io import writeback as wb\n"
+        "real = wb.StreamingFile.write\n"
         "calls = {'n': 0}\n"
         "def full(self, data):\n"
         "    calls['n'] += 1\n"
         "    if calls['n'] > 5: raise OSError(errno.ENOSPC, 'No space left on device')\n"
         "    real(self, data)\n"
-        "sf.ShardWriter._write = full\n"
+        "wb.StreamingFile.write = full\n"
         "from upcycler.cli import main\n"
         f"sys.argv = ['upcycle', 'convert', {str(src)!r}, {str(tmp_path / 'out')!r}]\n"
         "main()\n"
