@@ -300,6 +300,44 @@ def test_experts_cut_lazily_reading_each_dense_tensor_once(tiny_dir):
     assert loads == {f"layers.0.mlp.{n}": 1 for n in ("gate_proj", "up_proj", "down_proj")}
 
 
+# (options, which experts' weights are their source's bytes unchanged): G=1 copies all three whole; a
+# finer cut keeps gate/up rows contiguous but takes (and scales) down_proj columns; overlapping windows
+# scale too; re-initialised neurons are new values
+STREAMED = [
+    ({"experts": 8, "topk": 2}, {"gate_proj", "up_proj", "down_proj"}),
+    ({"experts": 16, "topk": 4, "granularity": 4}, {"gate_proj", "up_proj"}),
+    ({"experts": 16, "topk": 8, "expert_width": 24}, None),  # gate/up windows that wrap are not contiguous
+    ({"experts": 8, "topk": 2, "reinit_ratio": 0.5}, set()),
+]
+
+
+@pytest.mark.parametrize(("options", "streamed"), STREAMED)
+def test_unchanged_slices_say_where_their_bytes_are_stored(options, streamed, tiny_dir):
+    """Each expert slice that is its source's bytes unchanged names the file range holding exactly the
+    bytes `part(e)` computes, so the writer can stream it; every other slice names none."""
+    from upcycler.io import read_checkpoint
+
+    ckpt = read_checkpoint(tiny_dir("llama", intermediate_size=112) if "expert_width" in options
+                           else tiny_dir("llama"))
+    t = transform_named("dense-to-moe")
+    applied = t.apply(t.make_config(options), ckpt.spec, ckpt.tensors)
+    found = set()
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        stacked = applied.tensors[f"layers.1.moe.experts.{name}"]
+        for e in range(stacked.shape[0]):
+            where = stacked.stored_part(e)
+            if where is None:
+                continue
+            found.add(name)
+            with open(where.path, "rb") as f:
+                f.seek(where.offset)
+                assert f.read(where.nbytes) == stacked.part(e).tobytes(), (name, e)
+    if streamed is None:  # wrapping windows: some members contiguous, some not; whichever are must match
+        assert "down_proj" not in found
+    else:
+        assert found == streamed
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_dry_run_counts_match_transformers(case, tiny_dir, tmp_path):
     """From config.json alone: the planned config builds a transformers model with exactly the counted params."""

@@ -19,7 +19,9 @@ router: refused unless `--allow-untrainable-router`.
 
 Tensors are lazy: expert e's slices are cut from the dense tensor only when a writer asks for
 `part(e)`, and a dense tensor is read once for all the experts cut from it (`_Recent`), so memory stays
-a few dense tensors whatever the number of experts. The router is drawn from a numpy Generator seeded by
+a few dense tensors whatever the number of experts. A slice that is its source's bytes unchanged (gate
+and up rows; a whole unscaled down_proj) also says where it is stored, so an HF writer streams it from
+the source file instead. The router is drawn from a numpy Generator seeded by
 (seed, layer) and stored in the model's dtype (the routers of the HF families are plain linear layers of
 the model dtype; transformers upcasts the logits to fp32 itself).
 
@@ -44,7 +46,7 @@ from upcycler.families import moe_families
 from upcycler.layout import layer_prefix
 from upcycler.schema import Range
 from upcycler.spec import ROUTER_KINDS, ModelSpec, MoESpec, spec_real, within_limit
-from upcycler.tensors import LazyTensor, TensorMap, dtype_name, stack, zeros
+from upcycler.tensors import LazyTensor, StoredBytes, TensorMap, dtype_name, stack, zeros
 from upcycler.transforms.expert_cover import Cover, overlapping, powers_of_two, tiled
 from upcycler.transforms.experts_from import Sources, describe_assignment, open_sources
 from upcycler.transforms.moe_target import MoERequest, apply_attention, choose_target
@@ -347,17 +349,33 @@ def _moe_layer(cfg: DenseToMoE, out: ModelSpec, cover: Cover, factor: float, sou
             out_ = _reinit(out_, recent.stats(w), cfg.seed, i, e, 2, reinit, axis=1)
         return _scaled(out_, factor if scales[e % R] is None else scales[e % R])
 
+    # where a slice is its source's bytes unchanged (no re-initialised neurons, no scale), the writer
+    # streams it from the file: gate/up rows are one contiguous range, down columns only when all of them
+    def rows_stored(e: int, k: int) -> StoredBytes | None:
+        return None if reinit else experts[e][k].stored_rows(cover.window(e % R))
+
+    def cols_stored(e: int) -> StoredBytes | None:
+        w, window = experts[e][2], cover.window(e % R)
+        whole = isinstance(window, slice) and window.indices(w.shape[1]) == (0, w.shape[1], 1)
+        unscaled = scales[e % R] is None and factor == 1
+        return w.stored if whole and unscaled and not reinit else None
+
     random_rows = _router(cfg.seed, i, N // R, R, D, cfg.router_std, dtype)
     new = {
         p + "moe.router": random_rows if routers is None else centroid_router(routers, i, random_rows, R),
-        p + "moe.experts.gate_proj": stack([lambda e=e: rows(e, 0) for e in range(N)], (N, f, D), dtype),
-        p + "moe.experts.up_proj": stack([lambda e=e: rows(e, 1) for e in range(N)], (N, f, D), dtype),
-        p + "moe.experts.down_proj": stack([lambda e=e: cols(e) for e in range(N)], (N, D, f), dtype),
+        p + "moe.experts.gate_proj": stack([lambda e=e: rows(e, 0) for e in range(N)], (N, f, D), dtype,
+                                           stored=[rows_stored(e, 0) for e in range(N)]),
+        p + "moe.experts.up_proj": stack([lambda e=e: rows(e, 1) for e in range(N)], (N, f, D), dtype,
+                                         stored=[rows_stored(e, 1) for e in range(N)]),
+        p + "moe.experts.down_proj": stack([lambda e=e: cols(e) for e in range(N)], (N, D, f), dtype,
+                                           stored=[cols_stored(e) for e in range(N)]),
     }
     if cover.shared:
         width = cover.shared
-        new[p + "moe.shared.gate_proj"] = LazyTensor((width, D), dtype, lambda: recent.get(gate)[:width])
-        new[p + "moe.shared.up_proj"] = LazyTensor((width, D), dtype, lambda: recent.get(up)[:width])
+        new[p + "moe.shared.gate_proj"] = LazyTensor((width, D), dtype, lambda: recent.get(gate)[:width],
+                                                     stored=gate.stored_rows(slice(0, width)))
+        new[p + "moe.shared.up_proj"] = LazyTensor((width, D), dtype, lambda: recent.get(up)[:width],
+                                                   stored=up.stored_rows(slice(0, width)))
         # a gated shared expert is multiplied by sigmoid(0 · x) = 1/2: double its down_proj (exact)
         double = 2.0 if moe.shared_gated else 1.0
         new[p + "moe.shared.down_proj"] = LazyTensor((D, width), dtype,

@@ -61,8 +61,14 @@ class StoredBytes:
 
     def row(self, index: int, rows: int) -> StoredBytes:
         """Row `index` of the `rows` equal rows these bytes hold (index `index` of the leading axis)."""
+        return self.rows(slice(index, index + 1), rows)
+
+    def rows(self, window: slice, rows: int) -> StoredBytes:
+        """Rows `window` (a step-1 slice within range) of the `rows` equal rows these bytes hold: one
+        contiguous range, as C order stores them."""
         size = self.nbytes // rows
-        return StoredBytes(self.path, self.offset + index * size, size, self.seen)
+        return StoredBytes(self.path, self.offset + window.start * size, (window.stop - window.start) * size,
+                           self.seen)
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,6 +114,16 @@ class LazyTensor:
         if self.stored_parts is not None:
             return self.stored_parts[index]
         return self.stored.row(index, self.shape[0]) if self.stored is not None and self.shape else None
+
+    def stored_rows(self, window: slice | np.ndarray) -> StoredBytes | None:
+        """Where `load()[window]`'s exact bytes are stored, if they are stored unchanged: a step-1 slice of
+        the leading axis of a stored tensor (index arrays, strided slices: None)."""
+        if self.stored is None or not self.shape or not isinstance(window, slice):
+            return None
+        start, stop, step = window.indices(self.shape[0])
+        if step != 1 or stop <= start:
+            return None
+        return self.stored.rows(slice(start, stop), self.shape[0])
 
     def astype(self, dtype: np.dtype) -> LazyTensor:
         """The same tensor cast to `dtype` (a no-op when it already has it)."""

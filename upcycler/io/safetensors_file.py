@@ -27,8 +27,9 @@ offsets are relative to the end of the header.
   product is 2**63 bytes or more.
 - `lazy_tensor` reads one tensor (or one row of it, for `LazyTensor.part`) with `os.preadv` into a fresh
   array: no mmap, so resident memory stays one tensor whatever the file size.
-- `ShardWriter` writes a shard whose header is known up front, tensor by tensor, hashing each slice on
-  another thread while it is written, through `io.writeback.StreamingFile` (page cache kept small).
+- `ShardWriter` writes a shard whose header is known up front, tensor by tensor, through
+  `io.writeback.StreamingFile` (page cache kept small); each slice is hashed on a digest thread while the
+  next ones are written, and a tensor stored unchanged in a source file is streamed from it (`copy`).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ import math
 import os
 import re
 import struct
+from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -69,8 +71,13 @@ _MAX_NESTING = 127  # arrays/objects inside each other, the header object includ
 _MAX_DIMS = 32  # numpy 1 holds at most 32 dimensions, numpy 2 at most 64
 _U64 = 2**64 - 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
-_OVERLAP_MIN = 1 << 20  # writes at least this large are hashed concurrently with the write
-_HASHER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sha256")  # the output's digest, the source's
+# One thread per digest, so each digest's slices are hashed in the order they were written: the output
+# shard's sha256, and the source's digest watch (for bytes streamed from it). The writing thread never
+# waits for either until a buffer is to be reused or the call ends: on two cores, hashing and the
+# kernel's copying overlap instead of taking turns.
+_OUTPUT_DIGEST = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-output")
+_SOURCE_DIGEST = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-source")
+_RING = 3  # `copy`'s read buffers: the digests may lag the write head by two slices
 
 
 @dataclass(frozen=True)
@@ -355,22 +362,19 @@ class ShardWriter:
         self._next = 0
         self._pending = 0
         self._out = StreamingFile(path)
-        self._buffer: memoryview | None = None  # `copy`'s read buffer, reused
+        self._buffers = [memoryview(bytearray(SLICE)) for _ in range(_RING)]  # `copy`'s, used in turn
+        self._lag: deque[list[Future]] = deque()  # each slice's digests not yet known done, oldest first
+        self._slices = 0
         self._sha = hashlib.sha256()
         self.bytes_written = 0
         self._write(encode_header(items, metadata))
 
     def _write(self, data) -> None:
         view = memoryview(data).cast("B")
-        if len(view) < _OVERLAP_MIN:
-            self._out.write(view)
-            self._sha.update(view)
-        else:  # hash each slice on another thread while it is written: both release the GIL, and the
-            for start in range(0, len(view), SLICE):  # slice is still in the CPU's cache for the second
-                piece = view[start:start + SLICE]
-                hashed = _HASHER.submit(self._sha.update, piece)
-                self._out.write(piece)
-                hashed.result()
+        for start in range(0, len(view), SLICE):
+            piece = view[start:start + SLICE]  # keeps `data` alive until hashed
+            self._hash(piece)
+            self._out.write(piece)
         self.bytes_written += len(view)
 
     def write(self, name: str, array: np.ndarray) -> None:
@@ -380,36 +384,38 @@ class ShardWriter:
         self._write(data)
 
     def copy(self, name: str, stored: StoredBytes) -> None:
-        """Append tensor `name` (or its next part) from where its bytes are stored, streamed through one
-        reused buffer: the same bytes `write` would append, without the whole array in memory. Every
-        slice read is shown to `stored.seen` (the source's digest watch) and hashed, on the other thread,
-        while it is written."""
+        """Append tensor `name` (or its next part) from where its bytes are stored, streamed through a
+        ring of reused buffers: the same bytes `write` would append, without the whole array in memory.
+        Every slice read is shown to `stored.seen` (the source's digest watch) and hashed into the shard's
+        digest, each on its own thread, while the next slices are read and written."""
         self._expect(name, stored.nbytes)
-        if self._buffer is None:
-            self._buffer = memoryview(bytearray(SLICE))
         fd = open_regular(stored.path, "safetensors file")
         try:
             for start in range(0, stored.nbytes, SLICE):
-                piece = self._buffer[:min(SLICE, stored.nbytes - start)]
+                self._catch_up(_RING - 1)  # so the digests are done with the buffer used _RING slices ago
+                piece = self._buffers[self._slices % _RING][:min(SLICE, stored.nbytes - start)]
                 _read_exact(fd, stored.path, stored.offset + start, piece)
-                offset = stored.offset + start
-                if len(piece) < _OVERLAP_MIN:
-                    self._sha.update(piece)
-                    if stored.seen is not None:
-                        stored.seen(offset, piece)
-                    self._out.write(piece)
-                    continue
-                # both digests on the other threads while the slice is written; all three before the
-                # buffer is reused, so each digest still sees its slices in order
-                hashed = [_HASHER.submit(self._sha.update, piece)]
-                if stored.seen is not None:
-                    hashed.append(_HASHER.submit(stored.seen, offset, piece))
+                self._hash(piece, stored.seen, stored.offset + start)
                 self._out.write(piece)
-                for done in hashed:
-                    done.result()
         finally:
             os.close(fd)
         self.bytes_written += stored.nbytes
+
+    def _hash(self, piece: memoryview, seen: Callable[[int, memoryview], None] | None = None,
+              offset: int = 0) -> None:
+        """Hash the slice about to be written into the shard's digest (and show it to `seen`, the digest
+        watch of the file it was read from at `offset`), on the digest threads, at most _RING slices behind."""
+        self._catch_up(_RING - 1)
+        futures = [_OUTPUT_DIGEST.submit(self._sha.update, piece)]
+        if seen is not None:
+            futures.append(_SOURCE_DIGEST.submit(seen, offset, piece))
+        self._lag.append(futures)
+        self._slices += 1
+
+    def _catch_up(self, most: int) -> None:
+        """Wait until at most `most` slices are still being hashed (raising a digest's error, if any)."""
+        while len(self._lag) > most:
+            _wait(self._lag.popleft())
 
     def _expect(self, name: str, nbytes: int) -> None:
         """Account for `nbytes` more of tensor `name`, which must be the one the header says comes next."""
@@ -427,8 +433,22 @@ class ShardWriter:
         """Flush to disk and return the sha256 of the whole file."""
         if self._next != len(self._expected):
             raise AssertionError(f"shard {self.path.name}: closed before every tensor was written")
+        self._catch_up(0)
         self._out.close()
         return self._sha.hexdigest()
 
     def abort(self) -> None:
+        """Remove the partial file, once no digest thread still reads a slice of it."""
+        for futures in self._lag:
+            for future in futures:
+                future.exception()
+        self._lag.clear()
         self._out.abort()
+
+
+def _wait(futures: list[Future]) -> None:
+    """Wait for every one of `futures`, then raise the first one's error, if any."""
+    for future in futures:
+        future.exception()
+    for future in futures:
+        future.result()

@@ -4,9 +4,9 @@ A writer that produces tens of gigabytes fills the page cache with dirty pages, 
 while it writes them back, and every new page it dirties is a fresh page the kernel has to find, which
 on a virtual machine is often a page the host has reclaimed and must fault in again. `StreamingFile`
 avoids both: it writes in slices of `SLICE` bytes, and after every `WINDOW` bytes starts the window's
-writeback (`sync_file_range`), waits for the window before it, and drops that one from the page cache
-(`posix_fadvise(DONTNEED)`), so at most about two windows of the file are ever cached and the pages they
-free are reused for the next ones. `close()` fsyncs, as before. On a platform without `sync_file_range`
+writeback (`sync_file_range`), waits for the oldest window once more than `IN_FLIGHT` are in flight, and
+drops that one from the page cache (`posix_fadvise(DONTNEED)`), so at most about three windows of the
+file are ever cached and the pages they free are reused for the next ones. `close()` fsyncs, as before. On a platform without `sync_file_range`
 it is a plain unbuffered writer with the same bytes and the same fsync.
 
 Measured on a 2-core VM writing 4 GiB from memory: 8.4 s plain, 1.6 s with the drop-behind.
@@ -22,8 +22,9 @@ import ctypes.util
 import os
 from pathlib import Path
 
-SLICE = 8 << 20  # bytes per write(2): large enough to amortise the call, small enough to stay in cache
+SLICE = 8 << 20  # bytes per write(2) (and per digest task): large enough to amortise the call
 WINDOW = 64 << 20  # bytes between two writeback steps
+IN_FLIGHT = 2  # windows being written back while the next is filled: one left the disk idle between steps
 
 _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4  # SYNC_FILE_RANGE_* (linux/fs.h)
 
@@ -67,14 +68,15 @@ class StreamingFile:
             self._writeback()
 
     def _writeback(self) -> None:
-        """Start writing back what was written since the last step; wait for and drop the window before."""
+        """Start writing back what was written since the last step; wait for and drop the oldest window
+        once more than `IN_FLIGHT` are being written back."""
         _SYNC_RANGE(self._fd, self._flushed, self.offset - self._flushed, _WRITE)
-        if self._flushed > self._dropped:
-            length = self._flushed - self._dropped
+        self._flushed = self.offset
+        if self._flushed - self._dropped > IN_FLIGHT * WINDOW:
+            length = self._flushed - IN_FLIGHT * WINDOW - self._dropped
             _SYNC_RANGE(self._fd, self._dropped, length, _WAIT_BEFORE | _WRITE | _WAIT_AFTER)
             os.posix_fadvise(self._fd, self._dropped, length, os.POSIX_FADV_DONTNEED)
-            self._dropped = self._flushed
-        self._flushed = self.offset
+            self._dropped += length
 
     def close(self) -> None:
         """Flush everything to disk (fsync) and close."""
