@@ -171,7 +171,7 @@ def convert(src: Path, out: Path, to: str, python: str | None = None) -> list[st
     """The `upcycle convert` command line (through the installed script when there is one; through
     `python`'s upcycler when given)."""
     exe = None if python else shutil.which("upcycle")
-    cli = [exe] if exe else [python or sys.executable, "-c", "from upcycler.cli import main; main()"]
+    cli = [exe] if exe else [python or sys.executable, "-P", "-c", "from upcycler.cli import main; main()"]
     return [*cli, "convert", str(src), str(out), "--to", to, *(["--shard-size", "2GB"] if to == "hf" else [])]
 
 

@@ -85,7 +85,8 @@ def run_merge(inputs: list[Path], out: Path, python: str = sys.executable) -> di
     n = len(inputs)
     weights = ",".join(f"{(i + 1) / (n * (n + 1) / 2):.17g}" for i in range(n))
     args = ["merge", *map(str, inputs), str(out), "--method", "linear", "--weights", weights]
-    proc = subprocess.run([python, "-c", _CHILD, *args], capture_output=True, text=True, check=False)
+    # -P: `python`'s own upcycler, never one in the working directory (a checkout of another version)
+    proc = subprocess.run([python, "-P", "-c", _CHILD, *args], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"upcycle {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

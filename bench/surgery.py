@@ -65,7 +65,8 @@ def run_child(args: list[str], python: str = sys.executable) -> dict:
             "seconds = time.perf_counter() - t\n"
             "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM:'))\n"
             "print(json.dumps({'seconds': seconds, 'peak_rss': int(hwm.split()[1]) * 1024}))\n")
-    proc = subprocess.run([python, "-c", code, *args], capture_output=True, text=True, check=False)
+    # -P: `python`'s own upcycler, never one in the working directory (a checkout of another version)
+    proc = subprocess.run([python, "-P", "-c", code, *args], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"upcycle {' '.join(args)} failed:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -237,6 +238,8 @@ def main() -> None:
                      tied=False, scale=a.scale)
     small = llama_spec(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, head_dim=64, vocab=128256,
                        tied=True, scale=a.scale)
+    if a.workdir is not None:
+        a.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="surgery-bench-", dir=a.workdir))
     try:
         need = 0
