@@ -24,7 +24,7 @@ import pytest
 import trainer_fixtures as F
 import yaml
 from cli_helpers import assert_clean_failure, leftovers, run_cli
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from upcycler.errors import UpcyclerError
@@ -535,12 +535,17 @@ VALID_PATHS = [p for p in _paths(_valid_config()) if p]
 
 
 def _mutate(config: dict, path: tuple, action: str, value) -> None:
+    """Apply one mutation; one whose section an earlier mutation replaced or deleted has nothing to act on."""
     *parents, last = path
     node = config
     for key in parents:
+        if not isinstance(node, dict) or key not in node:
+            return
         node = node[key]
+    if not isinstance(node, dict):
+        return
     if action == "delete":
-        node.pop(last)
+        node.pop(last, None)
     elif action == "extra key" and isinstance(node, dict):
         node[f"unknown_{last}"] = value
     else:
@@ -558,13 +563,11 @@ def _parse_or_refuse(parse):
 @FUZZ
 @given(st.lists(st.tuples(st.sampled_from(VALID_PATHS), st.sampled_from(["set", "delete", "extra key"]),
                           json_values), min_size=1, max_size=3))
+@example([(("checkpoint",), "set", None), (("checkpoint", "every"), "delete", None)])  # parent replaced first
 def test_mutated_config_is_a_config_or_one_error(mutations):
     config = _valid_config()
     for path, action, value in mutations:
-        try:
-            _mutate(config, path, action, value)
-        except (KeyError, IndexError, TypeError):
-            pass  # an earlier mutation removed or replaced the parent
+        _mutate(config, path, action, value)
     result = _parse_or_refuse(lambda: TrainConfig.from_dict(copy.deepcopy(config), "train.yaml"))
     if result is not None:
         assert TrainConfig.from_dict(result.to_dict()) == result
