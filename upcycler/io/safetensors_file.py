@@ -77,7 +77,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 # kernel's copying overlap instead of taking turns.
 _OUTPUT_DIGEST = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-output")
 _SOURCE_DIGEST = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256-source")
-_RING = 3  # `copy`'s read buffers: the digests may lag the write head by two slices
+_RING = 3  # `copy`'s read buffers; the digests lag the write head by at most this many slices
 
 
 @dataclass(frozen=True)
@@ -378,7 +378,8 @@ class ShardWriter:
         self.bytes_written += len(view)
 
     def write(self, name: str, array: np.ndarray) -> None:
-        """Append `array` (all of tensor `name`, or the next part of it when written part by part)."""
+        """Append `array` (all of tensor `name`, or the next part of it when written part by part).
+        `array` must not change until `close`: its last slices may still be being hashed after return."""
         data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
         self._expect(name, len(data))
         self._write(data)
