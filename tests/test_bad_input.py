@@ -161,3 +161,48 @@ def test_disk_full_leaves_nothing(src, tmp_path):
     assert_clean_failure(proc, mentions="disk full")
     assert leftovers(tmp_path, "out") == []
     assert snapshot(src) == before
+
+
+def _retype(src, cast) -> None:
+    """Rewrite every shard of `src` with `cast(name, array)` applied to each tensor."""
+    from safetensors.numpy import load_file, save_file
+
+    for shard in sorted(src.glob("*.safetensors")):
+        tensors = load_file(shard)
+        save_file({name: cast(name, array) for name, array in tensors.items()}, str(shard), metadata={"format": "pt"})
+
+
+def test_integer_weights_are_refused_before_anything_is_written(src, tmp_path):
+    """int32 weights used to be transformed, written and caught only by the function check, in a line that
+    named neither the file nor the dtype."""
+    import numpy as np
+
+    _retype(src, lambda name, array: array.astype(np.int32))
+    before = snapshot(src)
+    proc = run_cli("dense-to-moe", src, tmp_path / "out", "--experts", "4", "--topk", "2", check=False)
+    line = assert_clean_failure(proc, mentions="is stored as int32")
+    assert ".safetensors" in line and "model weights must be floating point" in line and "dequantize" in line
+    assert "claims to preserve the function" not in line
+    assert snapshot(src) == before and leftovers(tmp_path, "out") == []
+
+
+def test_one_integer_tensor_is_named(src, tmp_path):
+    import numpy as np
+
+    broken = "model.layers.1.mlp.up_proj.weight"
+    _retype(src, lambda name, array: array.astype(np.int8) if name == broken else array)
+    line = convert_fails(src, tmp_path, f"tensor '{broken}' is stored as int8")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    assert index["weight_map"][broken] in line  # the shard that holds it
+
+
+def test_experts_of_one_tensor_in_different_dtypes_are_refused(tmp_path):
+    import numpy as np
+
+    src = make_tiny("mixtral", tmp_path / "src")
+    odd = "model.layers.0.block_sparse_moe.experts.2.w1.weight"
+    _retype(src, lambda name, array: array.astype(np.float16) if name == odd else array)
+    mixtral = json.loads((src / "config.json").read_text())
+    assert mixtral["architectures"] == ["MixtralForCausalLM"]
+    line = convert_fails(src, tmp_path, f"tensor '{odd}' is stored as float16")
+    assert "experts.0.w1.weight" in line and "float32" in line and "one dtype" in line

@@ -26,12 +26,15 @@ from typing import Any
 import numpy as np
 import pytest
 from cli_helpers import assert_clean_failure, run_cli
+from click.testing import CliRunner
 from hub_server import FakeHub
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import load_file, save_file
 from test_hub_push import TOKEN, write_model
+from tiny_models import load_model, make_tiny
 
+from upcycler.cli import main
 from upcycler.errors import UpcyclerError
 from upcycler.hub import read_manifest
 from upcycler.model_card import _readme_license, render_model_card
@@ -282,6 +285,58 @@ def test_a_probe_too_large_for_the_vocabulary_is_refused(tiny_dir) -> None:
     proc = run_cli("verify", wide, wide, "--batch", "64", "--tokens", "256", check=False, timeout=300)
     line = assert_clean_failure(proc, mentions="--batch × --tokens")
     assert "32,768" in line and proc.stdout == "" and tree_state(wide) == before
+
+
+def _padded_vocabulary(source: Path, out: Path, vocab: int) -> Path:
+    """`source` with its embedding and head padded to `vocab` rows by transformers (tokenizer surgery):
+    the logits of the ids it already had are unchanged."""
+    model = load_model(source)
+    model.resize_token_embeddings(vocab)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def vocabularies(tmp_path_factory, models) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("vocabularies")
+    return {"good": models["good"], "padded": _padded_vocabulary(models["good"], root / "padded", 160),
+            "other": make_tiny("llama", root / "other", seed=1, vocab_size=160),
+            "narrow": make_tiny("llama", root / "narrow", hidden_size=32, intermediate_size=64)}
+
+
+def verify_in_process(a: Path, b: Path, *options: str):
+    """`upcycle verify A B OPTIONS` in this process (the same contract as the CLI, without a JAX start-up)."""
+    result = CliRunner().invoke(main, ["verify", str(a), str(b), *options])
+    assert isinstance(result.exception, SystemExit) or result.exception is None, result.exception
+    return result
+
+
+def test_vocabularies_that_differ_are_refused_naming_both(vocabularies) -> None:
+    """A padded embedding (160 rows against 128): one line naming both sizes and the flag, no verdict."""
+    line = verify_fails(vocabularies, "good", "padded", mentions="vocabularies differ")
+    assert str(vocabularies["good"]) in line and str(vocabularies["padded"]) in line
+    assert "128" in line and "160" in line and "--shared-vocab" in line
+
+
+def test_shared_vocab_compares_the_ids_both_have(vocabularies) -> None:
+    before = {name: tree_state(path) for name, path in vocabularies.items()}
+    padded = verify_in_process(vocabularies["good"], vocabularies["padded"], "--shared-vocab", "--json")
+    assert padded.exit_code == 0, padded.output
+    stats = json.loads(padded.stdout)
+    assert stats["passed"] and stats["vocab_compared"] == 128 and stats["probe"]["vocab"] == 128
+    assert len(stats["layers"]) == 2  # walked in lockstep, the logits of the shared ids within the noise floor
+    other = verify_in_process(vocabularies["padded"], vocabularies["other"], "--shared-vocab")
+    assert other.exit_code == 1 and "different functions" in other.stdout
+    assert "compared the first 160 entries" not in other.stdout  # both have 160
+    assert {name: tree_state(path) for name, path in vocabularies.items()} == before
+
+
+def test_models_of_other_widths_are_compared_by_their_logits(vocabularies) -> None:
+    """Same depth, other hidden size: the residual streams cannot be compared layer by layer."""
+    result = verify_in_process(vocabularies["good"], vocabularies["narrow"], "--json")
+    assert result.exit_code == 1 and result.stderr == ""
+    stats = json.loads(result.stdout)
+    assert not stats["passed"] and stats["layers"] == [] and stats["max_abs_diff"] > 0
 
 
 # --- fuzzing -----------------------------------------------------------------------------------------

@@ -2,8 +2,11 @@
 against the fp32 noise floor of the models themselves.
 
 Both are read with `read_checkpoint` (HF or Orbax) and run one layer at a time (`upcycler.train.layerwise`:
-fp32, highest matmul precision, one layer in memory) on the same probe tokens (random ids below the
-smaller vocabulary, from a seed). Reported: max and mean |Δlogits|, KL(A‖B) of the next-token
+fp32, highest matmul precision, one layer in memory) on the same probe tokens (random ids from a seed).
+Two models whose vocabularies differ have logits that cannot be compared as a whole: that is an error
+naming both sizes, unless `shared_vocab` asks for the tokens both have (the probe draws its ids below the
+smaller vocabulary and the logits of the first that many entries are compared: right when one embedding
+was padded or extended after tokenizer surgery and the shared ids mean the same tokens). Reported: max and mean |Δlogits|, KL(A‖B) of the next-token
 distributions, top-1 agreement, and the scale of A's logits.
 
 The verdict. A 30-layer model whose logits reach |38| differs from itself by ~1e-4 when only its fp32
@@ -70,18 +73,20 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def compare(a: Path, b: Path, *, tokens: int = 64, batch: int = 2, seed: int = 0) -> dict[str, Any]:
+def compare(a: Path, b: Path, *, tokens: int = 64, batch: int = 2, seed: int = 0,
+            shared_vocab: bool = False) -> dict[str, Any]:
     """Run both checkpoints on one probe and return the statistics (see the module docstring)."""
     from upcycler.io import read_checkpoint
 
     check_options(tokens=tokens, batch=batch, seed=seed)
     return compare_checkpoints((a, read_checkpoint(a)), (b, read_checkpoint(b)), tokens=tokens, batch=batch,
-                               seed=seed)
+                               seed=seed, shared_vocab=shared_vocab)
 
 
 def compare_checkpoints(a: tuple[Path, Any], b: tuple[Path, Any], *, tokens: int, batch: int,
-                        seed: int) -> dict[str, Any]:
-    """`compare` for checkpoints already opened: (path, lazy `Checkpoint`) each."""
+                        seed: int, shared_vocab: bool = False) -> dict[str, Any]:
+    """`compare` for checkpoints already opened: (path, lazy `Checkpoint`) each. Refuses, before any weight
+    is read, models it cannot run and vocabularies that differ (unless `shared_vocab`)."""
     from upcycler.train.layerwise import hidden_trace
     from upcycler.train.model import unsupported
 
@@ -96,29 +101,38 @@ def compare_checkpoints(a: tuple[Path, Any], b: tuple[Path, Any], *, tokens: int
             raise UpcyclerError(f"--tokens: {tokens:,} is more than the max_position_embeddings of "
                                 f"{shown_path(path)} ({limit:,}); pass --tokens {limit} or less")
     spec_a, spec_b = ckpt_a.spec, ckpt_b.spec
+    vocab = min(spec_a.vocab_size, spec_b.vocab_size)
+    if spec_a.vocab_size != spec_b.vocab_size and not shared_vocab:
+        raise UpcyclerError(f"the vocabularies differ: {shown_path(path_a)} has {spec_a.vocab_size:,} tokens and "
+                            f"{shown_path(path_b)} has {spec_b.vocab_size:,}, so their logits cannot be "
+                            f"compared as a whole; pass --shared-vocab to compare the first {vocab:,} (the "
+                            "ids both have, e.g. after padding an embedding), or compare models of one tokenizer")
     widest = max(spec_a.vocab_size, spec_b.vocab_size)
     if batch * tokens * widest > MAX_LOGITS:
         raise UpcyclerError(f"--batch × --tokens: {batch:,} × {tokens:,} positions × a vocabulary of "
                             f"{widest:,} is more than {MAX_LOGITS:,} logits per model; pass a smaller "
                             f"--batch or --tokens (at most {MAX_LOGITS // widest:,} positions in all)")
-    vocab = min(spec_a.vocab_size, spec_b.vocab_size)
     ids = probe_ids(vocab, batch=batch, tokens=tokens, seed=seed)
     trace_a, trace_b = hidden_trace(ckpt_a, ids, reordered=True), hidden_trace(ckpt_b, ids)
     layers = []
-    if spec_a.num_layers == spec_b.num_layers:  # lockstep: one layer of each model in memory
-        for (h_a, h_reordered), (h_b,) in zip(trace_a, trace_b):
+    shared = (..., slice(vocab))  # the logits of the ids both models have
+    if (spec_a.num_layers, spec_a.hidden_size) == (spec_b.num_layers, spec_b.hidden_size):
+        # lockstep: one layer of each model in memory; the last step of each trace is its logits
+        for i, ((h_a, h_reordered), (h_b,)) in enumerate(zip(trace_a, trace_b)):
+            if i == spec_a.num_layers:
+                h_a, h_reordered, h_b = h_a[shared], h_reordered[shared], h_b[shared]
             if layers:  # keep only numbers for the layers, the arrays of the logits (the last)
                 layers[-1] = {k: v for k, v in layers[-1].items() if k not in ("a", "b")}
             layers.append(_distances(h_a, h_reordered, h_b))
         logits = layers.pop()
-    else:
+    else:  # residual streams of different depths or widths: only the logits compare
         *_, (logits_a, logits_reordered) = trace_a
         *_, (logits_b,) = trace_b
-        logits = _distances(logits_a, logits_reordered, logits_b)
+        logits = _distances(logits_a[shared], logits_reordered[shared], logits_b[shared])
     ckpt_a.check_inputs()  # upcycler outputs: what was read matches their manifests
     ckpt_b.check_inputs()
     _require_finite([(path_a, ckpt_a, logits["a"]), (path_b, ckpt_b, logits["b"])])
-    logits_a, logits_b = logits["a"][..., :vocab], logits["b"][..., :vocab]
+    logits_a, logits_b = logits["a"], logits["b"]
     delta = np.abs(logits_a.astype(np.float64) - logits_b)
     logp_a, logp_b = _log_softmax(logits_a), _log_softmax(logits_b)
     kl = (np.exp(logp_a) * (logp_a - logp_b)).sum(axis=-1)

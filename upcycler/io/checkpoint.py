@@ -14,15 +14,36 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from upcycler.errors import UpcyclerError
 from upcycler.io.integrity import DigestWatch
 from upcycler.layout import declare_params
 from upcycler.spec import ModelSpec
-from upcycler.tensors import TensorMap
+from upcycler.tensors import BF16, TensorMap, dtype_name
 
 SIDE_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
     "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
 )
+
+# The dtypes a model's weights may be stored in: what the transforms compute with and the JAX model runs.
+WEIGHT_DTYPES = (BF16, np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def require_weight_dtype(where: str, name: str, dtype: np.dtype, like: tuple[str, np.dtype] | None = None) -> None:
+    """Refuse, before any byte is read, a weight stored in a dtype that is not floating point (int32 weights
+    would be transformed and written, and only then fail the function check), or, with `like` (the name and
+    dtype of the first slice of the same stacked tensor), a slice whose dtype differs from its siblings'."""
+    if np.dtype(dtype) not in WEIGHT_DTYPES:
+        kinds = ", ".join(dtype_name(d) for d in WEIGHT_DTYPES)
+        raise UpcyclerError(f"{where}: tensor {name!r} is stored as {dtype_name(dtype)}; model weights must be "
+                            f"floating point ({kinds}); dequantize the checkpoint or convert it from a "
+                            "floating-point source first")
+    if like is not None and np.dtype(dtype) != like[1]:
+        raise UpcyclerError(f"{where}: tensor {name!r} is stored as {dtype_name(dtype)} but {like[0]!r}, another "
+                            f"expert of the same tensor, as {dtype_name(like[1])}; re-save the checkpoint in "
+                            "one dtype")
 
 
 @dataclass(frozen=True)

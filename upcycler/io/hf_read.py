@@ -16,7 +16,7 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.families import family_for_config
-from upcycler.io.checkpoint import SIDE_FILES, Checkpoint
+from upcycler.io.checkpoint import SIDE_FILES, Checkpoint, require_weight_dtype
 from upcycler.io.integrity import DigestWatch, file_watch
 from upcycler.io.manifest import MANIFEST, read_manifest, read_step
 from upcycler.io.safetensors_file import TensorEntry, lazy_tensor, read_header, stored_bytes
@@ -112,6 +112,9 @@ def read_hf(path: Path) -> Checkpoint:
         names = family.hf_names(decl)
         for name in names:
             _check_entry(path, entries, name, decl.shape[1:] if decl.expert_stacked else decl.shape)
+            first = entries[names[0]]
+            require_weight_dtype(shown_path(entries[name].path), name, entries[name].dtype,
+                                 like=(names[0], first.dtype) if name != names[0] else None)
         used.update(names)
         if decl.expert_stacked:
             experts = [_watched(entries[n], watches) for n in names]

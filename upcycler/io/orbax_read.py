@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from upcycler.errors import UpcyclerError
-from upcycler.io.checkpoint import SIDE_FILES, Checkpoint
+from upcycler.io.checkpoint import SIDE_FILES, Checkpoint, require_weight_dtype
 from upcycler.io.integrity import DigestWatch, file_watch
 from upcycler.io.manifest import MANIFEST, REWRITE, read_manifest, read_step
 from upcycler.io.orbax_layout import TREE, WEIGHTS
@@ -64,6 +64,7 @@ def read_orbax(path: str | Path, weights: str = "params") -> Checkpoint:
                                 f"spec in {MANIFEST} implies {list(decl.shape)}; the params do not match; "
                                 f"{REWRITE}")
         tensor = _lazy(store, decl.name, tree_dir)
+        require_weight_dtype(shown_path(tree_dir), decl.name, tensor.dtype)
         if decl.name in digests:
             tensor, watch = _watched(tensor, store, f"{shown_path(tree_dir)}: tensor {decl.name!r}",
                                      digests[decl.name])
