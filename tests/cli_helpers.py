@@ -10,7 +10,8 @@ from pathlib import Path
 def run_cli(*args: str | Path, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
     """`upcycle ARGS…` in a subprocess; with `check`, fail the test on a non-zero exit."""
     proc = subprocess.run(
-        [sys.executable, "-m", "upcycler", *map(str, args)], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "upcycler", *map(str, args)], capture_output=True, text=True, timeout=timeout,
+        check=False,
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"upcycle {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")

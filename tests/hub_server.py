@@ -24,7 +24,7 @@ import re
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Self
 from urllib.parse import unquote, urlsplit
 
 import yaml
@@ -95,7 +95,7 @@ class FakeHub:
         self._server.shutdown()
         self._server.server_close()
 
-    def __enter__(self) -> FakeHub:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -22,9 +22,9 @@ def stored_tensors(directory) -> dict[str, np.ndarray]:
 
 def assert_bit_identical(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
     assert sorted(a) == sorted(b)
-    for name in a:
-        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
-        assert a[name].tobytes() == b[name].tobytes(), name
+    for name, array in a.items():
+        assert array.dtype == b[name].dtype and array.shape == b[name].shape, name
+        assert array.tobytes() == b[name].tobytes(), name
 
 
 @pytest.mark.parametrize("family", FAMILIES)

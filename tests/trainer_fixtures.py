@@ -141,6 +141,7 @@ def run_cli(*args: Any, env: dict[str, str] | None = None, check: bool = True, t
         text=True,
         timeout=timeout,
         env=full_env,
+        check=False,
     )
     if check and proc.returncode != 0:
         raise AssertionError(

@@ -84,8 +84,8 @@ def format_summary(info: dict[str, Any]) -> str:
     lines += [
         f"architecture    {info['architecture']} ({info['family']})",
         f"layers          {info['layers']}",
-        f"hidden          {info['hidden_size']}  heads {info['heads']}  kv heads {info['kv_heads']}  "
-        f"head dim {info['head_dim']}",
+        (f"hidden          {info['hidden_size']}  heads {info['heads']}  kv heads {info['kv_heads']}  "
+         f"head dim {info['head_dim']}"),
         f"mlp width       {info['intermediate_size']}",
         f"vocab           {info['vocab_size']}  (embeddings {'tied' if info['tied_embeddings'] else 'untied'})",
     ]
