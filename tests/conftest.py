@@ -1,17 +1,37 @@
-"""Shared pytest fixtures: tiny models per family, cached for the session."""
+"""Shared pytest fixtures, and one JAX compilation cache for the whole run.
+
+The cache: JAX's persistent compilation cache in a directory made for this run (so no run depends on an
+earlier one) and removed at its end, set in the environment before JAX is imported, so the test process
+and every `upcycle` subprocess it starts share compiled programs. Identical programs give identical
+executables: it saves compile time and changes no result.
+
+Fixtures: `tiny_dir` (tiny Hugging Face models per family, built once per argument set), `ws` (the
+trainer's workspace: tokenizer, prepared data, tiny dense and MoE checkpoints, built once) and `cache`
+(the run's compilation cache directory, for tests that name it).
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+JAX_CACHE = Path(tempfile.mkdtemp(prefix="upcycler-tests-jax-cache-"))
+os.environ.update(JAX_COMPILATION_CACHE_DIR=str(JAX_CACHE), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
+import trainer_fixtures  # after the cache is set: it imports JAX
 from tiny_models import make_tiny
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    shutil.rmtree(JAX_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +46,15 @@ def tiny_dir(tmp_path_factory):
         return cache[key]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def ws(tmp_path_factory) -> dict[str, Path]:
+    """The trainer's workspace (`trainer_fixtures.workspace`), built once for the run."""
+    return trainer_fixtures.workspace(tmp_path_factory.mktemp("trainer"))
+
+
+@pytest.fixture(scope="session")
+def cache() -> Path:
+    """The run's JAX compilation cache (set for this process and inherited by every subprocess)."""
+    return JAX_CACHE

@@ -49,11 +49,6 @@ def demo(tmp_path_factory):
     return {"root": root, "data": root / "data", "model": path, "tokenizer": tokenizer}
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    yield from F.compile_cache({"root": tmp_path_factory.mktemp("balancing-cache")})
-
-
 def config(demo, root, **changes):
     base = F.config_dict(root, demo["model"], demo["data"], **{
         "steps": 100, "data.seq_len": 64, "data.global_batch_size": 16,

@@ -32,16 +32,6 @@ SOURCES = ("json", "email")
 CHANGES = {"steps": 6, "metrics.expert_load_every": 2, "checkpoint.every": 2, "checkpoint.keep": 3}
 
 
-@pytest.fixture(scope="module")
-def ws(tmp_path_factory):
-    return F.workspace(tmp_path_factory.mktemp("trainer"))
-
-
-@pytest.fixture(scope="module")
-def cache(ws):
-    yield from F.compile_cache(ws)
-
-
 # --- the train step's counts --------------------------------------------------------------------------
 
 def _batch() -> dict[str, jax.Array]:

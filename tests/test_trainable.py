@@ -221,16 +221,6 @@ def test_depth_records_its_layer_map_and_new_layers(tiny_dir, tmp_path):
 
 # --- end to end ---------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def ws(tmp_path_factory):
-    return F.workspace(tmp_path_factory.mktemp("trainer"))
-
-
-@pytest.fixture(scope="module")
-def cache(ws):
-    yield from F.compile_cache(ws)
-
-
 def test_training_new_layers_changes_only_the_inserted_blocks(ws, cache, tmp_path):
     grown = tmp_path / "grown"
     result = CliRunner().invoke(main, ["depth", str(ws["dense"]), str(grown), "--layers", "4"])

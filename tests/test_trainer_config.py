@@ -15,11 +15,6 @@ from upcycler.train.config import OptimizerConfig, SchedulePhase, TrainConfig, l
 from upcycler.train.optim import make_schedule
 
 
-@pytest.fixture(scope="module")
-def ws(tmp_path_factory):
-    return F.workspace(tmp_path_factory.mktemp("trainer"))
-
-
 def test_config_round_trip_and_overrides(ws, tmp_path):
     path = F.write_config(tmp_path / "train.yaml", F.config_dict(tmp_path, ws["dense"], ws["data"]))
     config = load_config(

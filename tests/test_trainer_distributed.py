@@ -12,23 +12,12 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 import trainer_fixtures as F
 
 from upcycler.train.config import TrainConfig
 from upcycler.train.trainer import train
 
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def ws(tmp_path_factory):
-    return F.workspace(tmp_path_factory.mktemp("trainer"))
-
-
-@pytest.fixture(scope="module")
-def cache(ws):
-    yield from F.compile_cache(ws)
 
 
 def one_device_run(ws, model: str, root, **changes) -> tuple[list, dict]:

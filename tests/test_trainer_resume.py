@@ -9,7 +9,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 import trainer_fixtures as F
 
 from upcycler.train.checkpointing import committed_steps
@@ -17,16 +16,6 @@ from upcycler.train.config import TrainConfig
 from upcycler.train.trainer import train
 
 STEPS, EVERY = 120, 10
-
-
-@pytest.fixture(scope="module")
-def ws(tmp_path_factory):
-    return F.workspace(tmp_path_factory.mktemp("trainer"))
-
-
-@pytest.fixture(scope="module")
-def cache(ws):
-    yield from F.compile_cache(ws)
 
 
 def start(config_path, *extra):

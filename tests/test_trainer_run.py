@@ -15,16 +15,6 @@ from upcycler.train.config import TrainConfig
 from upcycler.train.trainer import train
 
 
-@pytest.fixture(scope="module")
-def ws(tmp_path_factory):
-    return F.workspace(tmp_path_factory.mktemp("trainer"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cache(ws):
-    yield from F.compile_cache(ws)
-
-
 def config(tmp, init, ws, **changes) -> TrainConfig:
     return TrainConfig.from_dict(F.config_dict(tmp, init, ws["data"], **changes))
 

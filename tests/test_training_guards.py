@@ -27,16 +27,6 @@ from upcycler.train.model.params import from_tensors
 from upcycler.train.trainer import train
 
 
-@pytest.fixture(scope="module")
-def ws(tmp_path_factory):
-    return F.workspace(tmp_path_factory.mktemp("guards"))
-
-
-@pytest.fixture(scope="module")
-def cache(ws):
-    yield from F.compile_cache(ws)
-
-
 def run(ws, root, model="dense", **changes):
     return train(TrainConfig.from_dict(F.config_dict(root, ws[model], ws["data"], **changes)))
 

@@ -11,6 +11,8 @@ RESOURCE_EXHAUSTED; that is reported as "does not fit" with the analytic part of
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,7 +76,8 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
                            trainable=layout.trainable, ema_decay=config.optimizer.ema)
     started = time.perf_counter()
     try:
-        compiled = compile_step(step, layout.shardings, mesh, layout.abstract, batch)
+        with nullcontext() if topology is None else _without_persistent_cache():
+            compiled = compile_step(step, layout.shardings, mesh, layout.abstract, batch)
         failure = None
     except jax.errors.JaxRuntimeError as err:  # how XLA refuses a program: out of memory, or unsupported
         if "RESOURCE_EXHAUSTED" not in str(err):
@@ -87,6 +90,25 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
         config, spec, mesh, layout, batch, compiled,
         target_name=tgt.name, chip=tgt.chip, budget=budget, compile_seconds=seconds, failure=failure,
     )
+
+
+@contextmanager
+def _without_persistent_cache() -> Iterator[None]:
+    """Keep JAX's persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`, common on pods) out of a
+    compile for chips this host does not have: such an executable is written to the cache but cannot be
+    loaded back without a client of those chips, so the next compile-only run would warn and recompile.
+    The cache is as it was afterwards."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once per process whether the cache is used: decide again
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
 
 
 def _lineage(init: Path) -> tuple[dict[str, Any], ...]:
