@@ -288,3 +288,23 @@ def test_an_index_naming_a_non_string_shard_is_refused(tmp_path, src):
     index = src / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {"embed": [["x"] * 1000]}}))
     run_fails(tmp_path, src, "convert", src, tmp_path / "out", mentions="model.safetensors.index.json")
+
+
+def test_a_small_file_read_under_a_large_cap_costs_its_own_size(tmp_path):
+    """`read_bytes` sizes its buffer by the file: a 1 KB config read under the 64 MB JSON cap allocates
+    about 1 KB, and a file over the cap is still refused."""
+    import tracemalloc
+
+    from upcycler.untrusted import MAX_JSON_BYTES, read_bytes
+
+    small = tmp_path / "small.json"
+    small.write_bytes(b"{}" * 512)
+    tracemalloc.start()
+    try:
+        assert read_bytes(small, max_bytes=MAX_JSON_BYTES) == b"{}" * 512
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1024**2, f"{peak:,} bytes allocated to read 1 KB"
+    with pytest.raises(UpcyclerError, match="larger than 1,000 bytes"):
+        read_bytes(small, max_bytes=1000)

@@ -25,19 +25,51 @@ from upcycler.errors import UpcyclerError
 from upcycler.io.checkpoint import Checkpoint
 from upcycler.io.hashing import sha256_file
 from upcycler.layout import layer_prefix
-from upcycler.train.data.sources import open_source
+from upcycler.spec import LIMITS_ENV, ModelSpec, limits_on
+from upcycler.train.data.sources import TokenSource, open_source
 from upcycler.train.layerwise import ffn_inputs
 from upcycler.train.model import moe
 from upcycler.untrusted import shown_path
+
+MAX_CALIBRATION_BYTES = 8 * 1024**3
+"""Bound on each of the two large buffers calibration holds (unless UPCYCLER_LIMITS=off): the fp32 residual
+stream and FFN input of every calibration sequence of one source (`ffn_inputs` keeps all of them), and the
+attention scores of one chunk of sequences (`layers.attention`: heads × L² fp32, about three copies)."""
+CHUNK = 16  # sequences per forward when their attention scores fit the bound
 
 
 @dataclass(frozen=True)
 class RouterInputs:
     """The service `dense-to-moe --router-init centroids` borrows (`transforms.registry.providing`)."""
 
-    def check(self, data: Path, names: Sequence[str], base: Checkpoint, length: int) -> None:
-        """Refuse calibration data that is missing, too short or of another tokenizer, before any write."""
+    def check(self, data: Path, names: Sequence[str], base: Checkpoint, length: int, sequences: int = 1) -> None:
+        """Refuse calibration data that is missing, too short or of another tokenizer, and a request whose
+        buffers would exceed `MAX_CALIBRATION_BYTES`, before any write."""
+        data = Path(data)
+        if not data.is_dir():
+            kind = "not a directory" if data.exists() else "no such directory"
+            raise UpcyclerError(f"--calibration {shown_path(data)}: {kind}; pass the directory `upcycle "
+                                "prepare-data --out` wrote, with one source per --experts-from name")
+        spec = base.spec
+        if length > spec.max_position_embeddings:
+            raise UpcyclerError(f"--calibration-length {length} is longer than the model's context "
+                                f"(max_position_embeddings {spec.max_position_embeddings:,}); use at most "
+                                f"{spec.max_position_embeddings:,}")
+        if limits_on() and attention_bytes(spec, length) > MAX_CALIBRATION_BYTES:
+            longest = int((MAX_CALIBRATION_BYTES / attention_bytes(spec, 1)) ** 0.5)
+            raise UpcyclerError(f"--calibration-length {length}: the attention scores of one sequence take "
+                                f"{attention_bytes(spec, length):,} bytes, over the limit of "
+                                f"{MAX_CALIBRATION_BYTES:,}; use --calibration-length {longest} or less "
+                                f"(or set {LIMITS_ENV}=off)")
         for name in names:
+            count = min(sequences, len(checked_tokens(data, name, length, base).tokens) // length)
+            if limits_on() and count * length * stream_bytes(spec) > MAX_CALIBRATION_BYTES:
+                most = max(1, MAX_CALIBRATION_BYTES // (length * stream_bytes(spec)))
+                raise UpcyclerError(f"--calibration-sequences {sequences} × --calibration-length {length}: the "
+                                    f"hidden states of {count:,} sequences of {name} take "
+                                    f"{count * length * stream_bytes(spec):,} bytes, over the limit of "
+                                    f"{MAX_CALIBRATION_BYTES:,}; use --calibration-sequences {most} or less "
+                                    f"(or set {LIMITS_ENV}=off)")
             calibration_tokens(data, name, 1, length, base)
 
     def mean(self, ckpt: Checkpoint, data: Path, name: str, sequences: int, length: int,
@@ -46,7 +78,7 @@ class RouterInputs:
         ids = calibration_tokens(data, name, sequences, length, ckpt)
         wanted = {layer: k for k, layer in enumerate(layers)}
         out = np.zeros((len(layers), ckpt.spec.hidden_size))
-        for layer, h in ffn_inputs(ckpt, ids):
+        for layer, h in ffn_inputs(ckpt, ids, chunk=chunk_for(ckpt.spec, length)):
             if layer in wanted:
                 out[wanted[layer]] = h.reshape(-1, h.shape[-1]).astype(np.float64).mean(0)
             if layer >= max(layers):
@@ -54,9 +86,38 @@ class RouterInputs:
         return out
 
 
+def attention_bytes(spec: ModelSpec, length: int) -> int:
+    """Bytes of the attention scores of one sequence of `length` tokens (heads × L² fp32, three copies)."""
+    return 3 * 4 * spec.num_heads * length * length
+
+
+def stream_bytes(spec: ModelSpec) -> int:
+    """Bytes `ffn_inputs` holds per calibration token: its fp32 residual stream and FFN input."""
+    return 2 * 4 * spec.hidden_size
+
+
+def chunk_for(spec: ModelSpec, length: int) -> int:
+    """Sequences per forward: `CHUNK`, fewer when their attention scores would exceed the bound."""
+    return max(1, min(CHUNK, MAX_CALIBRATION_BYTES // attention_bytes(spec, length)))
+
+
 def calibration_tokens(data: Path, name: str, sequences: int, length: int, model: Checkpoint) -> np.ndarray:
     """[n, length] int32: up to `sequences` evenly spaced windows of source `name`, checked against the
     model's vocabulary and tokenizer."""
+    source = checked_tokens(data, name, length, model)
+    tokens, where = source.tokens, shown_path(source.path) if source.path else name
+    count = min(sequences, len(tokens) // length)
+    starts = np.linspace(0, len(tokens) - length, count).astype(np.int64)
+    ids = np.stack([np.asarray(tokens[s:s + length]) for s in starts]).astype(np.int32)
+    if int(ids.max()) >= model.spec.vocab_size:
+        raise UpcyclerError(f"{where}: token id {int(ids.max())} is outside the model's vocabulary of "
+                            f"{model.spec.vocab_size}; prepare the data with the model's tokenizer")
+    return ids
+
+
+def checked_tokens(data: Path, name: str, length: int, model: Checkpoint) -> TokenSource:
+    """Source `name` of `data` (its token stream memory-mapped), refused when prepared with another tokenizer than
+    the model's or shorter than one sequence of `length`."""
     source = open_source(Path(data), name)
     where = shown_path(source.path) if source.path else name
     tokenizer = next((p for p in model.side_files if p.name == "tokenizer.json"), None)
@@ -67,13 +128,7 @@ def calibration_tokens(data: Path, name: str, sequences: int, length: int, model
     if len(tokens) < length:
         raise UpcyclerError(f"{where}: {len(tokens)} tokens, fewer than one calibration sequence of {length}; "
                             "prepare more data or lower --calibration-length")
-    count = min(sequences, len(tokens) // length)
-    starts = np.linspace(0, len(tokens) - length, count).astype(np.int64)
-    ids = np.stack([np.asarray(tokens[s:s + length]) for s in starts]).astype(np.int32)
-    if int(ids.max()) >= model.spec.vocab_size:
-        raise UpcyclerError(f"{where}: token id {int(ids.max())} is outside the model's vocabulary of "
-                            f"{model.spec.vocab_size}; prepare the data with the model's tokenizer")
-    return ids
+    return source
 
 
 def routing_shares(ckpt: Checkpoint, data: Path, names: Sequence[str], expert_sources: Sequence[str],
@@ -87,7 +142,7 @@ def routing_shares(ckpt: Checkpoint, data: Path, names: Sequence[str], expert_so
     out = np.zeros((len(layers), len(names), len(names)))
     for s, name in enumerate(names):
         ids = calibration_tokens(data, name, sequences, length, ckpt)
-        for layer, h in ffn_inputs(ckpt, ids):
+        for layer, h in ffn_inputs(ckpt, ids, chunk=chunk_for(spec, length)):
             if layer not in layers:
                 continue
             p = layer_prefix(layer)

@@ -206,7 +206,8 @@ def _routers(cfg: DenseToMoE, out: ModelSpec, sources: Sources | None, dtype: np
     if len(sources.names) < 2:
         raise UpcyclerError("--router-init centroids tells sources apart; it needs two or more --experts-from "
                             "sources (use --router-init random)")
-    measure.check(Path(cfg.calibration), sources.names, sources.checkpoints[0], cfg.calibration_length)
+    measure.check(Path(cfg.calibration), sources.names, sources.checkpoints[0], cfg.calibration_length,
+                  cfg.calibration_sequences)
     report(f"router rows point at each source's mean router input on {cfg.calibration_sequences} × "
            f"{cfg.calibration_length} tokens of its own data in {cfg.calibration} (logit margin "
            f"{cfg.centroid_margin:g}), plus the random rows (σ = {cfg.router_std:g})")

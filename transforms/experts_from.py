@@ -20,6 +20,8 @@ Memory stays that of one tensor per source read at a time: a mean reads its sour
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -32,15 +34,16 @@ from upcycler.errors import UpcyclerError
 from upcycler.io.checkpoint import Checkpoint
 from upcycler.io.manifest import read_manifest
 from upcycler.merge import field_value, first_difference
-from upcycler.spec import ModelSpec
+from upcycler.spec import LIMITS_ENV, ModelSpec, limits_on
 from upcycler.summary import expert_runs
 from upcycler.tensors import LazyTensor, TensorMap, dtype_name, read_ahead
 from upcycler.transforms.registry import read_input
-from upcycler.untrusted import describe, shown_path
+from upcycler.untrusted import describe, open_regular, shown_path
 
 CHOICES = ("base", "mean")  # besides a source's name: where shared tensors come from
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+MAX_SOURCES = 256  # --experts-from models opened (headers, manifest, tokenizer) before a byte is written
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,9 @@ def open_sources(experts_from: Mapping[str, Path], spec: ModelSpec, base: Tensor
     names = tuple(experts_from)
     if not names:
         raise UpcyclerError("--experts-from needs at least one NAME=PATH")
+    if len(names) > MAX_SOURCES and limits_on():
+        raise UpcyclerError(f"--experts-from: {len(names):,} sources exceed the limit of {MAX_SOURCES}; pass "
+                            f"fewer (or set {LIMITS_ENV}=off)")
     for name in names:
         if not _NAME.fullmatch(name) or name in CHOICES:
             raise UpcyclerError(f"--experts-from: source name {describe(name)} must be letters, digits, '_', '.' "
@@ -108,10 +114,10 @@ def open_sources(experts_from: Mapping[str, Path], spec: ModelSpec, base: Tensor
         if value not in (*CHOICES, *names):
             raise UpcyclerError(f"{flag} is {describe(value)}; use {', '.join(CHOICES)} or a source name "
                                 f"({', '.join(names)})")
+    expert_source = _assign(names, groups, group, assignment)  # before opening any source
     checkpoints = tuple(read_input(Path(experts_from[n])) for n in names)
     for name, ckpt in zip(names, checkpoints):
         _check_compatible(name, ckpt, spec, base, base_checkpoint)
-    expert_source = _assign(names, groups, group, assignment)
     identical = base_checkpoint is not None and all(_same_weights(base_checkpoint, c) for c in checkpoints)
     return Sources(names, checkpoints, expert_source, identical)
 
@@ -144,16 +150,18 @@ def _check_tokenizer(where: str, ckpt: Checkpoint, base: Checkpoint) -> None:
             has = "has no" if file not in theirs else "has a"
             raise UpcyclerError(f"{where}: {has} {file} {'but BASE has one' if file in mine else 'that BASE lacks'}; "
                                 "every source must share BASE's tokenizer")
-        if _bytes(theirs[file]) != _bytes(mine[file]):
+        if _digest(theirs[file]) != _digest(mine[file]):
             raise UpcyclerError(f"{where}: {file} differs from BASE's; every source must share BASE's tokenizer "
                                 "(experts of another vocabulary see other token ids)")
 
 
-def _bytes(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as err:
-        raise UpcyclerError(f"{shown_path(path)}: cannot read ({err.strerror}); check the file") from None
+def _digest(path: Path) -> str:
+    """sha256 of a regular file, streamed (a tokenizer of any size in bounded memory; never a FIFO)."""
+    with os.fdopen(open_regular(path, "tokenizer file"), "rb") as f:
+        try:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError as err:
+            raise UpcyclerError(f"{shown_path(path)}: cannot read ({err.strerror}); check the file") from None
 
 
 def _same_weights(base: Checkpoint, other: Checkpoint) -> bool:
@@ -182,19 +190,19 @@ def _assign(names: tuple[str, ...], groups: int, group: int, assignment: Sequenc
                                 "sources; every source needs a group: raise --experts or pass fewer sources")
         return tuple(g * n // groups for g in range(groups) for _ in range(group))
     if len(assignment) != experts:
-        raise UpcyclerError(f"expert_sources has {len(assignment)} names for {experts} experts; give one per expert")
+        raise UpcyclerError(f"--expert-sources has {len(assignment)} names for {experts} experts; give one per expert")
     unknown = [a for a in assignment if a not in names]
     if unknown:
-        raise UpcyclerError(f"expert_sources names {describe(unknown[0])}, which is not a source; use one of "
+        raise UpcyclerError(f"--expert-sources names {describe(unknown[0])}, which is not a source; use one of "
                             f"{', '.join(names)}")
     unused = [a for a in names if a not in assignment]
     if unused:
-        raise UpcyclerError(f"expert_sources gives no expert to source {unused[0]}; drop it from --experts-from "
+        raise UpcyclerError(f"--expert-sources gives no expert to source {unused[0]}; drop it from --experts-from "
                             "or give it an expert")
     for g in range(groups):
         members = set(assignment[g * group:(g + 1) * group])
         if len(members) > 1:
-            raise UpcyclerError(f"expert_sources mixes {', '.join(sorted(members))} in virtual group {g} (experts "
+            raise UpcyclerError(f"--expert-sources mixes {', '.join(sorted(members))} in virtual group {g} (experts "
                                 f"{g * group}–{(g + 1) * group - 1}), whose experts share one router row and "
                                 "together hold one dense FFN; give a group one source")
     return tuple(names.index(a) for a in assignment)

@@ -25,7 +25,7 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.families import conform, family_named
-from upcycler.io import detect_format, read_checkpoint, write_checkpoint
+from upcycler.io import SIDE_FILES, detect_format, read_checkpoint, write_checkpoint
 from upcycler.io.checkpoint import Checkpoint
 from upcycler.io.hf_read import read_json, read_spec, weight_files_present
 from upcycler.io.hf_write import plan_items, split_shards
@@ -188,7 +188,8 @@ def read_source(path: Path, *, allow_config_only: bool) -> tuple[Checkpoint, boo
             raise UpcyclerError(f"{path}: has config.json but no weights; only --dry-run can plan from it")
         spec = read_spec(path)
         step = read_step(path, "hf", config_only=True)
-        return Checkpoint(spec, placeholders(spec, _config_dtype(path)), path, (step,)), True
+        side = tuple(path / n for n in SIDE_FILES if (path / n).is_file())  # its tokenizer, as a full read has
+        return Checkpoint(spec, placeholders(spec, _config_dtype(path)), path, (step,), side_files=side), True
     return read_checkpoint(path), False
 
 

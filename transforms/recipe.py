@@ -28,7 +28,7 @@ from upcycler.io.hf_write import DEFAULT_SHARD_SIZE
 from upcycler.schema import options
 from upcycler.transforms.registry import Transform, config_dict, transform_named
 from upcycler.units import parse_size
-from upcycler.untrusted import describe, load_yaml, shown_path
+from upcycler.untrusted import MAX_YAML_BYTES, describe, duplicate_key, parse_yaml, read_text, shown_path
 
 FORMATS = ("hf", "orbax")
 DTYPES = ("bf16", "fp16", "fp32")
@@ -92,7 +92,12 @@ def load_recipe(path: str | Path) -> Recipe:
     path = Path(path)
     if not path.exists() and not path.is_symlink():
         raise UpcyclerError(f"{shown_path(path)}: no such recipe file; check the path")
-    data = load_yaml(path, what="recipe (YAML)", fix="fix the recipe")
+    text = read_text(path, max_bytes=MAX_YAML_BYTES, what="recipe (YAML)")
+    data = parse_yaml(text, shown_path(path), "fix the recipe")
+    twice = duplicate_key(text)
+    if twice is not None:
+        raise UpcyclerError(f"{shown_path(path)}: line {twice[1]}: key {describe(twice[0])} is given twice in one "
+                            "mapping (YAML would keep only the last); remove or rename one")
     return recipe_from_dict(data, path.parent, shown_path(path))
 
 

@@ -83,11 +83,15 @@ def open_regular(path: Path, what: str = "file") -> int:
 
 
 def read_bytes(path: Path, *, max_bytes: int, what: str = "file") -> bytes:
-    """The bytes of the regular file `path`, refused when larger than `max_bytes`."""
+    """The bytes of the regular file `path`, refused when larger than `max_bytes`; the buffer is sized by
+    the file, not by the cap (a 1 KB file never costs a 64 MB allocation)."""
     fd = open_regular(path, what)
     try:
+        size = os.fstat(fd).st_size
         with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(max_bytes + 1)
+            data = f.read(min(size, max_bytes) + 1)
+            if size < len(data) <= max_bytes:  # it grew after fstat: read on, up to the cap
+                data += f.read(max_bytes + 1 - len(data))
     except OSError as err:
         raise UpcyclerError(f"{shown_path(path)}: cannot read ({err.strerror}); check the file") from None
     finally:
@@ -233,3 +237,31 @@ def real(value: Any, name: str, where: str, *, low: float | None = None, high: f
                  else f"at least {low:g}" if low is not None else f"at most {high:g}")
         raise UpcyclerError(f"{where}: {name} must be {bound}, not {describe(value)}; {fix}")
     return number
+
+
+def duplicate_key(text: str) -> tuple[Any, int] | None:
+    """(the first key given twice in one mapping, its 1-based line) of a YAML document that `parse_yaml`
+    accepted, or None. YAML forbids duplicate keys but PyYAML keeps the last silently; a recipe that lists
+    a source twice under one name would lose one. Merge keys (`<<`) may be overridden, as YAML allows."""
+    loader = _BoundedLoader(text)
+    try:
+        node = loader.get_single_node()
+    finally:
+        loader.dispose()
+    stack, seen = ([node] if node is not None else []), set()
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:  # aliases share nodes: each is visited once
+            continue
+        seen.add(id(item))
+        if isinstance(item, yaml.MappingNode):
+            keys = set()
+            for key, value in item.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    if (key.tag, key.value) in keys:
+                        return key.value, key.start_mark.line + 1
+                    keys.add((key.tag, key.value))
+                stack.extend((key, value))
+        elif isinstance(item, yaml.SequenceNode):
+            stack.extend(item.value)
+    return None

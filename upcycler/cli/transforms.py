@@ -120,7 +120,8 @@ def finish(p, *, dry_run: bool, as_json: bool, overwrite: bool, no_verify: bool 
         click.echo(json.dumps(p.to_json(), indent=2) if as_json else p.describe())
         return
     if p.recipe.output.path is not None:  # refuse a bad OUT before anything is read
-        check_output(p.recipe.output.path, overwrite=overwrite, sources=p.ckpt.inputs)
+        calibration = [Path(s.config["calibration"]) for s in p.steps if s.config.get("calibration")]
+        check_output(p.recipe.output.path, overwrite=overwrite, sources=[*p.ckpt.inputs, *calibration])
     skipped = "--no-verify" if no_verify else unchecked_reason(p)
     check = None if skipped else function_check(p.recipe.source, " + ".join(s.name for s in p.steps))
     out = execute(p, overwrite=overwrite, check=check)
