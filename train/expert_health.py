@@ -41,6 +41,7 @@ from upcycler.spec import ModelSpec
 from upcycler.untrusted import describe, real
 
 HEALTH_KEYS = ("load_min", "load_max", "load_cv", "dead", "overload", "entropy", "bias_norm")
+MAX_MAGNITUDE = 1e300  # a logged number beyond this cannot be plotted (the axis range overflows)
 
 
 def layer_health(
@@ -111,7 +112,8 @@ def moe_layer_numbers(spec: ModelSpec) -> list[int]:
 def check_logged_health(value: Any, where: str, fix: str = "fix or delete that line") -> dict[str, list]:
     """`value` if it is an `expert_health` record as read back from an untrusted metrics log, else
     `UpcyclerError` naming `where`: a mapping whose known keys (`HEALTH_KEYS`) each hold a non-empty list
-    of numbers or nulls, all of one length (the MoE layers). Unknown keys are kept as they are."""
+    of numbers (at most `MAX_MAGNITUDE` in size) or nulls, all of one length (the MoE layers). Unknown keys
+    are kept as they are."""
     if not isinstance(value, dict):
         raise UpcyclerError(f"{where}: expert_health must be a mapping of per-layer lists, not "
                             f"{describe(value)}; {fix}")
@@ -125,7 +127,7 @@ def check_logged_health(value: Any, where: str, fix: str = "fix or delete that l
                                 f"{describe(row)}; {fix}")
         for number in row:
             if number is not None:
-                real(number, f"expert_health.{key}", where, fix=fix)
+                real(number, f"expert_health.{key}", where, low=-MAX_MAGNITUDE, high=MAX_MAGNITUDE, fix=fix)
         lengths.add(len(row))
     if len(lengths) > 1:
         raise UpcyclerError(f"{where}: expert_health lists have different lengths {sorted(lengths)}; {fix}")

@@ -38,6 +38,9 @@ from upcycler.untrusted import describe, escape, parse_json, read_bytes, read_te
 
 TASKS = ("needle", "perplexity", "prompts")
 MAX_LENGTH = 1 << 22  # 4M tokens: far beyond any model, small enough to catch a typo
+MAX_LENGTHS = 64  # distinct --lengths: each is a compile and a row
+MAX_TOTAL_TOKENS = 1 << 26  # prompt tokens of one run in all (held as int32 until scored): 256 MB
+MAX_PROMPT_CHARS = 1 << 22  # characters of one prompt: tokenizing holds ~0.5 kB per token
 MAX_PROMPTS = 10_000  # per length, and lines of a prompts file
 MAX_PROMPTS_BYTES = 256 * 1024**2
 MAX_TOKENIZER_BYTES = 512 * 1024**2
@@ -48,7 +51,7 @@ MAX_SHIFT = 64  # tokens the needle may move to start after a sentence end (abou
 MIN_HAYSTACK = 64  # tokens of haystack a needle prompt needs at least
 DECILES = 10
 _SENTENCE_ENDS = (".", "!", "?", "\n")
-_LENGTH = re.compile(r"(\d{1,9})([kK]?)")
+_LENGTH = re.compile(r"(\d+)([kK]?)")
 
 
 @dataclass(frozen=True)
@@ -72,13 +75,27 @@ def parse_lengths(text: str) -> list[int]:
         if match is None:
             raise UpcyclerError(f"--lengths: {describe(part.strip())} is not a length; pass token counts "
                                 "such as --lengths 4k,8k,16k or 4096 (k = 1024)")
-        value = int(match[1]) * (1024 if match[2] else 1)
+        digits = match[1].lstrip("0") or "0"  # int() of thousands of digits is slow, and refused
+        value = int(digits) * (1024 if match[2] else 1) if len(digits) <= 12 else MAX_LENGTH + 1
         if not 2 <= value <= MAX_LENGTH:
-            raise UpcyclerError(f"--lengths: {part.strip()} must be between 2 and {MAX_LENGTH:,} tokens; "
+            raise UpcyclerError(f"--lengths: {describe(part.strip())} must be between 2 and {MAX_LENGTH:,} tokens; "
                                 "pass e.g. --lengths 4k,8k")
         if value not in out:
             out.append(value)
+        if len(out) > MAX_LENGTHS:
+            raise UpcyclerError(f"--lengths: more than {MAX_LENGTHS} lengths, the limit; pass fewer, e.g. "
+                                "--lengths 4k,8k,16k")
     return out
+
+
+def check_total(tokens: int, what: str, fix: str) -> None:
+    """Refuse a run whose prompts hold more than `MAX_TOTAL_TOKENS` tokens in all (unless
+    UPCYCLER_LIMITS=off), before any prompt is built."""
+    from upcycler.spec import LIMITS_ENV, limits_on
+
+    if tokens > MAX_TOTAL_TOKENS and limits_on():
+        raise UpcyclerError(f"{what}: {tokens:,} prompt tokens in all, more than the limit of "
+                            f"{MAX_TOTAL_TOKENS:,}; {fix} (or set {LIMITS_ENV}=off)")
 
 
 def show_length(length: int) -> str:
@@ -92,7 +109,7 @@ def show_length(length: int) -> str:
 def tokenizer_file(model: Path) -> Path:
     """MODEL/tokenizer.json, which must exist."""
     path = Path(model) / "tokenizer.json"
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():  # a directory or FIFO there: `open_regular` says so
         raise UpcyclerError(f"{shown_path(path)}: missing; the eval tasks tokenise with the model's own "
                             "tokenizer, copy its tokenizer.json into the model directory")
     return path
@@ -158,8 +175,8 @@ def corpus_documents(corpus: Path) -> list[str]:
 class Haystack:
     """Token streams of shuffled corpus documents, each document tokenised once, on first use."""
 
-    def __init__(self, tokenizer: Tokenizer, documents: Sequence[str]):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, documents: Sequence[str], where: str = "the tokenizer"):
+        self.tokenizer, self.where = tokenizer, where
         self.documents = documents
         self.separator = tokenizer.encode("\n\n", add_special_tokens=False).ids
         self._ids: dict[int, list[int]] = {}
@@ -169,6 +186,7 @@ class Haystack:
         """`count` tokens: documents in a random order (then another, as often as needed), separated."""
         out: list[int] = []
         while len(out) < count:
+            before = len(out)
             for index in rng.permutation(len(self.documents)):
                 if index not in self._ids:
                     text = self.documents[index]
@@ -176,6 +194,9 @@ class Haystack:
                 out += self._ids[index] + self.separator
                 if len(out) >= count:
                     break
+            if len(out) == before:  # a tokenizer that gives no tokens for any document: never fills
+                raise UpcyclerError(f"{self.where}: gives no tokens for the needle corpus; the needle task "
+                                    "needs a tokenizer that encodes English text")
         return out[:count]
 
     def ends_sentence(self, token: int) -> bool:
@@ -202,10 +223,12 @@ def needle_depths(count: int) -> np.ndarray:
 
 
 def needle_items(tokenizer: Tokenizer, documents: Sequence[str], lengths: Sequence[int], per_length: int,
-                 seed: int) -> list[Item]:
+                 seed: int, where: str = "the tokenizer") -> list[Item]:
     """`per_length` passkey prompts of exactly L tokens for every L (module docstring); a function of the
-    tokenizer, the documents, L, the prompt's index and `seed` alone."""
-    haystack = Haystack(tokenizer, documents)
+    tokenizer, the documents, L, the prompt's index and `seed` alone. `where` names the tokenizer in errors."""
+    check_total(sum(lengths) * per_length, "--lengths × --prompts-per-length",
+                "pass fewer or shorter lengths or fewer --prompts-per-length")
+    haystack = Haystack(tokenizer, documents, where)
     prefix = special_prefix(tokenizer)
     items = []
     for length in lengths:
@@ -215,6 +238,10 @@ def needle_items(tokenizer: Tokenizer, documents: Sequence[str], lengths: Sequen
             key = str(int(rng.integers(10 ** (digits - 1), 10**digits)))
             needle = tokenizer.encode(f" {NEEDLE.format(key=key)}\n", add_special_tokens=False).ids
             question, answer = question_and_answer(tokenizer, key)
+            if not answer or tokenizer.decode([int(t) for t in answer]).strip() != key:
+                raise UpcyclerError(f"{where}: does not spell the pass key {key} back (its tokens decode to "
+                                    f"{describe(tokenizer.decode([int(t) for t in answer]))}); the needle "
+                                    "task needs a tokenizer that encodes digits")
             room = length - len(prefix) - len(needle) - len(question)
             if room < MIN_HAYSTACK:
                 least = length - room + MIN_HAYSTACK
@@ -264,6 +291,8 @@ def perplexity_items(data: Path, tokenizer_sha256: str, vocab_size: int, lengths
             raise UpcyclerError(f"{shown_path(data)}: source {source.name!r} has a vocabulary of "
                                 f"{source.meta['vocab_size']}, more than the model's {vocab_size}; prepare "
                                 "the data with the model's tokenizer")
+    check_total(sum(lengths) * per_length, "--lengths × --prompts-per-length",
+                "pass fewer or shorter lengths or fewer --prompts-per-length")
     items = []
     for length in lengths:
         usable = [s for s in sources if len(s.tokens) >= length]
@@ -297,7 +326,7 @@ def read_prompts(path: Path, tokenizer: Tokenizer) -> list[Item]:
     """The prompts of a JSONL file (lines `{"prompt": "...", "answer": "..."}`, answer optional)."""
     fix = 'each line must be {"prompt": "...", "answer": "..."} (answer optional); fix that line'
     text = read_text(Path(path), max_bytes=MAX_PROMPTS_BYTES, what="prompts file (JSONL)")
-    items = []
+    items, total = [], 0
     for lineno, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
         if not line.strip():
             continue
@@ -310,6 +339,15 @@ def read_prompts(path: Path, tokenizer: Tokenizer) -> list[Item]:
             raise UpcyclerError(f"{where}: no non-empty \"prompt\" string; {fix}")
         if answer is not None and (not isinstance(answer, str) or not answer):
             raise UpcyclerError(f"{where}: \"answer\" must be a non-empty string; {fix}")
+        if len(prompt) + len(answer or "") > MAX_PROMPT_CHARS:
+            raise UpcyclerError(f"{where}: a prompt of {len(prompt) + len(answer or ''):,} characters, more "
+                                f"than the limit of {MAX_PROMPT_CHARS:,}; shorten it")
+        for value in (prompt, answer or ""):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise UpcyclerError(f"{where}: a lone UTF-16 surrogate (an escape such as \\ud800 without its "
+                                    f"pair) is not text; {fix}") from None
         if len(items) == MAX_PROMPTS:
             raise UpcyclerError(f"{where}: more than {MAX_PROMPTS:,} prompts; split the file")
         if answer is None:
@@ -320,6 +358,8 @@ def read_prompts(path: Path, tokenizer: Tokenizer) -> list[Item]:
             raise UpcyclerError(f"{where}: the tokenizer gives no tokens for it; {fix}")
         if len(ids) > MAX_LENGTH:
             raise UpcyclerError(f"{where}: a prompt of {len(ids):,} tokens, more than {MAX_LENGTH:,}; shorten it")
+        total += len(ids)
+        check_total(total, shown_path(path), "split the file")
         info = {"index": len(items), "line": lineno, "answer": answer,
                 "answer_ids": None if answer_ids is None else [int(t) for t in answer_ids]}
         items.append(Item(len(ids), np.asarray(ids, np.int32),

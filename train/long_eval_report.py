@@ -197,21 +197,48 @@ def _fixed(value: float | None) -> str:
 # --- the plot -------------------------------------------------------------------------------------------
 
 
-def check_plot_path(path: Path, task: str) -> Path:
-    """Refuse a --plot that cannot be written (before any work) or a task without a plot."""
+def check_plot_path(path: Path, task: str, inputs: Sequence[Path] = ()) -> Path:
+    """Refuse a --plot that cannot be written (before any work), that is not a .png, that would replace
+    something other than a regular file (a device, a FIFO) or land inside one of `inputs` (the models,
+    --data, FILE), or a task without a plot."""
     path = Path(path)
     if task == "prompts":
         raise UpcyclerError("--plot: draws the needle and perplexity tasks (by length and depth); drop it "
                             "for --task prompts")
+    try:  # a name longer than the filesystem allows would make every check below raise
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        pass
+    except OSError as err:
+        raise UpcyclerError(f"{shown_path(path)}: cannot write --plot there ({err.strerror}); choose another "
+                            "path") from None
     if path.is_dir():
         raise UpcyclerError(f"{shown_path(path)}: --plot is a directory; pass a file name such as eval.png")
+    if path.suffix.lower() != ".png":
+        raise UpcyclerError(f"{shown_path(path)}: --plot writes a PNG; pass a file name ending in .png")
     if not path.parent.is_dir():
         raise UpcyclerError(f"{shown_path(path.parent)}: no such directory for --plot; create it or choose "
                             "another path")
+    if path.exists() and not path.is_symlink() and not path.is_file():  # replacing a link spares its target
+        raise UpcyclerError(f"{shown_path(path)}: --plot exists and is not a regular file (a device, pipe or "
+                            "socket); choose another --plot")
+    target = path.parent.resolve() / path.name
+    for source in inputs:
+        source = Path(source).resolve()
+        if target == source or source in target.parents:
+            raise UpcyclerError(f"{shown_path(path)}: --plot is inside an input ({shown_path(source)}), which "
+                                "eval never modifies; choose a path outside it")
+    probe = path.with_name(f".{path.name}.partial-{os.getpid()}.png")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        probe.unlink()
+    except OSError as err:
+        raise UpcyclerError(f"{shown_path(path)}: cannot write --plot there ({err.strerror}); choose another "
+                            "path") from None
     return path
 
 
-def plot(result: dict[str, Any], path: Path) -> Path:
+def plot(result: dict[str, Any], path: Path, inputs: Sequence[Path] = ()) -> Path:
     """A PNG of accuracy (needle) or NLL (perplexity) by length and by depth, for both models with --vs;
     drawn into a hidden sibling and renamed into place."""
     import matplotlib
@@ -219,7 +246,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = check_plot_path(path, result["task"])
+    path = check_plot_path(path, result["task"], inputs)
     needle = result["task"] == "needle"
     entries = result["lengths"]
     lengths = [e["length"] for e in entries]
@@ -262,6 +289,9 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         staged.unlink(missing_ok=True)
         message = f"{shown_path(path)}: cannot write ({err.strerror}); choose another --plot"
         raise UpcyclerError(message) from None
+    except BaseException:  # Ctrl-C (or a matplotlib error) mid-save: no half-written staging file stays behind
+        staged.unlink(missing_ok=True)
+        raise
     finally:
         plt.close(fig)
     return path

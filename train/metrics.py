@@ -30,9 +30,12 @@ the log always describes one uninterrupted trajectory. A value that is not finit
 
 Reading (`read_metrics`, for `upcycle report` and resuming) treats the log as untrusted: every line goes
 through the bounded JSON parser and `parse_metrics_line` checks each known field's type (numbers are
-finite, `expert_load` is a rectangle of the same shape on every line, `expert_load_by_source` a
-layers × sources × experts block of shares of the same shape and the same `sources` on every line);
-unknown fields are kept as they are. A torn final line (no line break: a run killed mid-write) is
+finite and at most `MAX_MAGNITUDE` in size, `step` at most `MAX_STEP`, `expert_load` is a rectangle of
+shares in [0, 1] of the same shape on every line, `expert_load_by_source` a layers × sources × experts
+block of shares of the same shape and the same `sources` on every line, source names (in `sources` and
+`loss/<source>`) are printable (no control characters) and at most `MAX_NAME` characters);
+unknown fields are kept as they are. A line is at most `MAX_JSON_BYTES` long; longer ones are refused after
+reading that much of them, never read whole. A torn final line (no line break: a run killed mid-write) is
 ignored; any other bad line is an `UpcyclerError` naming the file and the line.
 """
 
@@ -51,7 +54,7 @@ import numpy as np
 from upcycler.errors import UpcyclerError
 from upcycler.layout import declare_params
 from upcycler.spec import ModelSpec
-from upcycler.train.expert_health import check_logged_health, layer_health
+from upcycler.train.expert_health import MAX_MAGNITUDE, check_logged_health, layer_health
 from upcycler.untrusted import MAX_JSON_BYTES, describe, integer, open_regular, parse_json, real, shown_path
 
 METRICS_FILE = "metrics.jsonl"
@@ -59,6 +62,8 @@ NUMBER_FIELDS = (
     "loss", "lb_loss", "z_loss", "total_loss", "grad_norm", "lr", "tokens", "step_time", "tokens_per_s", "mfu"
 )
 _FIX = "fix or delete that line"
+MAX_STEP = 2**53  # steps are plotted as floats: every step up to here is exact
+MAX_NAME = 255  # a data source's name is a file-name stem
 
 
 def matmul_params(spec: ModelSpec) -> int:
@@ -92,7 +97,7 @@ class MetricsLog:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 _truncate_from(self.path, start_step)
-                self._file = open(self.path, "a", encoding="utf-8")
+                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (open for the run)
             except OSError as err:
                 raise UpcyclerError(
                     f"{shown_path(self.path)}: cannot write ({err.strerror}); choose a writable run_dir"
@@ -208,7 +213,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     by_source: tuple[list[str], int, int | None, int] | None = None  # (sources, layers, experts, line)
     with os.fdopen(open_regular(path, "metrics log"), "rb") as f:
         lineno = 0
-        while line := _read_line(f, path):
+        while line := _read_line(f, path, lineno + 1):
             lineno += 1
             where = f"{shown_path(path)}:{lineno}"
             try:
@@ -261,14 +266,22 @@ def _names(sources: Sequence[str]) -> str:
     return "[" + ", ".join(describe(name, 30) for name in sources[:8]) + more + "]"
 
 
-def _read_line(f: Any, path: Path) -> bytes:
+def _read_line(f: Any, path: Path, lineno: int) -> bytearray:
+    """Line `lineno` of `f`, read in pieces of 1 MiB up to `MAX_JSON_BYTES` + 1 bytes and refused beyond
+    (never read whole; the pieces grow one buffer, so a refused line costs about the limit in memory)."""
+    line = bytearray()
     try:
-        line = f.readline(MAX_JSON_BYTES + 1)
+        while len(line) <= MAX_JSON_BYTES and not line.endswith(b"\n"):
+            piece = f.readline(min(1 << 20, MAX_JSON_BYTES + 1 - len(line)))
+            if not piece:
+                break
+            line += piece
     except OSError as err:
         raise UpcyclerError(f"{shown_path(path)}: cannot read ({err.strerror}); check the file") from None
     if len(line) > MAX_JSON_BYTES:
         raise UpcyclerError(
-            f"{shown_path(path)}: a line longer than {MAX_JSON_BYTES:,} bytes; not a metrics log"
+            f"{shown_path(path)}:{lineno}: line longer than {MAX_JSON_BYTES:,} bytes (the limit for one "
+            f"metrics record); not a metrics log the trainer wrote; {_FIX}"
         )
     return line
 
@@ -288,10 +301,12 @@ def parse_metrics_line(line: str | bytes, where: str) -> dict[str, Any] | None:
         raise UpcyclerError(f"{where}: expected a JSON object per step, found {describe(record)}; {_FIX}")
     if "step" not in record:
         raise UpcyclerError(f"{where}: no step; {_FIX}")
-    integer(record["step"], "step", where, low=0, fix=_FIX)
+    integer(record["step"], "step", where, low=0, high=MAX_STEP, fix=_FIX)
     for key, value in record.items():
+        if key.startswith("loss/"):
+            _check_name(key[5:], "the source of a loss/<source> field", where)
         if (key in NUMBER_FIELDS or key.startswith("loss/")) and value is not None:
-            real(value, key, where, fix=_FIX)
+            real(value, key, where, low=-MAX_MAGNITUDE, high=MAX_MAGNITUDE, fix=_FIX)
     if "expert_load" in record:
         _check_load(record["expert_load"], where)
     if "sources" in record:
@@ -312,7 +327,7 @@ def _check_load(load: Any, where: str) -> None:
         raise UpcyclerError(f"{where}: expert_load rows have different lengths (ragged); {_FIX}")
     for row in rows:
         for share in row:
-            real(share, "expert_load", where, fix=_FIX)
+            real(share, "expert_load", where, low=0.0, high=1.0, fix=_FIX)
 
 
 def _check_sources(sources: Any, where: str) -> None:
@@ -321,8 +336,17 @@ def _check_sources(sources: Any, where: str) -> None:
             or not all(isinstance(name, str) and name for name in sources)):
         raise UpcyclerError(f"{where}: sources must be a non-empty list of source names, not "
                             f"{describe(sources)}; {_FIX}")
+    for name in sources:
+        _check_name(name, "a source in sources", where)
     if len(set(sources)) != len(sources):
         raise UpcyclerError(f"{where}: sources names a source twice; {_FIX}")
+
+
+def _check_name(name: str, what: str, where: str) -> None:
+    """`name` can be a data source's name (printable, 1 to `MAX_NAME` characters), or `UpcyclerError`."""
+    if not (0 < len(name) <= MAX_NAME and name.isprintable()):
+        raise UpcyclerError(f"{where}: {what} is {describe(name, 40)}, not a data source's name (printable, "
+                            f"1 to {MAX_NAME} characters); {_FIX}")
 
 
 def _check_load_by_source(record: dict[str, Any], where: str) -> None:

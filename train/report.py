@@ -25,6 +25,11 @@ log is read with `read_metrics` (every line checked; a torn last line of a kille
 other bad line is an error naming it) before anything is drawn, and the PNGs are rendered into a hidden
 staging directory and moved into OUT only when all of them are done (`upcycler.train.outputs`), so a
 failure leaves neither a partial set nor a stray directory.
+
+What a log may ask to draw is bounded before anything is drawn, so that no number in it sizes the work or
+the memory: at most `MAX_LAYERS` MoE layers (one PNG each), `MAX_EXPERTS` experts, `MAX_SOURCES` data
+sources, and `MAX_USAGE_CELLS` layers × sources × experts; more is refused naming the step and the limit.
+The usage mean is accumulated line by line (memory: one layers × sources × experts block, not one per step).
 """
 
 from __future__ import annotations
@@ -43,6 +48,11 @@ from upcycler.train.expert_health import HEALTH_KEYS, check_logged_health
 from upcycler.train.metrics import METRICS_FILE, read_metrics
 from upcycler.untrusted import shown_path
 
+MAX_LAYERS = 256  # MoE layers: one expert_load PNG each
+MAX_EXPERTS = 4096
+MAX_SOURCES = 256  # data sources: a line each in loss.png, a row each in expert_usage_by_source.png
+MAX_USAGE_CELLS = 2**24  # layers × sources × experts of expert_usage_by_source (its mean: 8 bytes each)
+
 
 def make_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     """Write the report's PNGs into `out` (default RUN_DIR/report) and return their paths."""
@@ -56,6 +66,7 @@ def make_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     records = read_metrics(run_dir)
     if not records:
         raise UpcyclerError(f"{shown_path(log)}: no complete step yet; run at least one step first")
+    _check_size(records, shown_path(log))
     health = _health_series(records, shown_path(log))  # checked before anything is drawn
     usage = _usage_by_source(records)
     out = Path(out) if out is not None else run_dir / "report"
@@ -67,6 +78,39 @@ def make_report(run_dir: Path, out: Path | None = None) -> list[Path]:
         if health is not None:
             names.append(_expert_health(*health, stage / "expert_health.png"))
     return [out / name for name in names]
+
+
+def _check_size(records: Sequence[dict[str, Any]], log: str) -> None:
+    """`UpcyclerError` naming the first step whose layers, experts or sources exceed what the report draws
+    (`read_metrics` checked the shapes; every expert_load and expert_load_by_source line has one shape)."""
+    fix = "the report draws no more; this is not a log the trainer wrote, fix or delete that line"
+    names: set[str] = set()
+    for r in records:
+        where = f"{log}: step {r['step']}"
+        names.update(k[5:] for k in r if k.startswith("loss/"))
+        if len(names) > MAX_SOURCES:
+            raise UpcyclerError(f"{where}: more than {MAX_SOURCES:,} data sources have a loss/<source>; {fix}")
+        load = r.get("expert_load")
+        if load is not None and (len(load) > MAX_LAYERS or len(load[0]) > MAX_EXPERTS):
+            raise UpcyclerError(f"{where}: expert_load covers {len(load):,} layers × {len(load[0]):,} experts, "
+                                f"more than {MAX_LAYERS:,} × {MAX_EXPERTS:,}; {fix}")
+        health = r.get("expert_health")
+        layers = max((len(v) for k, v in health.items() if k in HEALTH_KEYS and isinstance(v, list)),
+                     default=0) if isinstance(health, dict) else 0
+        if layers > MAX_LAYERS:
+            raise UpcyclerError(f"{where}: expert_health covers {layers:,} layers, more than {MAX_LAYERS:,}; "
+                                f"{fix}")
+        shares = r.get("expert_load_by_source")
+        if shares is None:
+            continue
+        experts = next((len(row) for layer in shares for row in layer if row is not None), 0)
+        sources = len(r["sources"])
+        if len(shares) > MAX_LAYERS or sources > MAX_SOURCES or experts > MAX_EXPERTS \
+                or len(shares) * sources * experts > MAX_USAGE_CELLS:
+            raise UpcyclerError(f"{where}: expert_load_by_source covers {len(shares):,} layers × {sources:,} "
+                                f"sources × {experts:,} experts, more than {MAX_LAYERS:,} layers, "
+                                f"{MAX_SOURCES:,} sources, {MAX_EXPERTS:,} experts or {MAX_USAGE_CELLS:,} in all; "
+                                f"{fix}")
 
 
 def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -98,7 +142,7 @@ def _loss(records: Sequence[dict[str, Any]], path: Path) -> str:
     sources = sorted({k[5:] for r in records for k in r if k.startswith("loss/")})
     for name in sources:
         s, v = _series(records, f"loss/{name}")
-        ax.plot(s, _smooth(v, window), lw=1.0, label=name)
+        ax.plot(s, _smooth(v, window), lw=1.0, label=name.replace("$", r"\$"))  # no mathtext from the log
     ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="training loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -148,7 +192,7 @@ def _expert_load(records: Sequence[dict[str, Any]], out: Path) -> list[str]:
     paths = []
     for layer in range(stacked.shape[1]):
         grid = stacked[:, layer, :].T  # [E, T]
-        fig, ax = plt.subplots(figsize=(10, max(3.0, 0.12 * grid.shape[0] + 1.5)))
+        fig, ax = plt.subplots(figsize=(10, min(60.0, max(3.0, 0.12 * grid.shape[0] + 1.5))))
         image = ax.imshow(
             grid,
             aspect="auto",
@@ -187,12 +231,17 @@ def _usage_by_source(records: Sequence[dict[str, Any]]) -> SourceUsage | None:
                     if row is not None), None)
     if experts is None:
         return None
-    nan_row = [np.nan] * experts
-    stacked = np.asarray([[[nan_row if row is None else row for row in layer]  # [T, M, S, E]
-                           for layer in r["expert_load_by_source"]] for r in averaged], dtype=np.float64)
-    seen = ~np.isnan(stacked)
-    count = seen.sum(axis=0)
-    mean = np.where(count > 0, np.where(seen, stacked, 0.0).sum(axis=0) / np.maximum(count, 1), np.nan)
+    first = averaged[0]["expert_load_by_source"]
+    total = np.zeros((len(first), len(first[0]), experts))  # [M, S, E], summed line by line
+    count = np.zeros((len(first), len(first[0]), 1))
+    for r in averaged:
+        for m, layer in enumerate(r["expert_load_by_source"]):
+            for s, row in enumerate(layer):
+                if row is not None:
+                    total[m, s] += row
+                    count[m, s] += 1
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(count > 0, total / np.maximum(count, 1), np.nan)
     return SourceUsage(list(averaged[0]["sources"]), mean, [r["step"] for r in averaged])
 
 
@@ -255,6 +304,7 @@ def _health_series(
     (`check_logged_health`) and must cover as many layers as the first one."""
     logged = [r for r in records if "expert_health" in r]
     first: tuple[int, int] | None = None  # (layers, step)
+    logged = [r for r in logged if any(key in r["expert_health"] for key in HEALTH_KEYS)]
     for r in logged:
         where = f"{log}: step {r['step']}"
         health = check_logged_health(r["expert_health"], where)  # its lists are of one length

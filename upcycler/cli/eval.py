@@ -13,8 +13,10 @@ Every option and file is checked before any weight is read; bad input is one `er
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,7 +28,7 @@ from upcycler.errors import UpcyclerError
 from upcycler.schema import from_mapping, options
 from upcycler.train.config import ModelConfig
 from upcycler.train.long_eval import MAX_PROMPTS, TASKS, show_length
-from upcycler.untrusted import integer, shown_path
+from upcycler.untrusted import escape, integer, shown_path
 
 _PREFILL = tuple(o for o in options(ModelConfig) if o.name.startswith("prefill_"))
 
@@ -70,13 +72,21 @@ def command(model: Path, file: Path | None, task: str, other: Path | None, lengt
     from upcycler.train import long_eval as le
     from upcycler.train import long_eval_report as report
 
+    given = _given(click.get_current_context())
+    _check_paths({"MODEL": model, "--vs": other, "FILE": file, "--data": data, "--plot": plot})
     cfg = _model_config(attention, prefill)
     if vs_attention is not None and other is None:
         other = model
     vs_cfg = cfg if vs_attention is None else _model_config(vs_attention, prefill)
+    _check_prefill(attention, vs_attention, cfg, given)
+    if task == "prompts":
+        for name, flag in (("per_length", "--prompts-per-length"), ("seed", "--seed")):
+            if name in given:
+                raise UpcyclerError(f"{flag}: --task prompts runs FILE's prompts as they are; drop {flag}")
     wanted = _check_options(task, file, lengths, per_length, seed, data)
+    inputs = [p for p in (model, other, data, file) if p is not None]
     if plot is not None:
-        report.check_plot_path(plot, task)
+        report.check_plot_path(plot, task, inputs)
     spec, tokenizer, digest = _open_model(model)
     other_spec = None
     if other is not None:
@@ -85,16 +95,29 @@ def command(model: Path, file: Path | None, task: str, other: Path | None, lengt
             raise UpcyclerError(f"{shown_path(Path(other) / 'tokenizer.json')}: differs from "
                                 f"{shown_path(Path(model) / 'tokenizer.json')}; --vs compares models that "
                                 "share a tokenizer (byte for byte)")
-    if task == "needle":
-        from upcycler.cli.demo import demo_assets
+    models = [(model, spec)] + ([(other, other_spec)] if other is not None else [])
+    if other is not None and task != "prompts":
+        _check_kept(len(wanted) * per_length, models)
+    where = shown_path(Path(model) / "tokenizer.json")
+    try:
+        if task == "needle":
+            from upcycler.cli.demo import demo_assets
 
-        documents = le.corpus_documents(demo_assets() / "corpus")
-        items = le.needle_items(tokenizer, documents, wanted, per_length, seed)
-    elif task == "perplexity":
-        items = le.perplexity_items(data, digest, spec.vocab_size, wanted, per_length, seed)
-    else:
-        items = le.read_prompts(file, tokenizer)
-    _warn_beyond_positions(items, [(model, spec)] + ([(other, other_spec)] if other is not None else []))
+            documents = le.corpus_documents(demo_assets() / "corpus")
+            items = le.needle_items(tokenizer, documents, wanted, per_length, seed, where)
+        elif task == "perplexity":
+            items = le.perplexity_items(data, digest, spec.vocab_size, wanted, per_length, seed)
+        else:
+            items = le.read_prompts(file, tokenizer)
+    except Exception as err:  # tokenizers raises a bare Exception when it cannot encode: only that is caught
+        if type(err) is not Exception:
+            raise
+        raise UpcyclerError(f"{where}: cannot encode the prompts ({escape(str(err))[:120]}); use the "
+                            "model's own tokenizer.json") from None
+    _check_vocabulary(items, models, f"{shown_path(data)}: holds" if task == "perplexity" else f"{where}: gives")
+    if other is not None:
+        _check_kept(len(items), models)
+    _warn_beyond_positions(items, models)
 
     outs = _run(le, model, cfg, task, items, keep=other is not None)
     vs_outs = _run(le, other, vs_cfg, task, items, keep=True) if other is not None else None
@@ -106,12 +129,10 @@ def command(model: Path, file: Path | None, task: str, other: Path | None, lengt
         header["prefill"] = {o.name: getattr(cfg, o.name) for o in _PREFILL}
     result = report.summarize(task, items, outs, vs_outs, flex=attention == "flexprefill", header=header,
                           decode=lambda t: tokenizer.decode([t]))
-    if as_json:
-        click.echo(json.dumps(_finite(result), indent=2, ensure_ascii=False))
-    else:
-        click.echo(report.format_table(result))
-    if plot is not None:
-        click.echo(f"plot: {shown_path(report.plot(result, plot))}", err=as_json)
+    written = None if plot is None else report.plot(result, plot, inputs)  # before stdout: a failed plot prints nothing
+    _emit(json.dumps(_finite(result), indent=2, ensure_ascii=False) if as_json else report.format_table(result))
+    if written is not None:
+        click.echo(f"plot: {shown_path(written)}", err=as_json)
 
 
 def _model_config(attention: str, prefill: dict[str, Any]) -> ModelConfig:
@@ -119,6 +140,81 @@ def _model_config(attention: str, prefill: dict[str, Any]) -> ModelConfig:
     values = {"compute_dtype": "float32", "attention": "einsum" if attention == "dense" else "flexprefill",
               **{o.flag[2:]: prefill[o.name] for o in _PREFILL}}
     return from_mapping(ModelConfig, values, "upcycle eval", flags=True, fix="see `upcycle eval --help`")
+
+
+def _given(ctx: click.Context) -> set[str]:
+    """The parameters the user gave on the command line (not defaults)."""
+    return {name for name in ctx.params
+            if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)}
+
+
+def _check_paths(paths: dict[str, Path | None]) -> None:
+    """Refuse a path the system cannot even look up (a name longer than the filesystem allows, a
+    component that cannot be searched); missing paths and symlink loops are left to the readers' messages."""
+    import errno
+
+    for what, path in paths.items():
+        if path is None:
+            continue
+        try:
+            os.stat(path)
+        except OSError as err:
+            if err.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                raise UpcyclerError(f"{shown_path(path)}: {what} cannot be looked up ({err.strerror}); pass "
+                                    "a shorter or accessible path") from None
+
+
+def _check_prefill(attention: str, vs_attention: str | None, cfg: ModelConfig, given: set[str]) -> None:
+    """Refuse --prefill-* options that nothing uses (dense attention on both sides) or that contradict."""
+    if "flexprefill" not in (attention, vs_attention):
+        for opt in _PREFILL:
+            if opt.name in given:
+                raise UpcyclerError(f"{opt.flag}: only FlexPrefill attention reads it; add --attention "
+                                    f"flexprefill (or --vs-attention flexprefill) or drop {opt.flag}")
+    if 0 < cfg.prefill_max_budget < cfg.prefill_min_budget:
+        raise UpcyclerError(f"--prefill-max-budget: {cfg.prefill_max_budget:,} tokens is below "
+                            f"--prefill-min-budget ({cfg.prefill_min_budget:,}); raise it, lower "
+                            "--prefill-min-budget, or pass 0 for no limit")
+
+
+def _check_vocabulary(items: list, models: list[tuple[Path, Any]], source: str) -> None:
+    """Refuse token ids that a model has no embedding for (a tokenizer larger than the model's vocabulary);
+    `source` starts the message ("DIR: holds", "TOKENIZER: gives")."""
+    top = max(max(int(it.ids.max()), -1 if it.answer is None or not len(it.answer) else int(it.answer.max()))
+              for it in items)
+    for path, spec in models:
+        if top >= spec.vocab_size:
+            raise UpcyclerError(f"{source} token id {top:,}, beyond the vocabulary of "
+                                f"{shown_path(path)} ({spec.vocab_size:,} tokens, its vocab_size); "
+                                "use the model's own tokenizer or remove the prompts with added tokens")
+
+
+MAX_KEPT_BYTES = 2 * 1024**3  # last-token distributions held to compare two models (--vs)
+
+
+def _check_kept(count: int, models: list[tuple[Path, Any]]) -> None:
+    """Refuse a --vs run whose last-token distributions (both models', float32) would exceed `MAX_KEPT_BYTES`."""
+    from upcycler.spec import LIMITS_ENV, limits_on
+
+    size = count * sum(spec.vocab_size for _, spec in models) * 4
+    if size > MAX_KEPT_BYTES and limits_on():
+        raise UpcyclerError(f"--vs: comparing {count:,} prompts keeps their last-token distributions "
+                            f"({size / 1024**3:,.1f} GiB), more than the limit of {MAX_KEPT_BYTES / 1024**3:g} "
+                            f"GiB; pass fewer prompts (or set {LIMITS_ENV}=off)")
+
+
+def _emit(text: str) -> None:
+    """`text` on stdout; a stdout that cannot take it (a full disk, /dev/full) is one error line."""
+    try:
+        click.echo(text)
+        sys.stdout.flush()
+    except OSError as err:
+        try:  # what is still buffered would fail again at exit, with a traceback-like warning
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            pass
+        raise UpcyclerError(f"stdout: cannot write the result ({err.strerror or err}); redirect it to a "
+                            "file on a disk with room") from None
 
 
 def _check_options(task: str, file: Path | None, lengths: str | None, per_length: int, seed: int,

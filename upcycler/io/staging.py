@@ -231,6 +231,9 @@ def staged_files(
     """
     if out.exists() and not out.is_dir():
         raise UpcyclerError(f"{shown_path(out)}: exists and is not a directory; choose another {option}")
+    if out.is_symlink() and not out.exists():
+        raise UpcyclerError(f"{shown_path(out)}: a symlink that leads nowhere (dangling, or a loop); remove it "
+                            f"or choose another {option}")
     existed = out.is_dir()
     created = [] if existed else _make_parents(out.parent, option)
     reclaim_leftovers(out)
@@ -288,6 +291,10 @@ def _publish(stage: Path, out: Path, is_marker: Callable[[str], bool], option: s
             os.rename(stage, out)
             return
         names = sorted(os.listdir(stage), key=lambda name: (is_marker(name), name))
+        for name in names:  # refused before anything moves: a partial set would look finished
+            if (out / name).is_dir() and not (out / name).is_symlink():
+                raise UpcyclerError(f"{shown_path(out / name)}: is a directory, where this writes a file; "
+                                    f"remove it or choose another {option}")
         for name in names:
             if is_marker(name):
                 (out / name).unlink(missing_ok=True)
