@@ -328,6 +328,17 @@ def check(config: TrainConfig, origin: str = "config") -> None:
             f"{origin}: model.comm_dtype {config.model.comm_dtype} compresses the expert-parallel combine; "
             "set model.moe_dispatch to all_to_all or all_gather, or model.comm_dtype to fp32"
         )
+    if config.mesh.expert == 1 and config.model.moe_dispatch == "all_to_all":
+        raise UpcyclerError(
+            f"{origin}: model.moe_dispatch all_to_all sends tokens to the devices of mesh.expert, which is 1 "
+            "(nothing to exchange); set mesh.expert to the number of devices that split the experts (or -1), "
+            "or model.moe_dispatch to gspmd"
+        )
+    if config.mesh.expert == 1 and config.model.comm_dtype != "fp32":
+        raise UpcyclerError(
+            f"{origin}: model.comm_dtype {config.model.comm_dtype} compresses the exchange over mesh.expert, "
+            "which is 1 (it would only round); set mesh.expert above 1 (or -1), or model.comm_dtype to fp32"
+        )
     if config.model.moe_chunks > 1 and config.model.moe_dispatch != "all_gather":
         raise UpcyclerError(
             f"{origin}: model.moe_chunks {config.model.moe_chunks} applies to the all_gather dispatch; set "
@@ -338,6 +349,12 @@ def check(config: TrainConfig, origin: str = "config") -> None:
             f"{origin}: loss.bias_update is frozen but loss.bias_update_rate is {config.loss.bias_update_rate}; "
             "set the rate to 0 to keep the bias fixed, or bias_update to on"
         )
+    spike = config.loss.spike
+    if spike is not None and spike.action == "rewind" and spike.average > config.checkpoint.keep:
+        raise UpcyclerError(
+            f"{origin}: loss.spike.average {spike.average} checkpoints can never be averaged: checkpoint.keep "
+            f"is {config.checkpoint.keep}; lower loss.spike.average or raise checkpoint.keep"
+        )
     _check_trainable(config.optimizer.trainable, origin)
     _check_distributed(config.distributed, origin)
 
@@ -346,6 +363,11 @@ def _check_trainable(trainable: str, origin: str) -> None:
     """`optimizer.trainable` is all, new_layers or a regular expression that compiles."""
     if trainable in ("all", "new_layers"):
         return
+    if not trainable.strip():
+        raise UpcyclerError(
+            f"{origin}: optimizer.trainable is {describe(trainable)}, a pattern found in every name; write all, "
+            "new_layers or a regular expression"
+        )
     try:
         re.compile(trainable)
     except re.error as err:

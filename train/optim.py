@@ -27,7 +27,6 @@ the result back, so a frozen row never changes by a bit and a leaf with no train
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -37,12 +36,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from upcycler.errors import UpcyclerError
-from upcycler.io.manifest import new_layers
 from upcycler.spec import ModelSpec
 from upcycler.train.config import OptimizerConfig
 from upcycler.train.model.params import ParamInfo, Params, declare_tree
-from upcycler.untrusted import describe
+from upcycler.train.trainable import new_layer_set, nothing_matches, search
 
 Schedule = Callable[[Any], jax.Array]
 
@@ -108,11 +105,12 @@ def trainable_rows(o: OptimizerConfig, spec: ModelSpec, lineage: Sequence[Mappin
     if o.trainable == "all":
         return None
     if o.trainable == "new_layers":
-        layers = _new_layers(spec, lineage)
+        layers = new_layer_set(spec, lineage)
         trains = lambda name: _layer(name) in layers
-    else:
-        pattern = re.compile(o.trainable)
-        trains = lambda name: pattern.search(name) is not None
+    else:  # every name searched once, within a time bound (a backtracking pattern is refused, not hung on)
+        names = [name for info in jax.tree.leaves(declare_tree(spec), is_leaf=_is_info) for name in info.names]
+        found = dict(zip(names, search(o.trainable, names)))
+        trains = found.__getitem__
 
     def rows(info: ParamInfo) -> np.ndarray:
         kept = np.array([trains(name) and not info.is_buffer for name in info.names], bool)
@@ -120,26 +118,8 @@ def trainable_rows(o: OptimizerConfig, spec: ModelSpec, lineage: Sequence[Mappin
 
     out = jax.tree.map(rows, declare_tree(spec), is_leaf=_is_info)
     if not any(r.any() for r in jax.tree.leaves(out)):
-        raise UpcyclerError(f"optimizer.trainable {describe(o.trainable)} matches no trainable tensor of the "
-                            "model; fix the pattern (it is searched in canonical names such as "
-                            "layers.3.attn.q_proj, embed, final_norm)")
+        raise nothing_matches(o.trainable)
     return out
-
-
-def _new_layers(spec: ModelSpec, lineage: Sequence[Mapping[str, Any]]) -> frozenset[int]:
-    layers = new_layers(lineage)
-    fix = ("grow the model with `upcycle depth` (which records them), or name the tensors to train with a "
-           "regex, e.g. optimizer.trainable: '^layers\\.(4|9)\\.'")
-    if layers is None:
-        raise UpcyclerError("optimizer.trainable new_layers: the init checkpoint's lineage (upcycler.json) records "
-                            f"no depth growth with its new layers; {fix}")
-    if not layers:
-        raise UpcyclerError("optimizer.trainable new_layers: the depth growth in the init checkpoint's lineage "
-                            f"added no layer; {fix}")
-    if any(j >= spec.num_layers for j in layers):
-        raise UpcyclerError(f"optimizer.trainable new_layers: the lineage's new layers {list(layers)} are not all "
-                            f"among the model's {spec.num_layers} layers; {fix}")
-    return frozenset(layers)
 
 
 def _layer(name: str) -> int | None:

@@ -20,9 +20,10 @@ from upcycler.io.checkpoint import Checkpoint
 from upcycler.io.hashing import sha256_file
 from upcycler.io.staging import overlap
 from upcycler.spec import ModelSpec
+from upcycler.train import trainable
 from upcycler.train.config import TrainConfig
 from upcycler.train.data.sources import open_source
-from upcycler.train.init_merge import plan_init_merge
+from upcycler.train.init_merge import parse_init_merge, plan_init_merge
 from upcycler.untrusted import shown_path
 
 
@@ -80,10 +81,29 @@ def prepare(config: TrainConfig, resume: bool) -> RunInputs:
     merged = None
     if config.model.init_from_merge is not None and not resume:
         merged = plan_init_merge(config.model.init_from_merge, init.spec)
-        for source in merged.inputs:
+        for source in (*merged.inputs, *parse_init_merge(config.model.init_from_merge)[0]):
             refuse_overlap(config.run_dir, source, "model.init_from_merge")
     lineage = tuple((merged or init).lineage)
+    trainable.check(config.optimizer.trainable, init.spec, lineage)  # before a run directory exists
     return RunInputs(init.spec, lineage, tokenizer.absolute(), config.model.init, merged)
+
+
+def check_spec_options(config: TrainConfig, spec: ModelSpec) -> None:
+    """The options that need an MoE model: refused for a dense one (they would silently do nothing), and
+    bias balancing, which needs a router with a selection bias to move. The trainer and
+    `upcycler.train.aot.compile` run this once the mesh is built (before a run directory exists), so the
+    mesh's own refusals (`model.moe_chunks` that do not divide the gathered tokens) come first."""
+    if spec.moe is None:
+        m = config.model
+        for option, value, default in (("moe_dispatch", m.moe_dispatch, "gspmd"),
+                                       ("grad_comm_dtype", m.grad_comm_dtype, "native")):
+            if value != default:
+                raise UpcyclerError(
+                    f"{shown_path(config.model.init)}: model.{option} {value} applies to the routed experts, "
+                    f"but this {spec.family} model is dense; set model.{option} to {default}, or start from "
+                    "an MoE checkpoint"
+                )
+    _check_balancing(config, spec)
 
 
 def _check_balancing(config: TrainConfig, spec: ModelSpec) -> None:

@@ -48,7 +48,7 @@ from upcycler.train.metrics import (
     step_record,
 )
 from upcycler.train.model.params import from_tensors
-from upcycler.train.preflight import RunInputs, prepare
+from upcycler.train.preflight import RunInputs, check_spec_options, prepare
 from upcycler.train.spike_guard import SpikeGuard
 from upcycler.train.train_step import TrainState, compile_step, global_batch, make_train_step, state_layout
 from upcycler.untrusted import shown_path
@@ -72,6 +72,7 @@ def train(config: TrainConfig, *, resume: bool = False, checked: RunInputs | Non
     mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, checked.spec,
                                microbatches=config.data.microbatches,
                                seq_len=config.data.seq_len, moe_chunks=config.model.moe_chunks)
+    check_spec_options(config, checked.spec)  # MoE options on a dense model: before the run directory
     data = make_data_iterator(config.data, jax.process_index(), jax.process_count())
     run = None
     try:

@@ -10,8 +10,8 @@ from upcycler.untrusted import describe
 _SIZE = re.compile(r"^\s*(\d{1,15}(?:\.\d{1,9})?)\s*([KMGT]?)(i?)B?\s*$", re.IGNORECASE)
 
 
-def parse_size(text: str | int, what: str = "size") -> int:
-    """'5GB' -> 5e9, '512MiB' -> 512·2^20, '1000' (or 1000) -> 1000 bytes; at least one byte.
+def parse_size(text: str | int, what: str = "size", most: int | None = None) -> int:
+    """'5GB' -> 5e9, '512MiB' -> 512·2^20, '1000' (or 1000) -> 1000 bytes; at least one byte (at most `most`).
 
     `what` names the option or key in the one-line error (e.g. "--shard-size").
     """
@@ -25,6 +25,8 @@ def parse_size(text: str | int, what: str = "size") -> int:
     size = int(number * (1024 if binary else 1000) ** power)
     if size < 1:
         raise UpcyclerError(f"{what}: {describe(text)} is less than one byte; use e.g. 5GB, 500MB, 2GiB")
+    if most is not None and size > most:
+        raise UpcyclerError(f"{what}: {describe(text)} is more than the limit of {most:,} bytes; use e.g. 16GiB")
     return size
 
 

@@ -24,6 +24,7 @@ from upcycler.spec import ModelSpec
 from upcycler.train.aot import hardware, report
 from upcycler.train.aot.topology import parse_slice, tpu_devices
 from upcycler.train.config import TrainConfig
+from upcycler.train.preflight import check_spec_options
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
     mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, spec,
                                microbatches=config.data.microbatches, devices=tgt.devices,
                                seq_len=config.data.seq_len, moe_chunks=config.model.moe_chunks)
+    check_spec_options(config, spec)
     layout = state_layout(spec, config.optimizer, mesh, _lineage(config.model.init))
     batch = abstract_batch(config.data.global_batch_size, config.data.seq_len, mesh)
     step = make_train_step(spec, config.model.run_config(), config.loss, layout.tx, layout.schedule,

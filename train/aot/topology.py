@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from upcycler.errors import UpcyclerError
+from upcycler.untrusted import describe
 
+MAX_CHIPS = 1 << 14  # chips of one slice (the largest, a v5p-17920, has 8,960)
 INSTALL_HINT = "install the TPU compiler with: pip install 'upcycler[tpu]' (or pip install -e '.[tpu]')"
 
 # generation -> (libtpu's name, cores per chip, dims of its torus/mesh)
@@ -54,15 +56,17 @@ class Slice:
 
 
 def parse_slice(name: str) -> Slice:
-    """`v5e-256` or `v5e:16x16` as a `Slice`; raises `UpcyclerError` naming the accepted forms."""
+    """`v5e-256` or `v5e:16x16` as a `Slice`; raises `UpcyclerError` naming the accepted forms, or the
+    limit of `MAX_CHIPS` chips (no slice is larger; a bigger number would only make libtpu build it)."""
     text = name.strip().lower().replace("litepod", "e")  # Cloud TPU's accelerator type: v5litepod-16
-    if m := re.fullmatch(r"(v\d+[a-z]?):(\d+(?:x\d+)*)", text):
+    if m := re.fullmatch(r"(v\d{1,3}[a-z]?):(\d{1,6}(?:x\d{1,6}){0,3})", text):
         generation, shape = m.group(1), tuple(int(s) for s in m.group(2).split("x"))
         if generation in GENERATIONS and len(shape) == GENERATIONS[generation][2] and min(shape) > 0:
-            return Slice(generation, _prod(shape), shape)
-    elif m := re.fullmatch(r"(v\d+[a-z]?)-(\d+)", text):
+            return Slice(generation, _at_most(name, _prod(shape)), shape)
+    elif m := re.fullmatch(r"(v\d{1,3}[a-z]?)-(\d{1,9})", text):
         generation, count = m.group(1), int(m.group(2))
         if generation in GENERATIONS and count > 0:
+            _at_most(name, count // GENERATIONS[generation][1])
             cores = GENERATIONS[generation][1]
             if count % cores == 0:
                 shape = _grid(count // cores, GENERATIONS[generation][2])
@@ -70,9 +74,17 @@ def parse_slice(name: str) -> Slice:
                     return Slice(generation, count // cores, shape)
     known = ", ".join(GENERATIONS)
     raise UpcyclerError(
-        f"--topology {name!r}: not a TPU slice; write GENERATION-COUNT (v5e-256, v5p-128, v6e-256) or "
-        f"libtpu's GENERATION:AxB[xC] (v5e:16x16), with a generation among {known} and a power-of-two count"
+        f"--topology {describe(name)}: not a TPU slice; write GENERATION-COUNT (v5e-256, v5p-128, v6e-256) or "
+        f"libtpu's GENERATION:AxB[xC] (v5e:16x16), with a generation among {known} and a power-of-two count "
+        f"of at most {MAX_CHIPS:,} chips"
     )
+
+
+def _at_most(name: str, chips: int) -> int:
+    if chips > MAX_CHIPS:
+        raise UpcyclerError(f"--topology {describe(name)}: {chips:,} chips is more than the limit of "
+                            f"{MAX_CHIPS:,} chips of one slice; name a real slice size, e.g. v5e-256 or v5p-128")
+    return chips
 
 
 def _prod(shape: tuple[int, ...]) -> int:

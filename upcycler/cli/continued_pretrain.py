@@ -24,9 +24,11 @@ import click
 from upcycler.cli.transforms import click_option
 from upcycler.errors import UpcyclerError
 from upcycler.schema import options
+from upcycler.train.aot.topology import parse_slice
 from upcycler.train.config import DistributedConfig, MetricsConfig, ModelSection, TrainConfig, load_config
 from upcycler.units import parse_size
 
+MAX_HBM_BUDGET = 1 << 50  # --hbm-budget: 1 PiB per device, far beyond any accelerator
 FLAG_SECTIONS = {"": TrainConfig, "model": ModelSection, "distributed": DistributedConfig, "metrics": MetricsConfig}
 
 
@@ -102,7 +104,9 @@ def _compile_only(config: TrainConfig, compile_only: bool, topology: str | None,
     """Print the compile-only report; exit 1 when the step does not fit the device's memory."""
     if not compile_only:
         raise UpcyclerError("--topology, --hbm-budget and --json belong to --compile-only; add --compile-only")
-    budget = parse_size(hbm_budget, "--hbm-budget") if hbm_budget is not None else None
+    budget = parse_size(hbm_budget, "--hbm-budget", most=MAX_HBM_BUDGET) if hbm_budget is not None else None
+    if topology is not None:
+        parse_slice(topology)  # a bad name fails here, before JAX starts
     from upcycler.train.aot.compile import compile_only as run
 
     report = run(config, topology=topology, hbm_budget=budget)
