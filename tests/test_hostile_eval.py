@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import assert_clean_failure, leftovers, run_cli, snapshot
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
@@ -529,6 +529,7 @@ def test_fuzz_prefill_options(env, flags, attention):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(name=st.tuples(st.text(st.characters(blacklist_characters="/\0"), min_size=1, max_size=300),
                       st.sampled_from(["", ".png", ".PNG"])).map("".join))
+@example(name="\udd00.png")  # a lone surrogate: os.lstat raises UnicodeEncodeError
 def test_fuzz_plot_names(tmp_path, name):
     """Any file name for --plot: a path or one `UpcyclerError`, and the directory stays empty."""
     from upcycler.train import long_eval_report as report

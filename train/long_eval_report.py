@@ -212,6 +212,9 @@ def check_plot_path(path: Path, task: str, inputs: Sequence[Path] = ()) -> Path:
     except OSError as err:
         raise UpcyclerError(f"{shown_path(path)}: cannot write --plot there ({err.strerror}); choose another "
                             "path") from None
+    except ValueError:  # a NUL byte, or a lone surrogate that no file name can hold
+        raise UpcyclerError(f"{shown_path(path)}: --plot is not a file name this system can hold; choose "
+                            "another path") from None
     if path.is_dir():
         raise UpcyclerError(f"{shown_path(path)}: --plot is a directory; pass a file name such as eval.png")
     if path.suffix.lower() != ".png":
