@@ -45,11 +45,6 @@ GOOD_STEP = {"step": 0, "loss": 5.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s
              "expert_load": [[0.5, 0.5], [0.25, 0.75]]}
 
 
-@pytest.fixture(scope="module")
-def ws(tmp_path_factory):
-    return F.workspace(tmp_path_factory.mktemp("trainer"))
-
-
 @pytest.fixture
 def locked(tmp_path):
     """A directory in which nothing can be created (root ignores modes: /sys refuses it even root)."""

@@ -40,9 +40,10 @@ FUZZ = settings(max_examples=100, deadline=None,
 
 
 @pytest.fixture(scope="module")
-def ws(tmp_path_factory):
-    """The shared trainer workspace, plus a finished 4-step run (checkpoints 2 and 4) to average from."""
-    ws = dict(F.workspace(tmp_path_factory.mktemp("trainer")))
+def ws(ws, tmp_path_factory):
+    """The shared trainer workspace (conftest's `ws`), plus a finished 4-step run (checkpoints 2 and 4) to
+    average from."""
+    ws = dict(ws)
     src = tmp_path_factory.mktemp("source")
     cfg = F.write_config(src / "train.yaml", F.config_dict(src, ws["dense"], ws["data"], steps=4,
                                                            **{"checkpoint.async": False}))
