@@ -80,10 +80,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from upcycler.errors import UpcyclerError
-from upcycler.train import sharding
 from upcycler.train.aot import collectives
 from upcycler.train.aot.compile import compile_only, target
 from upcycler.train.config import ModelConfig, load_config
+from upcycler.train.loop import sharding
 from upcycler.train.model import expert_parallel, moe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -291,7 +291,7 @@ def layer_and_grads(cfg: ModelConfig):
 
     def loss(x, logits, w_gu, w_down, probe):
         routing = moe.route(logits, CPU_SHAPE["top_k"], "renormalized")
-        y = expert_parallel.moe_layer(x, w_gu, w_down, routing, cfg)
+        y = expert_parallel.moe_layer(x, w_gu, w_down, routing, cfg, sharding.PLACEMENT)
         return jnp.sum(y.astype(jnp.float32) * probe), y
 
     grad = jax.value_and_grad(loss, argnums=(0, 2, 3), has_aux=True)

@@ -9,7 +9,7 @@ The model is a Hugging Face checkpoint directory (`--model`; default: the bf16 S
 `real_model` tests build in `$UPCYCLER_TEST_CACHE`, default `~/.cache/upcycler-tests`; run
 `pytest -m real_model` once to build it). Its weights run in fp32 (`ModelConfig().compute_dtype`) at the
 highest matmul precision, as `upcycle eval` runs them. The prompt of every length N is a needle prompt of
-exactly N tokens (`upcycler.train.long_eval.needle_items`, seed 0: a passkey sentence in shuffled documents
+exactly N tokens (`upcycler.train.evaluation.long_eval.needle_items`, seed 0: a passkey sentence in shuffled documents
 of the bundled prose corpus, repeated as needed, then the question), tokenised with MODEL/tokenizer.json.
 
 For each length, one JSON line with:
@@ -55,16 +55,16 @@ from common import time_round_robin
 
 from upcycler.cli.demo import demo_assets
 from upcycler.errors import UpcyclerError
-from upcycler.train import long_eval
 from upcycler.train.config import ModelConfig
 from upcycler.train.data.readers import read_documents
+from upcycler.train.evaluation import long_eval
+from upcycler.train.evaluation.prefill import PrefillModel
 from upcycler.train.model.flexprefill import (
     FlexPrefillOptions,
     causal_attention_jit,
     flexprefill_attention,
     select_blocks_jit,
 )
-from upcycler.train.prefill import PrefillModel
 
 REAL_MODEL = "smollm2-135m-instruct-bf16"  # the directory tests/real_model.py `smollm2()` builds
 END_TO_END_MAX = 16 * 1024  # longest length whose end-to-end prefill runs without --end-to-end-all

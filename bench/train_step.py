@@ -9,7 +9,7 @@ optimiser) and timed over `--steps` steps after a warm-up step. The peak is meas
 before every timed step (the best of three large fp32 matmuls, `--peak-size`), so a machine shared with
 other work is compared with itself under the same load: `mfu` is the median over steps of
 (model FLOPs / step time) / that step's peak; `mfu_best_peak` divides the median step by the best peak
-seen. Model FLOPs are the trainer's analytical count (`upcycler.train.metrics.flops_per_token`: 6 × active
+seen. Model FLOPs are the trainer's analytical count (`upcycler.train.reporting.metrics.flops_per_token`: 6 × active
 matmul parameters plus causal attention), so the one-hot path's wasted expert FLOPs are not useful work.
 
 Prints one JSON line.
@@ -28,12 +28,12 @@ import numpy as np
 
 from upcycler.spec import ModelSpec, MoESpec
 from upcycler.train import model as model_lib
-from upcycler.train import sharding
 from upcycler.train.config import LossConfig, OptimizerConfig
-from upcycler.train.metrics import flops_per_token
+from upcycler.train.loop import sharding
+from upcycler.train.loop.optim import make_optimizer, opt_state_shardings
+from upcycler.train.loop.train_step import TrainState, compile_step, global_batch, make_train_step
 from upcycler.train.model.params import init_params
-from upcycler.train.optim import make_optimizer, opt_state_shardings
-from upcycler.train.train_step import TrainState, compile_step, global_batch, make_train_step
+from upcycler.train.reporting.metrics import flops_per_token
 
 
 def bench_spec(small: bool) -> ModelSpec:

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from upcycler.train import sharding
 from upcycler.train.config import ModelConfig
+from upcycler.train.loop import sharding
 from upcycler.train.model import expert_parallel, moe
 
 T, D, F, E = 64, 16, 24, 8
@@ -40,7 +40,7 @@ def routing_case(name: str, top_k: int, key) -> tuple[jax.Array, jax.Array]:
 def layer_and_grads(cfg: ModelConfig, x, logits, w_gu, w_down, probe, top_k):
     def loss(x, logits, w_gu, w_down):
         routing = moe.route(logits, top_k, "renormalized")
-        y = expert_parallel.moe_layer(x, w_gu, w_down, routing, cfg)
+        y = expert_parallel.moe_layer(x, w_gu, w_down, routing, cfg, sharding.PLACEMENT)
         return jnp.sum(y.astype(jnp.float32) * probe), y
 
     (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(x, logits, w_gu, w_down)

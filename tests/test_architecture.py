@@ -2,13 +2,19 @@
 
 Every module of the package (`upcycler/`, plus `train/` and `transforms/` installed as
 `upcycler.train` and `upcycler.transforms`) is parsed with `ast`; every import counts, also the ones
-inside functions. The layers, lowest first:
+inside functions, and so does what an import sets off: importing `a.b.c` first runs `a/__init__.py` and
+`a/b/__init__.py`, so a module that imports `a.b.c` from outside `a.b` depends on the package `a.b` too
+(a package's own modules have it initialised already). The layers, lowest first:
 
     core        spec, layout, tensors, errors, untrusted, units, schema
     adapters    families, io
     operations  transforms, merge, summary, hub, model_card
     trainer     train, verify (runs checkpoints through the JAX model)
     app         cli (imports everything; nothing imports it)
+
+Inside the trainer, its rooms (`ROOMS`), lowest first: config and data; the model; what rides on the
+loop (techniques) and evaluation; reporting; the loop; aot (compiles the loop's step). A room imports
+its own modules and the rooms below it, and the model imports none of the code that knows the mesh.
 """
 
 from __future__ import annotations
@@ -68,13 +74,36 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
     return out
 
 
-def graph() -> dict[str, set[str]]:
+def ancestors(module: str) -> list[str]:
+    """The packages importing `module` initialises first: `a`, `a.b` for `a.b.c`."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def graph(package_init: bool = True) -> dict[str, set[str]]:
+    """Module -> the modules it imports. With `package_init`, also the packages an import initialises
+    that the importer's own packages have not (see the module docstring)."""
     found = modules()
     known = set(found)
     edges = {name: imports(name, path, known) for name, path in found.items()}
     for name, targets in edges.items():  # `from pkg import sub` also names pkg: keep the most specific target
         edges[name] = {t for t in targets if not any(o.startswith(t + ".") for o in targets)}
+    if package_init:
+        for name, targets in edges.items():
+            own = set(ancestors(name)) | {name}
+            edges[name] = targets | {p for t in targets for p in ancestors(t) if p in known and p not in own}
     return edges
+
+
+def reachable(edges: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for target in edges.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
 
 
 def layer(module: str) -> int:
@@ -123,13 +152,75 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_walk_sees_the_whole_package():
     edges = graph()
-    assert {"upcycler.spec", "upcycler.io", "upcycler.train.trainer", "upcycler.transforms.pipeline",
+    assert {"upcycler.spec", "upcycler.io", "upcycler.train.loop.trainer", "upcycler.transforms.pipeline",
             "upcycler.cli"} <= set(edges)
     assert "upcycler.io.checkpoint" in edges["upcycler.io.hf_read"]
 
 
 def test_no_import_cycle():
     assert cycles(graph()) == []
+
+
+def test_a_cycle_through_a_package_initialisation_is_seen():
+    """`model/__init__` imports `transformer`; were `transformer` to import a module that imports
+    `model.params`, the cycle runs through the package's initialisation, not through any module's own
+    import list: only the package edges see it."""
+    edges = graph()
+    edges["upcycler.train.model.transformer"] = edges["upcycler.train.model.transformer"] | {"upcycler.train.loop.sharding"}
+    assert edges["upcycler.train.loop.sharding"] >= {"upcycler.train.model.params", "upcycler.train.model"}
+    assert any({"upcycler.train.model", "upcycler.train.loop.sharding"} <= set(c) for c in cycles(edges))
+    without = graph(package_init=False)
+    without["upcycler.train.model.transformer"] |= {"upcycler.train.loop.sharding"}
+    assert cycles(without) == []  # what the walk saw before it counted package initialisation
+
+
+ROOMS = [  # (rank, room, packages): a room imports itself and the rooms of a lower rank
+    (0, "configuration and data", ("upcycler.train.config", "upcycler.train.data")),
+    (1, "model", ("upcycler.train.model",)),
+    (2, "techniques", ("upcycler.train.techniques",)),
+    (2, "evaluation", ("upcycler.train.evaluation",)),
+    (3, "reporting", ("upcycler.train.reporting",)),
+    (4, "loop", ("upcycler.train.loop",)),
+    (5, "compile-only", ("upcycler.train.aot",)),
+]
+MESH_CODE = ("upcycler.train.loop.sharding", "upcycler.train.loop.mesh")
+
+
+def room(module: str) -> tuple[int, str] | None:
+    """(rank, name) of the trainer room `module` lives in; None outside the trainer's rooms."""
+    for rank, name, prefixes in ROOMS:
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank, name
+    return None
+
+
+def test_every_trainer_module_has_a_room():
+    homeless = sorted(m for m in graph() if m.startswith("upcycler.train.") and room(m) is None)
+    assert homeless == []
+    top_level = sorted(p.name for p in PACKAGES["upcycler.train"].glob("*.py") if p.name != "__init__.py")
+    assert top_level == ["config.py"]  # every other module lives in the room of its concern
+
+
+def test_trainer_rooms_import_only_their_own_and_lower_rooms():
+    """Techniques and evaluation share a rank but not their modules: a technique does not evaluate, and
+    evaluating a checkpoint needs no technique."""
+    wrong = []
+    for m, targets in graph().items():
+        here = room(m)
+        for t in targets:
+            there = room(t)
+            if here and there and there[1] != here[1] and there[0] >= here[0]:
+                wrong.append(f"{m} -> {t}")
+    assert sorted(wrong) == []
+
+
+def test_the_model_imports_no_mesh_code():
+    """The model declares logical axes and is placed from outside (`model.placement`): nothing it
+    imports, directly or through another module, is the code that builds or maps the mesh."""
+    edges = graph()
+    offenders = sorted(f"{m} -> {sorted(reachable(edges, m) & set(MESH_CODE))}" for m in edges
+                       if m.startswith("upcycler.train.model") and reachable(edges, m) & set(MESH_CODE))
+    assert offenders == []
 
 
 def test_no_module_outside_the_cli_imports_the_cli():

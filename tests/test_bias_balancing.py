@@ -19,7 +19,7 @@ from upcycler.io import read_checkpoint, write_checkpoint
 from upcycler.io.safetensors_file import read_header
 from upcycler.tensors import constant
 from upcycler.train.config import TrainConfig
-from upcycler.train.trainer import train
+from upcycler.train.loop.trainer import train
 
 SKEW = 0.3
 SOURCES = ("code", "prose", "math")

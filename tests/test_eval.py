@@ -1,6 +1,6 @@
 """`upcycle eval`: long-context checks of a checkpoint (passkey retrieval, perplexity, the user's prompts).
 
-The task builders (`upcycler.train.long_eval`) are tested without a model: exact prompt lengths, where
+The task builders (`upcycler.train.evaluation.long_eval`) are tested without a model: exact prompt lengths, where
 the needle lands, seeded determinism, the answer being exactly the tokens that follow the question. The
 command runs end to end on the bundled demo model: against itself (KL 0), against its function-preserving
 MoE upcycle (KL ~0, same top-1), perplexity against transformers' own logits on the same windows, the
@@ -20,8 +20,8 @@ from tokenizers.processors import TemplateProcessing
 
 from upcycler.cli.demo import demo_assets
 from upcycler.errors import UpcyclerError
-from upcycler.train import long_eval as le
-from upcycler.train import long_eval_report as report
+from upcycler.train.evaluation import long_eval as le
+from upcycler.train.evaluation import long_eval_report as report
 
 MODEL = demo_assets() / "model"
 

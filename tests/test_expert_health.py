@@ -1,4 +1,4 @@
-"""Expert-health statistics (`upcycler.train.expert_health`) against hand-computed values, and their
+"""Expert-health statistics (`upcycler.train.techniques.expert_health`) against hand-computed values, and their
 plot in `upcycle report`. Fast: numpy and matplotlib only, no model."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from click.testing import CliRunner
 from upcycler.cli import main
 from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec, MoESpec
-from upcycler.train.expert_health import (
+from upcycler.train.reporting.report import make_report
+from upcycler.train.techniques.expert_health import (
     collapsed_layers,
     layer_health,
     moe_layer_numbers,
     summary,
     worst_layer,
 )
-from upcycler.train.report import make_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -24,7 +24,7 @@ from tiny_models import logits, make_tiny, random_ids
 from upcycler.cli.demo import demo_assets
 from upcycler.io import read_checkpoint
 from upcycler.model_card import render_model_card
-from upcycler.train.layerwise import logits_of
+from upcycler.train.evaluation.layerwise import logits_of
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 ARCH = {"intermediate_size": 128, "num_hidden_layers": 3}

@@ -28,7 +28,7 @@ from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 from upcycler.cli import main
 from upcycler.cli.demo import demo_assets
 from upcycler.errors import UpcyclerError
-from upcycler.train import long_eval as le
+from upcycler.train.evaluation import long_eval as le
 
 DEMO = demo_assets() / "model"
 SECONDS = 20  # every in-process refusal, including its JAX-free checks; most take well under a second
@@ -421,7 +421,7 @@ def test_a_plot_that_fails_mid_write_leaves_nothing(tmp_path, monkeypatch, failu
     """A full disk or Ctrl-C while the PNG is written: no staging file and no plot stay behind."""
     from matplotlib.figure import Figure
 
-    from upcycler.train import long_eval_report as report
+    from upcycler.train.evaluation import long_eval_report as report
 
     def half_written(self, fname, **kwargs):
         Path(fname).write_bytes(b"\x89PNG half")
@@ -532,7 +532,7 @@ def test_fuzz_prefill_options(env, flags, attention):
 @example(name="\udd00.png")  # a lone surrogate: os.lstat raises UnicodeEncodeError
 def test_fuzz_plot_names(tmp_path, name):
     """Any file name for --plot: a path or one `UpcyclerError`, and the directory stays empty."""
-    from upcycler.train import long_eval_report as report
+    from upcycler.train.evaluation import long_eval_report as report
 
     folder = tmp_path / "plots"
     folder.mkdir(exist_ok=True)

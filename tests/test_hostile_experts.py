@@ -238,7 +238,7 @@ def refused(world, tmp_path, args: list[str], mentions: str | tuple[str, ...], *
     argv, inputs = resolve(world, tmp_path, ["dense-to-moe", *args])
     before = state(*inputs)
     if heap:
-        import upcycler.train.calibration  # noqa: F401  (JAX's import is not the command's heap)
+        import upcycler.train.evaluation.calibration  # noqa: F401  (JAX's import is not the command's heap)
 
         tracemalloc.start()
     try:

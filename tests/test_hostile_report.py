@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from upcycler.cli import main
 from upcycler.errors import UpcyclerError
-from upcycler.train.metrics import parse_metrics_line, read_metrics
+from upcycler.train.reporting.metrics import parse_metrics_line, read_metrics
 from upcycler.untrusted import MAX_JSON_BYTES
 
 SECONDS = 20  # every refusal here is expected in well under a second

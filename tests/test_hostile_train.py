@@ -31,7 +31,7 @@ from upcycler.errors import UpcyclerError
 from upcycler.train.config import TrainConfig, load_config
 from upcycler.train.data.readers import jsonl_record
 from upcycler.train.data.sources import open_source
-from upcycler.train.metrics import parse_metrics_line, read_metrics
+from upcycler.train.reporting.metrics import parse_metrics_line, read_metrics
 
 FUZZ = settings(max_examples=120, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -32,7 +32,7 @@ from upcycler.cli import main
 from upcycler.errors import UpcyclerError
 from upcycler.train.aot.topology import MAX_CHIPS, parse_slice
 from upcycler.train.config import TrainConfig, load_config
-from upcycler.train.init_merge import parse_init_merge
+from upcycler.train.techniques.init_merge import parse_init_merge
 
 SECONDS = 10  # per refused case, in-process (a hang or a runaway search fails the test)
 FUZZ = settings(max_examples=100, deadline=None,
@@ -351,7 +351,7 @@ def test_trainable_pattern_is_bounded_or_one_error(pattern):
     path_cfg["optimizer"]["trainable"] = pattern
     if _parse_or_refuse(lambda: TrainConfig.from_dict(path_cfg, "train.yaml")) is None:
         return
-    from upcycler.train import trainable
+    from upcycler.train.loop import trainable
 
     _parse_or_refuse(lambda: trainable.check(pattern, F.tiny_spec(moe=True)))
     assert time.monotonic() - started < 5

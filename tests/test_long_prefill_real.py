@@ -21,9 +21,9 @@ import pytest
 from real_model import smollm2
 
 from upcycler.cli.demo import demo_assets
-from upcycler.train import long_eval as le
 from upcycler.train.config import ModelConfig
-from upcycler.train.prefill import PrefillModel
+from upcycler.train.evaluation import long_eval as le
+from upcycler.train.evaluation.prefill import PrefillModel
 
 pytestmark = pytest.mark.real_model
 PROMPTS = int(os.environ.get("UPCYCLER_NEEDLE_PROMPTS", "2"))

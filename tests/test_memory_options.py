@@ -18,9 +18,9 @@ import pytest
 from trainer_fixtures import VOCAB, tiny_spec
 
 from upcycler.train.config import LossConfig, ModelConfig
+from upcycler.train.loop.train_step import TrainState, make_train_step
 from upcycler.train.model import forward
 from upcycler.train.model.params import init_params
-from upcycler.train.train_step import TrainState, make_train_step
 
 B, L = 8, 16
 FP32 = {"rtol": 2e-5, "atol": 2e-6}

@@ -21,9 +21,9 @@ from tiny_models import load_model, logits, make_tiny, random_ids
 
 from upcycler.io import read_checkpoint
 from upcycler.layout import declare_params
+from upcycler.train.loop.sharding import logical_to_spec
 from upcycler.train.model import ModelConfig, forward, forward_jit
 from upcycler.train.model import params as P
-from upcycler.train.sharding import logical_to_spec
 
 TOL = 1e-4
 BATCH, LENGTH = 2, 64
@@ -315,7 +315,7 @@ _SHARDED = """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
 from upcycler.io import read_checkpoint
-from upcycler.train import sharding as S
+from upcycler.train.loop import sharding as S
 from upcycler.train.model import params as P
 from upcycler.train.model import forward_jit
 
@@ -326,7 +326,7 @@ shardings = S.param_shardings(ckpt.spec, mesh)
 params = P.from_tensors(ckpt.spec, ckpt.tensors, shardings=shardings)
 gate = params["layers"]["moe"]["moe"]["experts"]["gate_proj"]
 with jax.set_mesh(mesh):
-    out, aux = forward_jit(params, jax.device_put(ids, S.batch_sharding(mesh)), ckpt.spec)
+    out, aux = forward_jit(params, jax.device_put(ids, S.batch_sharding(mesh)), ckpt.spec, placement=S.PLACEMENT)
 np.save(sys.argv[3], np.asarray(out))
 print(json.dumps({"gate": list(gate.sharding.spec), "shards": len(gate.addressable_shards),
                   "shard_shape": list(gate.addressable_shards[0].data.shape)}))

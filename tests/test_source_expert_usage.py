@@ -19,12 +19,12 @@ import trainer_fixtures as F
 from upcycler.errors import UpcyclerError
 from upcycler.train.config import LossConfig, ModelConfig, TrainConfig
 from upcycler.train.data.mix import make_data_iterator
-from upcycler.train.metrics import read_metrics, step_record
+from upcycler.train.loop.train_step import TrainState, make_train_step
+from upcycler.train.loop.trainer import train
 from upcycler.train.model import hidden_states
 from upcycler.train.model.params import init_params
-from upcycler.train.report import make_report, usage_layers
-from upcycler.train.train_step import TrainState, make_train_step
-from upcycler.train.trainer import train
+from upcycler.train.reporting.metrics import read_metrics, step_record
+from upcycler.train.reporting.report import make_report, usage_layers
 
 PNG = b"\x89PNG\r\n\x1a\n"
 B, L = 8, 16
@@ -113,7 +113,7 @@ def _start(path, devices: int):
 
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
     code = ("import sys; from upcycler.train.config import load_config; "
-            "from upcycler.train.trainer import train; train(load_config(sys.argv[1]))")
+            "from upcycler.train.loop.trainer import train; train(load_config(sys.argv[1]))")
     return subprocess.Popen([sys.executable, "-c", code, str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 

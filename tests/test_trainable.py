@@ -17,11 +17,11 @@ from upcycler.cli import main
 from upcycler.errors import UpcyclerError
 from upcycler.io.manifest import new_layers, read_manifest
 from upcycler.spec import MoESpec
-from upcycler.train import sharding
 from upcycler.train.config import OptimizerConfig
+from upcycler.train.loop import sharding
+from upcycler.train.loop.optim import keep_trainable, make_optimizer, trainable_rows
+from upcycler.train.loop.train_step import state_layout
 from upcycler.train.model.params import init_params
-from upcycler.train.optim import keep_trainable, make_optimizer, trainable_rows
-from upcycler.train.train_step import state_layout
 
 # tiny_spec(moe=True): layer 0 dense, layers 1 and 2 MoE (the "moe" stack holds them as rows 0 and 1)
 DENSE_LEAVES = ("attn.k_norm", "attn.k_proj", "attn.o_proj", "attn.q_norm", "attn.q_proj", "attn.v_proj",

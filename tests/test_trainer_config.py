@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from upcycler.cli import main
 from upcycler.errors import UpcyclerError
 from upcycler.train.config import OptimizerConfig, SchedulePhase, TrainConfig, load_config
-from upcycler.train.optim import make_schedule
+from upcycler.train.loop.optim import make_schedule
 
 
 def test_config_round_trip_and_overrides(ws, tmp_path):
@@ -107,7 +107,7 @@ def test_checkpoint_without_tokenizer_is_refused(ws, tmp_path):
     shutil.copytree(ws["dense"], bare, ignore=shutil.ignore_patterns("tokenizer*"))
     path = F.write_config(tmp_path / "train.yaml", F.config_dict(tmp_path, bare, ws["data"]))
     with pytest.raises(UpcyclerError, match="no tokenizer; set model.tokenizer"):
-        from upcycler.train.trainer import prepare
+        from upcycler.train.loop.trainer import prepare
 
         prepare(load_config(path), resume=False)
 

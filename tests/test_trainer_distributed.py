@@ -15,7 +15,7 @@ import numpy as np
 import trainer_fixtures as F
 
 from upcycler.train.config import TrainConfig
-from upcycler.train.trainer import train
+from upcycler.train.loop.trainer import train
 
 STEPS = 3
 

@@ -11,9 +11,9 @@ import time
 import numpy as np
 import trainer_fixtures as F
 
-from upcycler.train.checkpointing import committed_steps
 from upcycler.train.config import TrainConfig
-from upcycler.train.trainer import train
+from upcycler.train.loop.checkpointing import committed_steps
+from upcycler.train.loop.trainer import train
 
 STEPS, EVERY = 120, 10
 

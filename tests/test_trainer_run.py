@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from upcycler.cli import main
 from upcycler.errors import UpcyclerError
 from upcycler.train.config import TrainConfig
-from upcycler.train.trainer import train
+from upcycler.train.loop.trainer import train
 
 
 def config(tmp, init, ws, **changes) -> TrainConfig:

@@ -22,9 +22,9 @@ from upcycler.errors import UpcyclerError
 from upcycler.io import read_checkpoint
 from upcycler.tensors import constant
 from upcycler.train.config import TrainConfig
+from upcycler.train.loop.trainer import train
 from upcycler.train.model import ModelConfig, forward_jit
 from upcycler.train.model.params import from_tensors
-from upcycler.train.trainer import train
 
 
 def run(ws, root, model="dense", **changes):
@@ -206,7 +206,7 @@ SLOW_EXPORT = textwrap.dedent("""
         time.sleep(600)
         return out
     hf_write._write_shards = slow
-    from upcycler.train.checkpointing import export_hf
+    from upcycler.train.loop.checkpointing import export_hf
     export_hf(Path(sys.argv[1]), "bfloat16")
 """)
 

@@ -49,7 +49,7 @@ Schema (every section but `model` and `data` is optional; defaults shown):
 Each option is declared once, as a field below (type, default, choices, range, help); the YAML reader
 (`upcycler.schema.from_mapping`) and the `continued-pretrain` flags are derived from those fields.
 Everything here is checked without touching the disk or the devices (`load_config`); what needs them
-(files, tokenizer, device count) is checked by `upcycler.train.preflight.prepare` before anything runs.
+(files, tokenizer, device count) is checked by `upcycler.train.loop.preflight.prepare` before anything runs.
 The file and every `--set` value are parsed by `upcycler.untrusted` (size-capped, aliases and nesting
 bounded); every value is checked for its exact type and range (an integer option takes no bool, float
 or string; a float option takes no NaN or infinity), and `check` adds what involves several options,

@@ -12,7 +12,7 @@ same way). The gain `a` makes that preference `margin` logits on average over th
 rows of `--router-std` stay on top: they break the tie between the groups of one source (which would
 otherwise train identically forever), and the R experts of a virtual group still share one row.
 
-The means come from the JAX model (the `router_inputs` service, `upcycler.train.calibration`), computed on
+The means come from the JAX model (the `router_inputs` service, `upcycler.train.evaluation.calibration`), computed on
 first use, once for all layers, and shared by every layer's router.
 """
 

@@ -1,7 +1,7 @@
 """Do two checkpoints compute the same function? Probe both with the JAX model and judge the difference
 against the fp32 noise floor of the models themselves.
 
-Both are read with `read_checkpoint` (HF or Orbax) and run one layer at a time (`upcycler.train.layerwise`:
+Both are read with `read_checkpoint` (HF or Orbax) and run one layer at a time (`upcycler.train.evaluation.layerwise`:
 fp32, highest matmul precision, one layer in memory) on the same probe tokens (random ids from a seed).
 Two models whose vocabularies differ have logits that cannot be compared as a whole: that is an error
 naming both sizes, unless `shared_vocab` asks for the tokens both have (the probe draws its ids below the
@@ -87,7 +87,7 @@ def compare_checkpoints(a: tuple[Path, Any], b: tuple[Path, Any], *, tokens: int
                         seed: int, shared_vocab: bool = False) -> dict[str, Any]:
     """`compare` for checkpoints already opened: (path, lazy `Checkpoint`) each. Refuses, before any weight
     is read, models it cannot run and vocabularies that differ (unless `shared_vocab`)."""
-    from upcycler.train.layerwise import hidden_trace
+    from upcycler.train.evaluation.layerwise import hidden_trace
     from upcycler.train.model import unsupported
 
     (path_a, ckpt_a), (path_b, ckpt_b) = a, b

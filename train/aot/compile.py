@@ -2,7 +2,7 @@
 
 `compile_only(config, topology=...)` builds the train state from the checkpoint's `ModelSpec` alone (a
 directory holding only config.json is enough: no tensor is read, no data file opened), lays it out on the
-configured mesh over the target devices, lowers and compiles the very step `upcycler.train.trainer` runs
+configured mesh over the target devices, lowers and compiles the very step `upcycler.train.loop.trainer` runs
 (same `make_train_step`, shardings, remat, dtypes, microbatches), and returns the `report.Report` of
 what one device needs. A step too large for the target's memory fails the TPU compile with
 RESOURCE_EXHAUSTED; that is reported as "does not fit" with the analytic part of the memory, not raised.
@@ -24,7 +24,7 @@ from upcycler.spec import ModelSpec
 from upcycler.train.aot import hardware, report
 from upcycler.train.aot.topology import parse_slice, tpu_devices
 from upcycler.train.config import TrainConfig
-from upcycler.train.preflight import check_spec_options
+from upcycler.train.loop.preflight import check_spec_options
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,8 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
     a device the chip table does not know, such as a CPU)."""
     import jax
 
-    from upcycler.train import mesh as mesh_lib
-    from upcycler.train.train_step import abstract_batch, compile_step, make_train_step, state_layout
+    from upcycler.train.loop import mesh as mesh_lib
+    from upcycler.train.loop.train_step import abstract_batch, compile_step, make_train_step, state_layout
 
     spec = model_spec(config.model.init)
     tgt = target(topology)

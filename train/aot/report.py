@@ -6,7 +6,7 @@ Memory per device comes from two places, shown side by side:
 - compiled, from XLA's memory analysis of the compiled step: arguments, outputs, temporaries (which hold
   the gradients, the activations kept for the backward pass and the gathered weights) and the peak.
 The step fits when the compiled peak is within the device's HBM budget (the chip's usable HBM from
-`hardware`, or a budget given by the user). FLOPs are analytic (`upcycler.train.metrics.flops_per_token`:
+`hardware`, or a budget given by the user). FLOPs are analytic (`upcycler.train.reporting.metrics.flops_per_token`:
 6 · active matmul parameters + causal attention, per token), never the compiler's count; the executed
 FLOPs add what the memory options recompute. Collective traffic is parsed from the compiled HLO
 (`collectives`), and `roofline` turns the three into a step-time and MFU bound.
@@ -25,7 +25,7 @@ from upcycler.spec import ModelSpec
 from upcycler.train.aot import collectives, roofline
 from upcycler.train.aot.hardware import Chip
 from upcycler.train.config import LossConfig, ModelConfig, TrainConfig
-from upcycler.train.metrics import flops_per_token, matmul_params
+from upcycler.train.reporting.metrics import flops_per_token, matmul_params
 from upcycler.units import human_count
 
 GIB = 1 << 30

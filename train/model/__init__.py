@@ -9,6 +9,8 @@ The face of the package is the forward pass and how to run it (`ModelConfig`, `f
 - `moe.py`: router, dropless dispatch, one-hot reference, router losses; `gmm.py`: its grouped matmul;
 - `flexprefill.py`: FlexPrefill's per-prompt block selection and block-sparse attention (prefill only);
 - `params.py`: the parameter tree declared from `upcycler.layout` (shapes, logical axes, init, loading).
+- `placement.py`: what the model asks of whoever places it on devices (`Placement`); the model names
+  logical axes and never imports the mesh code (`upcycler.train.loop.sharding` answers for the trainer).
 
 Dimension key. Array names end in `_` plus one letter per axis; a letter means the same thing in every
 file of the trainer (`upcycler.train`):

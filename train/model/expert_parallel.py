@@ -38,12 +38,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from upcycler.train import sharding
 from upcycler.train.config import ModelConfig
 from upcycler.train.model import comm, moe
 from upcycler.train.model.gmm import gmm, target_platform
+from upcycler.train.model.placement import ONE_DEVICE, Placement
 
-EXPERT_AXIS = "expert"
 TOKEN_AXES = ("batch", "act_embed")  # [T, D]: tokens of the batch rows, flattened
 ROUTING_AXES = ("batch", None)
 WEIGHT_AXES = (("experts", "expert_embed", "expert_mlp"), ("experts", "expert_mlp", "expert_embed"))
@@ -51,13 +50,20 @@ Transport = Literal["padded", "ragged", "ragged_emulated"]
 
 
 def moe_layer(
-    x_TD: jax.Array, w_gate_up_EDU: jax.Array, w_down_EFD: jax.Array, routing: moe.Routing, cfg: ModelConfig
+    x_TD: jax.Array,
+    w_gate_up_EDU: jax.Array,
+    w_down_EFD: jax.Array,
+    routing: moe.Routing,
+    cfg: ModelConfig,
+    placement: Placement = ONE_DEVICE,
 ) -> jax.Array:
     """The routed experts' output y_TD for `cfg.moe_dispatch` (see the module docstring).
 
-    Without a mesh, or on a mesh of one device, every dispatch is the one-device dropless layer.
+    `placement` (from whoever built the mesh) gives the mesh, how each argument is laid out on it, the
+    `expert` axis and the per-device runner. Without a mesh, or on a mesh of one device, every dispatch
+    is the one-device dropless layer.
     """
-    mesh = sharding.active_mesh()
+    mesh = placement.mesh()
     args = (x_TD, routing.expert_Tk, routing.weight_Tk, w_gate_up_EDU, w_down_EFD)
     axes = (TOKEN_AXES, ROUTING_AXES, ROUTING_AXES, *WEIGHT_AXES)
     gathered = (False, False, False, True, True)
@@ -68,9 +74,9 @@ def moe_layer(
             routing = moe.Routing(expert_Tk, weight_Tk)
             return moe.dropless_moe(x_TD, w_gate_up_EDU, w_down_EFD, routing, backend=backend)
 
-        return sharding.per_device(layer, args, axes, gathered, grad_comm=cfg.grad_comm_dtype)
+        return placement.per_device(layer, args, axes, gathered, grad_comm=cfg.grad_comm_dtype)
 
-    _check_expert_layout(mesh, x_TD, w_gate_up_EDU)
+    _check_expert_layout(placement, mesh, x_TD, w_gate_up_EDU)
     if cfg.moe_dispatch == "all_to_all":
         variant = partial(all_to_all_moe, transport=default_transport())
     elif cfg.moe_dispatch == "all_gather":
@@ -78,14 +84,14 @@ def moe_layer(
     else:
         raise ValueError(f"moe_dispatch must be gspmd, all_to_all or all_gather, not {cfg.moe_dispatch!r}")
 
+    axis = placement.expert_axis
+
     def local(x_TD, expert_Tk, weight_Tk, w_gate_up_LDU, w_down_LFD):
         routing = moe.Routing(expert_Tk, weight_Tk)
-        return variant(x_TD, w_gate_up_LDU, w_down_LFD, routing, axis=EXPERT_AXIS, comm_dtype=cfg.comm_dtype,
+        return variant(x_TD, w_gate_up_LDU, w_down_LFD, routing, axis=axis, comm_dtype=cfg.comm_dtype,
                        backend=backend).astype(x_TD.dtype)
 
-    return sharding.per_device(
-        local, args, axes, gathered, keep_local=(EXPERT_AXIS,), grad_comm=cfg.grad_comm_dtype
-    )
+    return placement.per_device(local, args, axes, gathered, keep_local=(axis,), grad_comm=cfg.grad_comm_dtype)
 
 
 PADDED_DEVICE_KINDS = ("TPU v5 lite",)  # libtpu: "Ragged all-to-all is currently not supported in limited
@@ -101,17 +107,18 @@ def default_transport() -> Transport:
     return "padded" if getattr(device, "device_kind", None) in PADDED_DEVICE_KINDS else "ragged"
 
 
-def _check_expert_layout(mesh, x_TD: jax.Array, w_gate_up_EDU: jax.Array) -> None:
-    size = mesh.shape[EXPERT_AXIS]
+def _check_expert_layout(placement: Placement, mesh, x_TD: jax.Array, w_gate_up_EDU: jax.Array) -> None:
+    axis = placement.expert_axis
+    size = mesh.shape[axis]
     if size == 1:
         return
-    token_spec = sharding.logical_to_spec(TOKEN_AXES, x_TD.shape, mesh)
-    expert_spec = sharding.logical_to_spec(WEIGHT_AXES[0], w_gate_up_EDU.shape, mesh)
+    token_spec = placement.spec(TOKEN_AXES, x_TD.shape, mesh)
+    expert_spec = placement.spec(WEIGHT_AXES[0], w_gate_up_EDU.shape, mesh)
     token_axes = token_spec[0] if token_spec and isinstance(token_spec[0], tuple) else token_spec[:1]
-    if EXPERT_AXIS not in token_axes or not expert_spec or expert_spec[0] != EXPERT_AXIS:
+    if axis not in token_axes or not expert_spec or expert_spec[0] != axis:
         raise ValueError(
             f"expert-parallel dispatch needs the {x_TD.shape[0]} tokens and the {w_gate_up_EDU.shape[0]} "
-            f"experts split over mesh axis {EXPERT_AXIS!r} of size {size}; make the batch a multiple of the "
+            f"experts split over mesh axis {axis!r} of size {size}; make the batch a multiple of the "
             "device count and the expert count a multiple of that axis"
         )
 

@@ -10,7 +10,7 @@ The leaf at `layers.<kind>.<suffix>` holds canonical tensors `layers.{i}.<suffix
 kind, in order; everything else is named as in the layout. Weights keep the canonical `[out, in]`
 orientation, so an HF or Orbax checkpoint goes into the tree and comes back out byte for byte. Each leaf is
 declared once (`declare_tree`) with its shape, logical axes and the canonical names it holds; shardings
-(`upcycler.train.sharding`), initialisation and loading are all derived from that declaration.
+(`upcycler.train.loop.sharding`), initialisation and loading are all derived from that declaration.
 """
 
 from __future__ import annotations

@@ -29,11 +29,11 @@ import jax
 import jax.numpy as jnp
 
 from upcycler.spec import ModelSpec
-from upcycler.train import sharding  # a module import: `sharding` imports `params` from this package
 from upcycler.train.config import ModelConfig  # declared with the training options, without JAX
 from upcycler.train.model import expert_parallel, moe
 from upcycler.train.model import layers as nn
 from upcycler.train.model.params import ParamInfo, Params, Run, declare_tree, layer_runs, layers_of_kind
+from upcycler.train.model.placement import ONE_DEVICE, Placement
 
 ACTIVATION_AXES = ("batch", "seq", "act_embed")
 REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
@@ -61,6 +61,7 @@ class _Context(NamedTuple):
     visible_BLS: jax.Array
     distance_LS: jax.Array
     causal_only: bool  # no segments: plain causal attention unless a layer has a window
+    placement: Placement  # where activations live on the devices (`placement.py`)
 
 
 def forward(
@@ -71,21 +72,23 @@ def forward(
     *,
     segment_ids_BL: jax.Array | None = None,
     positions_BL: jax.Array | None = None,
+    placement: Placement = ONE_DEVICE,
 ) -> tuple[jax.Array, Aux]:
     """Next-token logits [B, L, V] in fp32, and the router outputs of the MoE layers.
 
     `segment_ids_BL` (optional) confines attention to tokens of the same segment (packed documents; give
     padding its own id); `positions_BL` (optional, default 0..L-1) are the RoPE positions, e.g. restarting
-    at every packed document.
+    at every packed document. `placement` lays the computation out over the active mesh (given by the
+    caller that built the mesh; the logits are the same with any placement).
     """
     params = weights_for_compute(params, spec, cfg)
     hidden_BLD, aux = hidden_states(
-        params, ids_BL, spec, cfg, segment_ids_BL=segment_ids_BL, positions_BL=positions_BL
+        params, ids_BL, spec, cfg, segment_ids_BL=segment_ids_BL, positions_BL=positions_BL, placement=placement
     )
     return unembed(params, hidden_BLD, spec), aux
 
 
-forward_jit = jax.jit(forward, static_argnames=("spec", "cfg"))
+forward_jit = jax.jit(forward, static_argnames=("spec", "cfg", "placement"))
 
 
 def weights_for_compute(params: Params, spec: ModelSpec, cfg: ModelConfig) -> Params:
@@ -131,10 +134,11 @@ def hidden_states(
     *,
     segment_ids_BL: jax.Array | None = None,
     positions_BL: jax.Array | None = None,
+    placement: Placement = ONE_DEVICE,
 ) -> tuple[jax.Array, Aux]:
     """The final-normed hidden states [B, L, D] (compute dtype) and the router outputs; see `forward`."""
     B, L = ids_BL.shape
-    ctx = _context(spec, B, L, segment_ids_BL, positions_BL)
+    ctx = _context(spec, B, L, segment_ids_BL, positions_BL, placement)
     x_BLD = jnp.take(params["embed"], ids_BL, axis=0).astype(jnp.dtype(cfg.compute_dtype))
     logits, ids = [], []
     for run in layer_runs(spec):
@@ -147,19 +151,19 @@ def hidden_states(
 
 
 def _context(spec: ModelSpec, B: int, L: int, segment_ids_BL: jax.Array | None,
-             positions_BL: jax.Array | None) -> _Context:
+             positions_BL: jax.Array | None, placement: Placement = ONE_DEVICE) -> _Context:
     if positions_BL is None:
         positions_BL = jnp.broadcast_to(jnp.arange(L), (B, L))
     inv_freq, factor = nn.rope_frequencies(spec)
     cos_BLR, sin_BLR = nn.rope_tables(positions_BL, inv_freq, factor)
     visible_BLS, distance_LS = nn.attention_mask(segment_ids_BL, B, L)
-    return _Context(cos_BLR, sin_BLR, visible_BLS, distance_LS, segment_ids_BL is None)
+    return _Context(cos_BLR, sin_BLR, visible_BLS, distance_LS, segment_ids_BL is None, placement)
 
 
 def one_layer(x_BLD: jax.Array, p: Params, spec: ModelSpec, cfg: ModelConfig, *, kind: str, window: int) -> jax.Array:
     """One decoder layer on its own (causal, positions 0..L−1): what `hidden_states` computes for a layer of
     `kind` with sliding `window` (0: full attention) given that layer's parameters, unstacked. For running a
-    model one layer at a time (`upcycler.train.layerwise`)."""
+    model one layer at a time (`upcycler.train.evaluation.layerwise`)."""
     B, L, _ = x_BLD.shape
     ctx = _context(spec, B, L, None, None)
     y_BLD, _ = _layer(x_BLD, (p, jnp.int32(window)), kind=kind, spec=spec, cfg=cfg, ctx=ctx, windowed=window > 0)
@@ -206,19 +210,19 @@ def one_layer_ffn_input(x_BLD: jax.Array, p: Params, spec: ModelSpec, cfg: Model
 def _layer(x_BLD, layer, *, kind: str, spec: ModelSpec, cfg: ModelConfig, ctx: _Context, windowed: bool):
     p, window = layer
     x_BLD, h_BLD = _attention_block(x_BLD, p, spec, cfg, ctx, window, windowed=windowed)
-    return _ffn_block(x_BLD, h_BLD, p, kind, spec, cfg)
+    return _ffn_block(x_BLD, h_BLD, p, kind, spec, cfg, ctx.placement)
 
 
 def _attention_block(x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig, ctx: _Context, window, *, windowed: bool):
     """The residual stream after the layer's attention, and its normalisation for the FFN."""
-    x_BLD = sharding.constrain(x_BLD, ACTIVATION_AXES)
+    x_BLD = ctx.placement.constrain(x_BLD, ACTIVATION_AXES)
     if windowed:
         visible_BLS = nn.window_mask(ctx.visible_BLS, ctx.distance_LS, window)
     else:
         visible_BLS = None if ctx.causal_only else ctx.visible_BLS
     if cfg.attention == "flexprefill":
         raise ValueError("flexprefill attention chooses its blocks per layer on the host: run it through "
-                         "upcycler.train.prefill, not the jitted forward")
+                         "upcycler.train.evaluation.prefill, not the jitted forward")
     q_BLHh, k_BLKh, v_BLKh = _qkv(x_BLD, p, spec, ctx)
     out_BLHh = nn.attention(q_BLHh, k_BLKh, v_BLKh, visible_BLS, impl=cfg.attention, chunk=cfg.attention_chunk)
     return _attention_residual(x_BLD, out_BLHh, p, spec)
@@ -231,11 +235,12 @@ def _attention_residual(x_BLD, out_BLHh, p: Params, spec: ModelSpec):
     return x_BLD, nn.rms_norm(x_BLD, p["mlp_norm"], spec.rms_norm_eps)
 
 
-def _ffn_block(x_BLD, h_BLD, p: Params, kind: str, spec: ModelSpec, cfg: ModelConfig):
+def _ffn_block(x_BLD, h_BLD, p: Params, kind: str, spec: ModelSpec, cfg: ModelConfig,
+               placement: Placement = ONE_DEVICE):
     """The residual stream after the layer's FFN (dense or MoE) and the router's aux outputs (None: dense)."""
     if kind == "dense":
         return x_BLD + nn.gated_mlp(h_BLD, p["mlp"], spec.hidden_act), None
-    y_BLD, router_aux = _moe(h_BLD, p["moe"], spec, cfg)
+    y_BLD, router_aux = _moe(h_BLD, p["moe"], spec, cfg, placement)
     return x_BLD + y_BLD, router_aux
 
 
@@ -256,7 +261,7 @@ def _qkv(x_BLD, p: Params, spec: ModelSpec, ctx: _Context) -> tuple[jax.Array, j
 def layer_qkv(x_BLD: jax.Array, p: Params, spec: ModelSpec, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer's attention inputs on its own (positions 0..L−1): (q [B, L, H, h], k, v [B, L, K, h]) in the
     compute dtype. With `layer_output`, the layer split around its attention, for a prefill that chooses
-    how to attend on the host (`upcycler.train.prefill`)."""
+    how to attend on the host (`upcycler.train.evaluation.prefill`)."""
     B, L, _ = x_BLD.shape
     return _qkv(x_BLD, p, spec, _context(spec, B, L, None, None))
 
@@ -270,7 +275,7 @@ def layer_output(x_BLD: jax.Array, out_BLHh: jax.Array, p: Params, spec: ModelSp
 
 
 def _moe(
-    x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig
+    x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig, placement: Placement
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Routed (+ shared) experts: y [B, L, D] and (router logits [B, L, E], chosen experts [B, L, k])."""
     moe_spec = spec.moe
@@ -286,7 +291,7 @@ def _moe(
     )
     w_down_EFD = jnp.swapaxes(experts["down_proj"], 1, 2).astype(x_BLD.dtype)
     if cfg.moe_impl == "dropless":
-        y_TD = expert_parallel.moe_layer(x_TD, w_gate_up_EDU, w_down_EFD, routing, cfg)
+        y_TD = expert_parallel.moe_layer(x_TD, w_gate_up_EDU, w_down_EFD, routing, cfg, placement)
     elif cfg.moe_impl == "reference":
         y_TD = moe.onehot_moe_reference(x_TD, w_gate_up_EDU, w_down_EFD, routing)
     else:

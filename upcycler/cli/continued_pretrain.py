@@ -7,7 +7,7 @@ top level and in the `model`, `distributed` and `metrics` sections is a flag nam
 A flag left out keeps the file's value.
 
 The config and every file it names are checked (`upcycler.train.config.load_config`, then
-`upcycler.train.preflight.prepare`) before the trainer, and with it JAX, is imported, so a bad config,
+`upcycler.train.loop.preflight.prepare`) before the trainer, and with it JAX, is imported, so a bad config,
 flag, checkpoint or data directory fails in about a second.
 """
 
@@ -89,10 +89,10 @@ def command(config_path: Path, resume: bool, sets: tuple[str, ...], compile_only
     if compile_only or topology or hbm_budget or as_json:
         _compile_only(config, compile_only, topology, hbm_budget, as_json)
         return
-    from upcycler.train.preflight import prepare
+    from upcycler.train.loop.preflight import prepare
 
     checked = prepare(config, resume)
-    from upcycler.train.trainer import train
+    from upcycler.train.loop.trainer import train
 
     result = train(config, resume=resume, checked=checked)
     how = "stopped by SIGTERM" if result.preempted else "finished"

@@ -1,11 +1,11 @@
 """`upcycle eval MODEL [--vs OTHER] --task needle|perplexity|prompts [FILE]`: long-context checks.
 
-Runs prompts of the requested lengths through the JAX model one at a time (`upcycler.train.prefill`,
+Runs prompts of the requested lengths through the JAX model one at a time (`upcycler.train.evaluation.prefill`,
 fp32, dense or FlexPrefill attention) and prints a table by length: passkey retrieval accuracy (and by
 needle depth), perplexity (and the NLL of the first and last tenth of the window), or the top-1 and
 answers of the user's own prompts. `--vs OTHER` runs the same prompts on a second model with the same
 tokenizer and adds the last-token KL(MODEL‖OTHER) and top-1 agreement. The tasks and their scoring live
-in `upcycler.train.long_eval`, the result, table and plot in `upcycler.train.long_eval_report`.
+in `upcycler.train.evaluation.long_eval`, the result, table and plot in `upcycler.train.evaluation.long_eval_report`.
 
 Every option and file is checked before any weight is read; bad input is one `error:` line, exit 2.
 """
@@ -27,7 +27,7 @@ from upcycler.cli.transforms import click_option
 from upcycler.errors import UpcyclerError
 from upcycler.schema import from_mapping, options
 from upcycler.train.config import ModelConfig
-from upcycler.train.long_eval import MAX_PROMPTS, TASKS, show_length
+from upcycler.train.evaluation.long_eval import MAX_PROMPTS, TASKS, show_length
 from upcycler.untrusted import escape, integer, shown_path
 
 _PREFILL = tuple(o for o in options(ModelConfig) if o.name.startswith("prefill_"))
@@ -69,8 +69,8 @@ def command(model: Path, file: Path | None, task: str, other: Path | None, lengt
             attention: str, vs_attention: str | None, per_length: int, seed: int, data: Path | None, as_json: bool, plot: Path | None,
             **prefill: Any) -> None:
     """Long-context checks of MODEL (and of --vs OTHER on the same prompts), on CPU or one accelerator."""
-    from upcycler.train import long_eval as le
-    from upcycler.train import long_eval_report as report
+    from upcycler.train.evaluation import long_eval as le
+    from upcycler.train.evaluation import long_eval_report as report
 
     given = _given(click.get_current_context())
     _check_paths({"MODEL": model, "--vs": other, "FILE": file, "--data": data, "--plot": plot})
@@ -220,7 +220,7 @@ def _emit(text: str) -> None:
 def _check_options(task: str, file: Path | None, lengths: str | None, per_length: int, seed: int,
                    data: Path | None) -> list[int]:
     """The lengths asked for, after refusing options that do not fit the task."""
-    from upcycler.train.long_eval import parse_lengths
+    from upcycler.train.evaluation.long_eval import parse_lengths
 
     integer(per_length, "the prompts per length", "--prompts-per-length", high=MAX_PROMPTS,
             fix="pass e.g. 20")
@@ -248,7 +248,7 @@ def _check_options(task: str, file: Path | None, lengths: str | None, per_length
 def _open_model(path: Path) -> tuple[Any, Any, str]:
     """The model's spec (no tensor bytes read), its tokenizer and the tokenizer file's sha256."""
     from upcycler.io import read_checkpoint
-    from upcycler.train.long_eval import load_tokenizer, tokenizer_file
+    from upcycler.train.evaluation.long_eval import load_tokenizer, tokenizer_file
 
     spec = read_checkpoint(path).spec
     tokenizer, raw = load_tokenizer(tokenizer_file(path))
@@ -270,7 +270,7 @@ def _run(le: Any, path: Path, cfg: ModelConfig, task: str, items: list, *,
     """Load one model and run every item through it, with a progress bar on a terminal."""
     from tqdm import tqdm
 
-    from upcycler.train.prefill import PrefillModel
+    from upcycler.train.evaluation.prefill import PrefillModel
 
     model = PrefillModel.load(path, cfg)
     with tqdm(total=len(items), desc=Path(path).name or str(path), unit="prompt", file=sys.stderr,

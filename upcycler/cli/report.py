@@ -23,7 +23,7 @@ def command(run_dir: Path, out: Path | None) -> None:
     A torn last line (a run killed mid-write) is ignored; any other malformed line is an error naming
     it. The PNGs appear in --out only once all of them are drawn.
     """
-    from upcycler.train.report import make_report
+    from upcycler.train.reporting.report import make_report
     from upcycler.untrusted import shown_path
 
     for path in make_report(run_dir, out):

@@ -132,7 +132,7 @@ def finish(p, *, dry_run: bool, as_json: bool, overwrite: bool, no_verify: bool 
                 click.echo(f"{'note' if note.exact else 'warning'}: {step.name}: {note.text}", err=True)
         echo_verification(out, skipped)
         if routing:
-            from upcycler.train.calibration import format_shares
+            from upcycler.train.evaluation.calibration import format_shares
 
             click.echo("first forward on the calibration data: share of each source's tokens routed to the "
                        f"experts of each source (mean over MoE layers)\n{format_shares(*routing)}", err=True)
@@ -156,7 +156,7 @@ class _RouterInputs:
     first use so that commands which never calibrate do not start JAX."""
 
     def __getattr__(self, name: str):
-        from upcycler.train.calibration import RouterInputs
+        from upcycler.train.evaluation.calibration import RouterInputs
 
         return getattr(RouterInputs(), name)
 
@@ -172,12 +172,12 @@ def planned(recipe, *, dry_run: bool):
 
 def initial_routing(p, out: Path) -> tuple | None:
     """(shares [M, S, S], source names) of the written MoE's first forward on the calibration data of a
-    step that calibrated its router (`upcycler.train.calibration.routing_shares`); None otherwise."""
+    step that calibrated its router (`upcycler.train.evaluation.calibration.routing_shares`); None otherwise."""
     step = next((s for s in p.steps if s.config.get("router_init") == "centroids"), None)
     if step is None:
         return None
     from upcycler.io import read_checkpoint
-    from upcycler.train.calibration import routing_shares
+    from upcycler.train.evaluation.calibration import routing_shares
 
     c = step.config
     recorded = next(e for e in reversed(p.ckpt.lineage) if e.get("step") == step.name and "expert_sources" in e)

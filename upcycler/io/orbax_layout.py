@@ -10,7 +10,7 @@
 The tree is the canonical names split on "." into nested dicts, e.g. `{"embed": …, "layers": {"0": {"attn":
 {"q_proj": …}}}}`, each leaf a host numpy array of the tensor's own dtype (bf16 stays bf16), with routed
 experts stacked `[E, …]` and chunked one expert per chunk, so reading expert `e` reads only its bytes.
-Training steps (`upcycler.train.checkpointing`) use the same tree and manifest, without digests, and may
+Training steps (`upcycler.train.loop.checkpointing`) use the same tree and manifest, without digests, and may
 hold a second tree of the same shape, `ema/`, the moving average of the weights.
 """
 

@@ -22,7 +22,7 @@
     expert_health   per MoE layer over a window of `metrics.expert_load_every` steps, on the window's
                     last step (windows start at multiples of it, so a run resumed from a checkpoint at
                     such a step logs what it would have uninterrupted): load_min, load_max, load_cv,
-                    dead, overload, entropy, bias_norm (`upcycler.train.expert_health`)
+                    dead, overload, entropy, bias_norm (`upcycler.train.techniques.expert_health`)
     spike           on a step the loss-spike guard caught: {action, median, averaged} (`spike_guard`)
 
 A resumed run first drops the lines of steps at or after its start step (they were not checkpointed), so
@@ -54,7 +54,7 @@ import numpy as np
 from upcycler.errors import UpcyclerError
 from upcycler.layout import declare_params
 from upcycler.spec import ModelSpec
-from upcycler.train.expert_health import MAX_MAGNITUDE, check_logged_health, layer_health
+from upcycler.train.techniques.expert_health import MAX_MAGNITUDE, check_logged_health, layer_health
 from upcycler.untrusted import MAX_JSON_BYTES, describe, integer, open_regular, parse_json, real, shown_path
 
 METRICS_FILE = "metrics.jsonl"

@@ -1,7 +1,7 @@
 """The loss and the jitted train step: forward, cross-entropy + router losses, gradients, AdamW update.
 
 Everything here is a pure function of (state, batch), compiled once with explicit shardings: the state
-(parameters and optimiser state) laid out by `upcycler.train.sharding`, the batch split over every mesh
+(parameters and optimiser state) laid out by `upcycler.train.loop.sharding`, the batch split over every mesh
 axis, the metrics replicated so every process can read them. The state is donated, so a step needs no
 second copy of the parameters.
 
@@ -20,13 +20,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 
 from upcycler.spec import ModelSpec
-from upcycler.train import balancing, sharding
 from upcycler.train import model as model_lib
 from upcycler.train.config import LossConfig, OptimizerConfig
-from upcycler.train.ema import ema_update
-from upcycler.train.model import moe
-from upcycler.train.model.params import ParamInfo, Params, abstract_params, declare_tree
-from upcycler.train.optim import (
+from upcycler.train.loop import sharding
+from upcycler.train.loop.optim import (
     Schedule,
     grad_norm,
     keep_trainable,
@@ -34,6 +31,10 @@ from upcycler.train.optim import (
     opt_state_shardings,
     trainable_rows,
 )
+from upcycler.train.model import moe
+from upcycler.train.model.params import ParamInfo, Params, abstract_params, declare_tree
+from upcycler.train.techniques import balancing
+from upcycler.train.techniques.ema import ema_update
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "mask", "source_id")
@@ -43,7 +44,7 @@ BATCH_KEYS = ("inputs", "targets", "mask", "source_id")
 @dataclass
 class TrainState:
     """Step counter (int32 scalar: steps done), float32 parameters, the optax state and, with
-    `optimizer.ema`, the float32 moving average of the parameters (`upcycler.train.ema`; else None)."""
+    `optimizer.ema`, the float32 moving average of the parameters (`upcycler.train.techniques.ema`; else None)."""
 
     step: jax.Array
     params: Params
@@ -149,7 +150,7 @@ def loss_fn(
     microbatches add up to the step's (the cross-entropy and z-loss exactly those of one batch; the
     load-balancing loss a token-weighted mean of the microbatches' own).
     """
-    hidden_BLD, aux = model_lib.hidden_states(params, batch["inputs"], spec, cfg)
+    hidden_BLD, aux = model_lib.hidden_states(params, batch["inputs"], spec, cfg, placement=sharding.PLACEMENT)
     mask_BL = batch["mask"].astype(jnp.float32)
     nll_BL = token_nll(params, hidden_BLD, batch["targets"], spec, loss.ce_chunk) * mask_BL
     tokens = mask_BL.sum()
@@ -186,8 +187,8 @@ def make_train_step(
     ema_decay: float = 0.0,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
     """The (unjitted) step: gradients of `loss_fn`, clipped AdamW update, metrics of the step; then the
-    selection-bias update (`loss.bias_update_rate`, `upcycler.train.balancing`) and the weights' moving
-    average (`ema_decay`, `upcycler.train.ema`, when the state carries one).
+    selection-bias update (`loss.bias_update_rate`, `upcycler.train.techniques.balancing`) and the weights' moving
+    average (`ema_decay`, `upcycler.train.techniques.ema`, when the state carries one).
 
     With `microbatches` > 1 the rows run in that many parts under a `lax.scan`, gradients and metrics
     summed in fp32: the same update as one batch (see `loss_fn`), with one part's activations alive.

@@ -1,10 +1,10 @@
 """`optimizer.trainable` against a model, without JAX: which canonical tensors it selects.
 
-`check(trainable, spec, lineage)` is what `upcycler.train.preflight` runs before a run directory exists:
+`check(trainable, spec, lineage)` is what `upcycler.train.loop.preflight` runs before a run directory exists:
 `new_layers` must find the layers a depth growth recorded, a regular expression must select at least
 one trainable tensor. A regex is searched with a time bound (`SEARCH_SECONDS` over all the model's
 names), so a pattern that backtracks exponentially (`(a|a)*b`, `(\\w+)+!`) is refused naming the limit
-instead of hanging the command; `upcycler.train.optim.trainable_rows` searches the same way.
+instead of hanging the command; `upcycler.train.loop.optim.trainable_rows` searches the same way.
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ from upcycler.io.checkpoint import Checkpoint
 from upcycler.io.hashing import sha256_file
 from upcycler.io.staging import overlap
 from upcycler.spec import ModelSpec
-from upcycler.train import trainable
 from upcycler.train.config import TrainConfig
 from upcycler.train.data.sources import open_source
-from upcycler.train.init_merge import parse_init_merge, plan_init_merge
+from upcycler.train.loop import trainable
+from upcycler.train.techniques.init_merge import parse_init_merge, plan_init_merge
 from upcycler.untrusted import shown_path
 
 

@@ -11,11 +11,16 @@ shardings, constraints inside the model — is derived from it. The mesh has thr
 
 A dimension that does not divide evenly over its mesh axes is replicated instead, so a tiny test model
 runs on any mesh. A mesh axis may appear only once in one array's sharding.
+
+The model itself knows none of this: it declares logical axes and asks a `Placement`
+(`upcycler.train.model.placement`) where they live. `PLACEMENT` is this module's answer, passed to the
+model by the train step (and by anyone who runs the model on a mesh of these axes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -23,6 +28,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from upcycler.spec import ModelSpec
+from upcycler.train.model import comm
 from upcycler.train.model.params import ParamInfo, Params, declare_tree
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
@@ -158,8 +164,6 @@ def per_device(
     axis. The output is laid out like the first argument. Without an active mesh, or when nothing is
     split, it is `fn(*args)`.
     """
-    from upcycler.train.model import comm  # the model package imports this module
-
     mesh = active_mesh()
     if mesh is None:
         return fn(*args)
@@ -188,3 +192,28 @@ def _split_dims(spec: PartitionSpec, keep_local: Sequence[str]) -> dict[int, str
         if names:
             dims[dim] = names[0] if len(names) == 1 else names
     return dims
+
+
+@dataclass(frozen=True)
+class MeshPlacement:
+    """The model placed by `RULES` on the mesh set with `jax.set_mesh` (a `model.placement.Placement`).
+
+    Holds no mesh: the one active when the model is traced is used, so the same placement serves every
+    mesh with the axes `MESH_AXES` and is a hashable static argument of the jitted model."""
+
+    expert_axis: str = "expert"
+
+    def mesh(self) -> Any | None:
+        return active_mesh()
+
+    def spec(self, axes: Sequence[str | None], shape: Sequence[int], mesh: Any) -> PartitionSpec:
+        return logical_to_spec(axes, shape, mesh)
+
+    def constrain(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+        return constrain(x, axes)
+
+    def per_device(self, fn, args, axes, gathered, *, keep_local=(), grad_comm="native") -> jax.Array:
+        return per_device(fn, args, axes, gathered, keep_local=keep_local, grad_comm=grad_comm)
+
+
+PLACEMENT = MeshPlacement(expert_axis=MESH_AXES[2])

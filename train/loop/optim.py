@@ -38,8 +38,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from upcycler.spec import ModelSpec
 from upcycler.train.config import OptimizerConfig
+from upcycler.train.loop.trainable import new_layer_set, nothing_matches, search
 from upcycler.train.model.params import ParamInfo, Params, declare_tree
-from upcycler.train.trainable import new_layer_set, nothing_matches, search
 
 Schedule = Callable[[Any], jax.Array]
 

@@ -1,6 +1,6 @@
 """What `upcycle eval` shows: the result of one or two models' runs (`--json`), the table, and the plot.
 
-`summarize` turns the per-item outcomes of `upcycler.train.long_eval.evaluate` into a JSON-ready result:
+`summarize` turns the per-item outcomes of `upcycler.train.evaluation.long_eval.evaluate` into a JSON-ready result:
 by length (accuracy, NLL, the fraction of key blocks computed), by needle depth decile, per user prompt,
 and, with a second model, the last-token KL(A‖B) and top-1 agreement. `format_table` renders it as text
 and `plot` as a PNG (written to a hidden file and renamed into place).
@@ -17,7 +17,14 @@ from typing import Any
 import numpy as np
 
 from upcycler.errors import UpcyclerError
-from upcycler.train.long_eval import DECILES, Item, decile_means, depth_bucket, kl_and_agreement, show_length
+from upcycler.train.evaluation.long_eval import (
+    DECILES,
+    Item,
+    decile_means,
+    depth_bucket,
+    kl_and_agreement,
+    show_length,
+)
 from upcycler.untrusted import describe, shown_path
 
 # --- the result -----------------------------------------------------------------------------------------

@@ -4,13 +4,13 @@
 Guarantees:
 - every check of the config, the files it names, the tokenizer and the device layout happens before a
   parameter is loaded or a step compiled, and fails with one `UpcyclerError` line;
-- the run directory is never a source (`upcycler.train.preflight`), so a run cannot overwrite what it
+- the run directory is never a source (`upcycler.train.loop.preflight`), so a run cannot overwrite what it
   reads;
 - a resumed run (`resume=True`) restores parameters, optimiser state, step and data position from the
   latest committed checkpoint and then follows bit for bit the trajectory of an uninterrupted run;
 - a step whose loss or gradient norm is NaN or infinite stops the run with an error naming the step and
   the last good checkpoint; nothing computed from it is saved (with `loss.spike`, the guard decides:
-  `upcycler.train.spike_guard`);
+  `upcycler.train.techniques.spike_guard`);
 - with `metrics.stop_on_collapse`, a window in which an MoE layer lost half its experts stops the run
   naming the layer and the last checkpoint;
 - SIGTERM finishes the current step, saves a checkpoint and exits normally.
@@ -35,22 +35,28 @@ from upcycler.errors import UpcyclerError
 from upcycler.io import read_checkpoint
 from upcycler.io.manifest import PretrainStep, pretrain_step
 from upcycler.spec import ModelSpec
-from upcycler.train import expert_health
-from upcycler.train import mesh as mesh_lib
-from upcycler.train.checkpointing import RunCheckpoints
 from upcycler.train.config import TrainConfig
 from upcycler.train.data.mix import DataIterator, make_data_iterator
-from upcycler.train.metrics import (
+from upcycler.train.loop import mesh as mesh_lib
+from upcycler.train.loop.checkpointing import RunCheckpoints
+from upcycler.train.loop.preflight import RunInputs, check_spec_options, prepare
+from upcycler.train.loop.train_step import (
+    TrainState,
+    compile_step,
+    global_batch,
+    make_train_step,
+    state_layout,
+)
+from upcycler.train.model.params import from_tensors
+from upcycler.train.reporting.metrics import (
     ExpertWindow,
     MetricsLog,
     Progress,
     flops_per_token,
     step_record,
 )
-from upcycler.train.model.params import from_tensors
-from upcycler.train.preflight import RunInputs, check_spec_options, prepare
-from upcycler.train.spike_guard import SpikeGuard
-from upcycler.train.train_step import TrainState, compile_step, global_batch, make_train_step, state_layout
+from upcycler.train.techniques import expert_health
+from upcycler.train.techniques.spike_guard import SpikeGuard
 from upcycler.untrusted import shown_path
 
 

@@ -13,10 +13,10 @@ Three tasks, each a list of `Item`s (prompt token ids of an exact length, option
 - prompts (`read_prompts`): the user's own JSONL prompts, `{"prompt": ..., "answer": ... (optional)}`.
 
 Scoring (`evaluate`) calls a runner with `run(ids, answer) -> .last_logits, .answer_logits, .stats` and
-`next_token_logprobs(ids) -> (logprobs, stats)` (`upcycler.train.prefill.PrefillModel`) and keeps per
+`next_token_logprobs(ids) -> (logprobs, stats)` (`upcycler.train.evaluation.prefill.PrefillModel`) and keeps per
 item what the summary needs: top-1, whether greedy decoding retrieves the answer (`greedy_retrieves`),
 the last-token log-distribution when a second model is compared, NLL per position, and the fraction of
-key blocks the attention computed. `upcycler.train.long_eval_report` turns the outcomes into
+key blocks the attention computed. `upcycler.train.evaluation.long_eval_report` turns the outcomes into
 the result, the table and the plot.
 
 Pure numpy and tokenizers: JAX is the runner's business, so prompts are built and tested without it.

@@ -41,8 +41,8 @@ from upcycler.errors import UpcyclerError
 from upcycler.io.manifest import MANIFEST, write_manifest
 from upcycler.io.orbax_layout import PARAMS
 from upcycler.spec import ModelSpec
+from upcycler.train.loop.preflight import committed_steps
 from upcycler.train.model.params import ParamInfo, Params, declare_tree
-from upcycler.train.preflight import committed_steps
 
 ITEMS = ("params", "ema", "opt_state", "data", "meta")
 HF_DIR = "hf"

@@ -27,7 +27,7 @@ from upcycler.io.hashing import sha256_file
 from upcycler.layout import layer_prefix
 from upcycler.spec import LIMITS_ENV, ModelSpec, limits_on
 from upcycler.train.data.sources import TokenSource, open_source
-from upcycler.train.layerwise import ffn_inputs
+from upcycler.train.evaluation.layerwise import ffn_inputs
 from upcycler.train.model import moe
 from upcycler.untrusted import shown_path
 

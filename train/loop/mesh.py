@@ -6,7 +6,7 @@ process count and this process's id come from the config, else from `JAX_NUM_PRO
 `coordinator: auto` asks for. CPU processes exchange data over JAX's default CPU collectives (gloo).
 
 The mesh spans every device of every process with `AxisType.Auto` axes (GSPMD-style FSDP); which array
-dimension goes to which mesh axis is decided only by `upcycler.train.sharding`.
+dimension goes to which mesh axis is decided only by `upcycler.train.loop.sharding`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from jax.sharding import Mesh
 
 from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec
-from upcycler.train import sharding
 from upcycler.train.config import DistributedConfig, MeshConfig
+from upcycler.train.loop import sharding
 
 _initialised = False
 

@@ -14,7 +14,7 @@
                              router as initialised; the only one when it is the only one), one colour
                              bar for all panels; a run with more than 12 MoE layers shows 12 evenly
                              spaced ones, first and last included, and says so in the title
-    expert_health.png        when records carry `expert_health` (`upcycler.train.expert_health`): one panel
+    expert_health.png        when records carry `expert_health` (`upcycler.train.techniques.expert_health`): one panel
                              per logged statistic (load_cv, dead, overload, entropy, bias_norm) over the
                              steps, a thin line per MoE layer (coloured by depth, viridis: first layer
                              dark, last yellow) and a bold line for the worst layer at each step (the
@@ -44,8 +44,8 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.staging import staged_files
-from upcycler.train.expert_health import HEALTH_KEYS, check_logged_health
-from upcycler.train.metrics import METRICS_FILE, read_metrics
+from upcycler.train.reporting.metrics import METRICS_FILE, read_metrics
+from upcycler.train.techniques.expert_health import HEALTH_KEYS, check_logged_health
 from upcycler.untrusted import shown_path
 
 MAX_LAYERS = 256  # MoE layers: one expert_load PNG each
