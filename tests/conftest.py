@@ -34,6 +34,18 @@ os.environ.update(UPCYCLER_TEST_JAX_CACHE=str(JAX_CACHE), JAX_COMPILATION_CACHE_
 import trainer_fixtures  # after the cache is set: it imports JAX
 from tiny_models import make_tiny
 
+# The files that take longest (a real model's 8k prefills, multi-process training runs), started first:
+# with `--dist loadfile --no-loadscope-reorder` (pyproject's addopts) the two workers take files in this
+# order, so the longest ones run side by side from the start instead of one of them ending the run alone.
+LONGEST_FIRST = ("test_long_prefill_real.py", "test_trainer_distributed.py", "test_real_model.py",
+                 "test_memory_options.py", "test_bias_balancing.py", "test_expert_parallel.py",
+                 "test_training_guards.py", "test_compile_only.py", "test_notebooks.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
 
 def pytest_sessionfinish(session, exitstatus) -> None:
     if not IS_WORKER:  # the workers' sessions end before the run's

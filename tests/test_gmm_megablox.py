@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from upcycler.train.aot.compile import without_persistent_cache
 from upcycler.train.model import moe
 from upcycler.train.model.gmm import gmm, resolve_backend
 from upcycler.train.model.gmm_megablox import megablox_gmm, tile_for
@@ -160,7 +161,7 @@ def _compiled_moe_hlo(backend: str, devices: int) -> str:
         arg((E, D), f32, P()),
     )
     step = jax.jit(jax.value_and_grad(functools.partial(_moe_loss, backend=backend)))
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), without_persistent_cache():  # a v5e executable cannot be loaded back here
         return step.lower(params, arg((T, D), f32, P("data"))).compile().as_text()
 
 

@@ -78,7 +78,7 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
                            trainable=layout.trainable, ema_decay=config.optimizer.ema)
     started = time.perf_counter()
     try:
-        with nullcontext() if topology is None else _without_persistent_cache():
+        with nullcontext() if topology is None else without_persistent_cache():
             compiled = compile_step(step, layout.shardings, mesh, layout.abstract, batch)
         failure = None
     except jax.errors.JaxRuntimeError as err:  # how XLA refuses a program: out of memory, or unsupported
@@ -95,7 +95,7 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
 
 
 @contextmanager
-def _without_persistent_cache() -> Iterator[None]:
+def without_persistent_cache() -> Iterator[None]:
     """Keep JAX's persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`, common on pods) out of a
     compile for chips this host does not have: such an executable is written to the cache but cannot be
     loaded back without a client of those chips, so the next compile-only run would warn and recompile.
