@@ -1,20 +1,29 @@
-"""Run the `upcycle` CLI the way a user does (a real subprocess) and check the error contract."""
+"""Run the `upcycle` CLI the way a user does (a process of its own) and check the error contract."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+from cli_zygote import zygote
 
 
-def run_cli(*args: str | Path, check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`upcycle ARGS…` in a subprocess; with `check`, fail the test on a non-zero exit."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "upcycler", *map(str, args)], capture_output=True, text=True, timeout=timeout,
-        check=False,
-    )
+def run_cli(*args: Any, env: dict[str, str] | None = None, check: bool = True,
+            timeout: int = 600) -> subprocess.CompletedProcess:
+    """`upcycle ARGS…` in a process of its own, with `env` added to this process's environment: forked from
+    this process's `cli_zygote` where it can be (`Zygote.serves`), else `python -m upcycler`; with
+    `check`, fail the test on a non-zero exit."""
+    argv, full_env = list(map(str, args)), {**os.environ, **(env or {})}
+    if (cli := zygote()).serves(full_env):
+        proc = cli.run(argv, full_env, timeout)
+    else:
+        proc = subprocess.run([sys.executable, "-m", "upcycler", *argv], capture_output=True, text=True,
+                              timeout=timeout, env=full_env, check=False)
     if check and proc.returncode != 0:
-        raise AssertionError(f"upcycle {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr}")
+        raise AssertionError(f"upcycle {' '.join(argv)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
 
 

@@ -37,7 +37,11 @@ def routing_case(name: str, top_k: int, key) -> tuple[jax.Array, jax.Array]:
     return logits
 
 
-def layer_and_grads(cfg: ModelConfig, x, logits, w_gu, w_down, probe, top_k):
+def layer_and_grads(cfg: ModelConfig, x, logits, w_gu, w_down, probe, top_k, transport="padded"):
+    """The layer's output and the gradients of a probe loss. `transport` is static (a jit key): a transport
+    set from outside the traced function would be ignored by a cached trace of the same config."""
+    expert_parallel.default_transport = lambda: transport
+
     def loss(x, logits, w_gu, w_down):
         routing = moe.route(logits, top_k, "renormalized")
         y = expert_parallel.moe_layer(x, w_gu, w_down, routing, cfg, sharding.PLACEMENT)
@@ -81,12 +85,11 @@ def main() -> None:
         load = np.bincount(np.asarray(moe.route(logits, top_k, "renormalized").expert_Tk).ravel(), minlength=E)
         for name, (dispatch, transport) in variants.items():
             for comm_dtype in ("fp32", "bf16", "fp8") if name != "gspmd" else ("fp32",):
-                expert_parallel.default_transport = lambda transport=transport: transport
                 chunks = 4 if transport == "chunked" else 1  # 4 chunks of the 4 × 64 gathered tokens
                 cfg = ModelConfig(moe_dispatch=dispatch, comm_dtype=comm_dtype, moe_chunks=chunks)
                 with jax.set_mesh(mesh):
                     args = place(mesh, [x, logits, w_gu, w_down, probe])
-                    y, grads = jax.jit(layer_and_grads, static_argnums=(0, 6))(cfg, *args, top_k)
+                    y, grads = jax.jit(layer_and_grads, static_argnums=(0, 6, 7))(cfg, *args, top_k, transport)
                 errors = {"y": relative(y, ref_y)}
                 errors.update({f"d_{n}": relative(g, r) for n, g, r in
                                zip(("x", "logits", "w_gate_up", "w_down"), grads, ref_grads)})

@@ -7,9 +7,6 @@ Everything is small enough that a training step of the tiny models takes millise
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -17,6 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 import yaml
+from cli_helpers import run_cli  # noqa: F401  (the trainer tests' `F.run_cli`)
 
 VOCAB = 384
 EOS = "<|endoftext|>"
@@ -130,24 +128,6 @@ def config_dict(tmp: Path, init: Path, data: Path, **changes: Any) -> dict[str, 
 def write_config(path: Path, cfg: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
-
-
-def run_cli(*args: Any, env: dict[str, str] | None = None, check: bool = True, timeout: int = 600):
-    """`upcycle ARGS…` in a subprocess with extra environment variables."""
-    full_env = {**os.environ, **(env or {})}
-    proc = subprocess.run(
-        [sys.executable, "-m", "upcycler", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=full_env,
-        check=False,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"upcycle {' '.join(map(str, args))} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
-        )
-    return proc
 
 
 def metrics(run_dir: Path) -> list[dict[str, Any]]:
