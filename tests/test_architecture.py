@@ -6,7 +6,7 @@ inside functions, and so does what an import sets off: importing `a.b.c` first r
 `a/b/__init__.py`, so a module that imports `a.b.c` from outside `a.b` depends on the package `a.b` too
 (a package's own modules have it initialised already). The layers, lowest first:
 
-    core        spec, layout, tensors, errors, untrusted, units, schema
+    core        spec, layout, tensors, errors, untrusted, locations, units, schema
     adapters    families, io
     operations  transforms, merge, summary, hub, model_card
     trainer     train, verify (runs checkpoints through the JAX model)
@@ -27,7 +27,7 @@ PACKAGES = {"upcycler": ROOT / "upcycler", "upcycler.train": ROOT / "train",
             "upcycler.transforms": ROOT / "transforms"}
 LAYERS = [
     ("core", ("upcycler.spec", "upcycler.layout", "upcycler.tensors", "upcycler.errors", "upcycler.untrusted",
-              "upcycler.units", "upcycler.schema")),
+              "upcycler.locations", "upcycler.units", "upcycler.schema")),
     ("adapters", ("upcycler.families", "upcycler.io")),
     ("operations", ("upcycler.transforms", "upcycler.merge", "upcycler.summary", "upcycler.hub",
                     "upcycler.model_card")),

@@ -31,6 +31,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from upcycler.errors import UpcyclerError
+from upcycler.locations import local_path
 from upcycler.untrusted import describe, integer, real
 
 INT64 = (-(2**63), 2**63 - 1)  # the widest integer any option takes without a range of its own
@@ -207,7 +208,10 @@ def _typed(hint: Any, value: Any, name: str, where: str, fix: str, or_null: str 
         raise TypeError(f"unsupported option type {hint!r}")
     if not ok:
         raise UpcyclerError(f"{where}: {name} must be {_KINDS[hint]}{or_null}, not {describe(value)}; {fix}")
-    checked = real(value, name, where, fix=fix) if hint is float else Path(value) if hint is Path else value
+    if hint is Path:
+        checked = local_path(value, f"{where}: {name}")
+    else:
+        checked = real(value, name, where, fix=fix) if hint is float else value
     if bounds is not None and not bounds.contains(checked):
         raise UpcyclerError(f"{where}: {name} {describe(value)} is outside {bounds}; {fix}")
     if hint is int and bounds is None:

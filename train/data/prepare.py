@@ -25,6 +25,7 @@ import numpy as np
 from upcycler.errors import UpcyclerError
 from upcycler.io.hashing import sha256_file
 from upcycler.io.staging import staged_files
+from upcycler.locations import local_path
 from upcycler.train.data.config import SOURCE_NAME
 from upcycler.train.data.format import FORMAT_VERSION, META_SUFFIX, TOKENS_SUFFIX, npy_header, token_dtype
 from upcycler.train.data.readers import detect_format, expand_pattern, read_documents
@@ -44,6 +45,7 @@ def parse_sources(specs: Iterable[str]) -> dict[str, list[Path]]:
             raise UpcyclerError(
                 f"--source {describe(spec)}: expected NAME=GLOB_OR_FILE with NAME like web or code_v2"
             )
+        local_path(pattern, f"--source {name}")  # a URL is refused, not globbed as a local name
         files = expand_pattern(pattern)
         if not files:
             raise UpcyclerError(

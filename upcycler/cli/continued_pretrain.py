@@ -21,6 +21,7 @@ from typing import Any
 
 import click
 
+from upcycler.cli.path_type import LOCAL_PATH
 from upcycler.cli.transforms import click_option
 from upcycler.errors import UpcyclerError
 from upcycler.schema import options
@@ -60,7 +61,7 @@ def config_options(fn: Callable) -> Callable:
     "--config",
     "config_path",
     required=True,
-    type=click.Path(path_type=Path),
+    type=LOCAL_PATH,
     help="Training config (YAML); see upcycler.train.config for the schema.",
 )
 @click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in run_dir.")

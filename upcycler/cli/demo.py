@@ -19,6 +19,7 @@ from pathlib import Path
 import click
 import yaml
 
+from upcycler.cli.path_type import LOCAL_PATH
 from upcycler.errors import UpcyclerError
 
 
@@ -87,7 +88,7 @@ def _generate(hf_dir: Path, prompt: str) -> None:
 
 
 @click.command("demo")
-@click.option("--out", type=click.Path(path_type=Path), default=Path("upcycler-demo"), show_default=True,
+@click.option("--out", type=LOCAL_PATH, default=Path("upcycler-demo"), show_default=True,
               help="Where every artefact of the demo goes.")
 @click.option("--steps", type=int, default=60, show_default=True, help="Continued-pretraining steps.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out.")

@@ -23,6 +23,7 @@ from typing import Any
 
 import click
 
+from upcycler.cli.path_type import LOCAL_PATH
 from upcycler.cli.transforms import click_option
 from upcycler.errors import UpcyclerError
 from upcycler.schema import from_mapping, options
@@ -41,12 +42,12 @@ def _prefill_options(fn):
 
 
 @click.command("eval")
-@click.argument("model", type=click.Path(path_type=Path))
-@click.argument("file", required=False, type=click.Path(path_type=Path))
+@click.argument("model", type=LOCAL_PATH)
+@click.argument("file", required=False, type=LOCAL_PATH)
 @click.option("--task", type=click.Choice(TASKS), required=True,
               help="needle (passkey retrieval in corpus text), perplexity (windows of --data) or prompts "
                    "(FILE: JSONL lines {\"prompt\": …, \"answer\": … (optional)}).")
-@click.option("--vs", "other", type=click.Path(path_type=Path), default=None,
+@click.option("--vs", "other", type=LOCAL_PATH, default=None,
               help="A second model with the same tokenizer (e.g. the dense parent), run on the same prompts.")
 @click.option("--lengths", default=None, metavar="4k,8k,…",
               help="Prompt lengths in tokens (k = 1024); needle and perplexity.")
@@ -59,10 +60,10 @@ def _prefill_options(fn):
               help="Needle prompts, or perplexity windows, per length.")
 @click.option("--seed", type=int, default=0, show_default=True,
               help="Seed of the needles' keys and haystacks and of the perplexity windows.")
-@click.option("--data", type=click.Path(path_type=Path), default=None,
+@click.option("--data", type=LOCAL_PATH, default=None,
               help="Prepared data (`upcycle prepare-data` with MODEL's tokenizer) for --task perplexity.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
-@click.option("--plot", type=click.Path(path_type=Path), default=None,
+@click.option("--plot", type=LOCAL_PATH, default=None,
               help="Write a PNG of accuracy (needle) or NLL (perplexity) by length and depth.")
 @_prefill_options
 def command(model: Path, file: Path | None, task: str, other: Path | None, lengths: str | None,

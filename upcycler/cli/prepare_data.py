@@ -11,6 +11,7 @@ from pathlib import Path
 
 import click
 
+from upcycler.cli.path_type import LOCAL_PATH
 from upcycler.train.data.readers import FORMATS, TEXT_UNITS
 from upcycler.untrusted import shown_path
 
@@ -20,7 +21,7 @@ from upcycler.untrusted import shown_path
     "--tokenizer",
     "tokenizer_path",
     required=True,
-    type=click.Path(path_type=Path),
+    type=LOCAL_PATH,
     help="tokenizer.json, or the model directory holding it.",
 )
 @click.option(
@@ -32,7 +33,7 @@ from upcycler.untrusted import shown_path
     help="A named source and its files; repeat for more sources or more files of one source.",
 )
 @click.option(
-    "--out", "out_dir", required=True, type=click.Path(path_type=Path), help="Directory to write to."
+    "--out", "out_dir", required=True, type=LOCAL_PATH, help="Directory to write to."
 )
 @click.option(
     "--format", "fmt", type=click.Choice(FORMATS), default=None, help="Input format [default: by extension]."

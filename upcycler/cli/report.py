@@ -7,12 +7,14 @@ from pathlib import Path
 
 import click
 
+from upcycler.cli.path_type import LOCAL_PATH
+
 
 @click.command("report")
-@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.argument("run_dir", type=LOCAL_PATH)
 @click.option(
     "--out",
-    type=click.Path(path_type=Path),
+    type=LOCAL_PATH,
     default=None,
     help="Where to write the PNGs [default: RUN_DIR/report].",
 )

@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from upcycler.cli.options import echo_verification, function_check, output_options, verify_option
+from upcycler.cli.path_type import LOCAL_PATH
 from upcycler.io.staging import check_output
 from upcycler.schema import Option
 from upcycler.transforms import TRANSFORMS
@@ -23,7 +24,7 @@ from upcycler.transforms.registry import Transform
 from upcycler.units import parse_size
 from upcycler.untrusted import describe
 
-_CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, Path: click.Path(path_type=Path)}
+_CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, Path: LOCAL_PATH}
 _RESERVED = {"src", "out", "to", "family", "dtype", "shard_size", "overwrite", "dry_run", "as_json", "no_verify"}
 
 
@@ -203,14 +204,14 @@ def transform_command(t: Transform) -> click.Command:
     fn: Callable = run_options(output_options(callback))
     for info in reversed(t.options()):
         fn = _option(info)(fn)
-    fn = click.argument("out", required=False, type=click.Path(path_type=Path))(fn)
-    fn = click.argument("src", type=click.Path(path_type=Path))(fn)
+    fn = click.argument("out", required=False, type=LOCAL_PATH)(fn)
+    fn = click.argument("src", type=LOCAL_PATH)(fn)
     pairs = tuple(o.flag for o in t.options() if typing.get_origin(o.type) in (Mapping, dict))
     return click.command(t.name, cls=_PairsCommand, pair_flags=pairs, help=t.doc, short_help=t.summary)(fn)
 
 
 @click.command("run")
-@click.argument("recipe", type=click.Path(path_type=Path))
+@click.argument("recipe", type=LOCAL_PATH)
 @click.option("--overwrite", is_flag=True, help="Replace the output directory if it exists.")
 @run_options
 def run(recipe: Path, dry_run: bool, as_json: bool, no_verify: bool, overwrite: bool) -> None:

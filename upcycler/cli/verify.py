@@ -17,12 +17,13 @@ from pathlib import Path
 
 import click
 
+from upcycler.cli.path_type import LOCAL_PATH
 from upcycler.verify import MAX_BATCH, MAX_TOKENS, NOISE_FACTOR, check_options, compare, format_stats, verdict
 
 
 @click.command("verify")
-@click.argument("a", type=click.Path(path_type=Path))
-@click.argument("b", type=click.Path(path_type=Path))
+@click.argument("a", type=LOCAL_PATH)
+@click.argument("b", type=LOCAL_PATH)
 @click.option(
     "--tolerance", type=float, default=None,
     help=f"Largest max |Δlogits| that passes, absolute (default: {NOISE_FACTOR:g} × A's measured fp32 noise floor).",

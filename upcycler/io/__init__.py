@@ -17,6 +17,7 @@ from typing import Any
 from upcycler.errors import UpcyclerError
 from upcycler.io.checkpoint import SIDE_FILES, Checkpoint
 from upcycler.io.manifest import MANIFEST
+from upcycler.locations import hub_id_hint
 from upcycler.untrusted import shown_path
 
 __all__ = ["MANIFEST", "SIDE_FILES", "Checkpoint", "detect_format", "read_checkpoint", "write_checkpoint"]
@@ -25,7 +26,7 @@ __all__ = ["MANIFEST", "SIDE_FILES", "Checkpoint", "detect_format", "read_checkp
 def detect_format(path: Path) -> str:
     """"hf" for a directory with config.json, "orbax" for one written by our Orbax writer."""
     if not path.exists():
-        raise UpcyclerError(f"{shown_path(path)}: no such directory; check the path")
+        raise UpcyclerError(f"{shown_path(path)}: no such directory; check the path{hub_id_hint(path)}")
     if not path.is_dir():
         raise UpcyclerError(f"{shown_path(path)}: not a directory; pass the checkpoint directory, not a file "
                             "inside it")

@@ -1,0 +1,104 @@
+"""Locations that are not local paths: refused in one line, never taken as a relative local path.
+
+Until object storage and Hub sources are supported, `gs://b/run` given anywhere a path goes must not
+become the local directory `gs:/b/run` (a run would write hours of checkpoints onto a VM's disk). Every
+command's path arguments and options, every path of a training config (also through `--set`),
+`prepare-data --source` and `--experts-from` are tried: exit 2, one `error:` line naming the argument or
+option and the scheme, nothing created in the working directory. A missing relative path that reads as
+a Hub id (`org/name`) says how to fetch it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trainer_fixtures as F
+from cli_helpers import assert_clean_failure, run_cli
+
+from upcycler.errors import UpcyclerError
+from upcycler.locations import hub_id_hint, local_path, url_scheme
+
+GS = "gs://bkt/some/dir"
+
+
+@pytest.mark.parametrize(("text", "scheme"), [("gs://b/x", "gs"), ("S3://b", "s3"), ("hf://org/name@main", "hf"),
+                                               ("https://huggingface.co/org/name", "https"), ("file:///tmp/x", "file"),
+                                               ("org/name", None), ("./gs:/x", None), ("gs:/b", None),
+                                               ("/abs/path", None), ("3d://x", None)])
+def test_url_scheme(text, scheme):
+    assert url_scheme(text) == scheme
+
+
+def test_local_paths_pass_unchanged_and_urls_name_their_option():
+    assert local_path("runs/cpt", "run_dir") == Path("runs/cpt")
+    assert local_path(Path("gs:/x"), "run_dir") == Path("gs:/x")  # already a Path: the caller made it local
+    with pytest.raises(UpcyclerError, match=r"^run_dir: 'gs://b/r': gs:// locations are not supported yet"):
+        local_path("gs://b/r", "run_dir")
+
+
+@pytest.mark.parametrize(("path", "hinted"), [("kakaocorp/kanana-nano-2.1b-base", True), ("org/name", True),
+                                               ("/org/name", False), ("org/na me", False), ("a/b/c", False),
+                                               ("model", False)])
+def test_hub_id_hint(path, hinted):
+    hint = hub_id_hint(Path(path))
+    assert bool(hint) == hinted
+    if hinted:
+        assert f"huggingface-cli download {path} --local-dir DIR" in hint
+
+
+COMMANDS = {  # case: (argv with the URL in one path position, what the error line names)
+    "inspect": (["inspect", GS], "PATH"),
+    "convert-src": (["convert", GS, "out"], "SRC"),
+    "convert-dst": (["convert", "{model}", GS], "DST"),
+    "depth-src": (["depth", "hf://org/name", "out", "--layers", "6"], "SRC"),
+    "dense-to-moe-out": (["dense-to-moe", "{model}", GS, "--experts", "4", "--topk", "2"], "OUT"),
+    "experts-from": (["dense-to-moe", "{model}", "out", "--experts", "4", "--topk", "2", "--experts-from",
+                      f"a={GS}", "--experts-from", "b={model}"], "upcycle dense-to-moe: --experts-from.a"),
+    "run-recipe": (["run", GS], "RECIPE"),
+    "merge-input": (["merge", "{model}", GS, "out"], "PATHS"),
+    "merge-out": (["merge", "{model}", "{model}", GS], "OUT"),
+    "merge-base": (["merge", "{model}", "{model}", "out", "--base", GS, "--method", "task_arithmetic"], "--base"),
+    "verify": (["verify", "{model}", GS], "B"),
+    "eval": (["eval", GS, "--task", "needle"], "MODEL"),
+    "eval-vs": (["eval", "{model}", "--task", "needle", "--vs", GS], "--vs"),
+    "push": (["push", GS, "org/name"], "DIR"),
+    "prepare-data-out": (["prepare-data", "--tokenizer", "{tokenizer}", "--out", GS, "--source", "a=x.txt"], "--out"),
+    "prepare-data-source": (["prepare-data", "--tokenizer", "{tokenizer}", "--out", "data", "--source",
+                             "web=gs://bkt/web/*.jsonl"], "--source web"),
+    "report": (["report", GS], "RUN_DIR"),
+    "report-out": (["report", "run", "--out", GS], "--out"),
+    "demo-out": (["demo", "--out", GS], "--out"),
+}
+
+
+@pytest.mark.parametrize("case", COMMANDS)
+def test_every_command_refuses_a_url_where_a_path_goes(case, tiny_dir, ws, tmp_path, monkeypatch):
+    argv, names = COMMANDS[case]
+    given = {"{model}": str(tiny_dir("llama")), "{tokenizer}": str(ws["tokenizer"])}
+    monkeypatch.chdir(tmp_path)
+    proc = run_cli(*[given.get(a, a).replace("{model}", given["{model}"]) for a in argv], check=False)
+    line = assert_clean_failure(proc, mentions="locations are not supported yet")
+    assert line.startswith(f"error: {names}"), line
+    assert list(tmp_path.iterdir()) == [], "nothing may be created in the working directory"
+
+
+@pytest.mark.parametrize("key", ["run_dir", "model.init", "data.dir", "model.tokenizer"])
+@pytest.mark.parametrize("how", ["file", "--set"])
+def test_training_config_paths_refuse_urls(ws, key, how, tmp_path, monkeypatch):
+    cfg = F.config_dict(tmp_path / "local", ws["moe"], ws["data"], steps=2)
+    value = "gs://bkt/runs/cpt"
+    if how == "file":
+        cfg = F.config_dict(tmp_path / "local", ws["moe"], ws["data"], steps=2, **{key: value})
+    path = F.write_config(tmp_path / "train.yaml", cfg)
+    monkeypatch.chdir(tmp_path)
+    extra = ["--set", f"{key}={value}"] if how == "--set" else []
+    proc = run_cli("continued-pretrain", "--config", path, *extra, check=False)
+    line = assert_clean_failure(proc, mentions=f"{key.split('.')[-1]}: 'gs://bkt/runs/cpt': gs:// locations")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.yaml"], line  # no local gs:, no run dir
+
+
+def test_a_missing_hub_id_says_how_to_fetch_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    proc = run_cli("inspect", "kakaocorp/kanana-nano-2.1b-base", check=False)
+    assert_clean_failure(proc, mentions="huggingface-cli download kakaocorp/kanana-nano-2.1b-base --local-dir DIR")

@@ -1,0 +1,49 @@
+"""What kind of location a user's path names: a local path, a URL (object storage, the Hub), or a Hub id.
+
+Every path a user gives (a CLI argument, a path in a training config) is checked here before anything
+opens it. Today the tool reads and writes local paths only, so a URL is refused in one line that says so
+and how to proceed, instead of being taken as a relative local path (`gs://b/run` would otherwise become
+the local directory `gs:/b/run`, and a run would train for hours onto a disk that disappears with the
+VM). A path that does not exist and looks like a Hub id (`org/name`) gets a hint on how to fetch it.
+
+What this module preserves: a local path is returned unchanged (`Path(text)`).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from upcycler.errors import UpcyclerError
+from upcycler.untrusted import describe
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def url_scheme(text: str) -> str | None:
+    """The scheme of `text` when it is a URL (`gs`, `s3`, `hf`, `https`, …), else None."""
+    found = _URL.match(text)
+    return found.group(1).lower() if found else None
+
+
+def local_path(text: str | Path, what: str) -> Path:
+    """`text` as a local path; a URL is refused naming `what` (the option or argument it was given as)."""
+    if isinstance(text, Path):
+        return text
+    scheme = url_scheme(text)
+    if scheme is not None:
+        raise UpcyclerError(
+            f"{what}: {describe(text)}: {scheme}:// locations are not supported yet, only local paths; use a "
+            f"local directory (fetch inputs with `gcloud storage cp -r` or `huggingface-cli download NAME "
+            f"--local-dir DIR`, copy outputs afterwards)")
+    return Path(text)
+
+
+def hub_id_hint(path: Path) -> str:
+    """For a missing `path` that reads as a Hub id (`org/name`, relative), a hint on fetching it; else ''."""
+    text = str(path)
+    if path.is_absolute() or not _HUB_ID.match(text) or text.startswith("."):
+        return ""
+    return (f" (if {text} is a Hugging Face Hub id: sources are local directories for now; "
+            f"`huggingface-cli download {text} --local-dir DIR` fetches it)")
