@@ -5,8 +5,9 @@ activations: passkey prompts of 4k and 8k tokens built by `upcycle eval`'s needl
 JAX model with dense attention and with FlexPrefill (γ = 0.95, τ = 0.1, blocks of 128, min budget 1024 —
 the official settings for Llama-class models), fp32. Per prompt: the last token's KL(dense‖sparse) < 1e-2
 and the same top-1; over the prompts, sparse retrieves the key for at least as many prompts as dense, less
-one. The default is 2 prompts per length (about 8 minutes on 2 cores: an 8k prompt takes 1.5 minutes
-dense); UPCYCLER_NEEDLE_PROMPTS=20 runs the full protocol of 20 prompts per length.
+one. The default is 2 prompts per length (about 7 minutes alone on 2 cores, 14 beside the suite's other
+worker: an 8k prompt takes about 1 minute dense and 1.5 with FlexPrefill, whose gathers cost more on CPU
+than the blocks they skip); UPCYCLER_NEEDLE_PROMPTS=20 runs the full protocol of 20 prompts per length.
 
 At 4k this model's selection keeps more than half of the causal blocks in every layer, so FlexPrefill runs
 dense there (its `dense_above` fallback) and must equal dense; at 8k it computes most layers sparsely.
