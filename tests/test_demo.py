@@ -26,6 +26,16 @@ def test_demo_runs_end_to_end(tmp_path):
     assert list((out / "run" / "report").glob("*.png"))
     lineage = [step["step"] for step in json.loads((out / "final-hf" / "upcycler.json").read_text())["lineage"]]
     assert "merge" in lineage
+    # run again over it with --overwrite: every step replaces its output and the training starts afresh
+    run_cli("demo", "--out", out, "--steps", "3", "--overwrite", timeout=900)
+    metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == [0, 1, 2]  # a new run, not the old one continued
+
+
+def test_demo_steps_too_few_for_its_schedule_are_refused(tmp_path):
+    proc = run_cli("demo", "--out", tmp_path / "demo", "--steps", "2", check=False)
+    assert_clean_failure(proc, mentions="--steps")
+    assert not (tmp_path / "demo").exists()
 
 
 def test_demo_refuses_existing_output(tmp_path):

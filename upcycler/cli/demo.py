@@ -12,6 +12,7 @@ package.
 from __future__ import annotations
 
 import shlex
+import shutil
 import time
 from importlib import resources
 from pathlib import Path
@@ -90,7 +91,8 @@ def _generate(hf_dir: Path, prompt: str) -> None:
 @click.command("demo")
 @click.option("--out", type=LOCAL_PATH, default=Path("upcycler-demo"), show_default=True,
               help="Where every artefact of the demo goes.")
-@click.option("--steps", type=int, default=60, show_default=True, help="Continued-pretraining steps.")
+@click.option("--steps", type=click.IntRange(min=3), default=60, show_default=True,
+              help="Continued-pretraining steps (at least 3: a warmup, a constant and a cosine phase).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --out.")
 def command(out: Path, steps: int, overwrite: bool) -> None:
     """Upcycle the bundled dense Llama into a MoE, verify it, train it, merge, export and plot."""
@@ -115,7 +117,9 @@ def command(out: Path, steps: int, overwrite: bool) -> None:
           *[a for name in ("code", "prose", "math") for a in ("--source", f"{name}={corpus / f'{name}.train.jsonl'}")],
           *force])
     config = _train_config(out, moe, steps, run_dir)
-    _run(["continued-pretrain", "--config", str(config), *force])
+    if overwrite and run_dir.exists():
+        shutil.rmtree(run_dir)  # a fresh run: the earlier demo's checkpoints would be refused as another run's
+    _run(["continued-pretrain", "--config", str(config)])
     _run(["merge", str(run_dir), str(merged), "--last", "3", "--method", "ema", "--to", "orbax", *force])
     _run(["convert", str(merged), str(hf), "--to", "hf", *force])
     _generate(hf, "def main(")
