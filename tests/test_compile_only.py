@@ -10,7 +10,9 @@ the report's own code), and against the compiler's argument size where the compi
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -50,8 +52,12 @@ def expected_bytes(model_dir, fsdp: int) -> tuple[int, int]:
 
 
 def compile_report(config, *args, env=None, check=True):
-    proc = run_cli("continued-pretrain", "--config", config, "--compile-only", "--json", *args, env=env,
-                   check=False, timeout=900)
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-m", "upcycler", "continued-pretrain", "--config", str(config),
+         "--compile-only", "--json", *map(str, args)],
+        capture_output=True, text=True, timeout=900, env=full_env, check=False,
+    )
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, (json.loads(proc.stdout.strip().splitlines()[-1]) if proc.stdout.strip() else None)

@@ -13,6 +13,7 @@ from upcycler.cli import main
 from upcycler.errors import UpcyclerError
 from upcycler.train.config import OptimizerConfig, SchedulePhase, TrainConfig, load_config
 from upcycler.train.loop.optim import make_schedule
+from upcycler.train.loop.preflight import resumes
 
 
 def test_config_round_trip_and_overrides(ws, tmp_path):
@@ -126,11 +127,23 @@ def test_devices_that_do_not_split_the_batch_are_refused(ws, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_run_dir_with_checkpoints_needs_resume(ws, tmp_path):
+def test_resume_modes_decide_from_the_committed_checkpoints(ws, tmp_path):
+    """auto (the default) resumes exactly when run_dir holds a checkpoint; always (a bare --resume) needs
+    one; never refuses one. The refusals happen before anything is written."""
+    full = F.config_dict(tmp_path, ws["dense"], ws["data"])
     (tmp_path / "run" / "4").mkdir(parents=True)
-    path = F.write_config(tmp_path / "train.yaml", F.config_dict(tmp_path, ws["dense"], ws["data"]))
-    result = CliRunner().invoke(main, ["continued-pretrain", "--config", str(path)])
-    assert result.exit_code == 2 and "pass --resume" in result.stderr
-    fresh = F.write_config(tmp_path / "fresh.yaml", F.config_dict(tmp_path / "new", ws["dense"], ws["data"]))
-    result = CliRunner().invoke(main, ["continued-pretrain", "--config", str(fresh), "--resume"])
+    fresh = F.config_dict(tmp_path / "new", ws["dense"], ws["data"])
+    config = TrainConfig.from_dict(full)
+    assert resumes(config, "auto") and resumes(config, "always") and not resumes(config, "never")
+    config = TrainConfig.from_dict(fresh)
+    assert not resumes(config, "auto") and resumes(config, "always") and not resumes(config, "never")
+
+    path = F.write_config(tmp_path / "train.yaml", full)
+    result = CliRunner().invoke(main, ["continued-pretrain", "--config", str(path), "--resume", "never"])
+    assert result.exit_code == 2 and "holds checkpoints of an earlier run" in result.stderr
+    path = F.write_config(tmp_path / "fresh.yaml", fresh)
+    result = CliRunner().invoke(main, ["continued-pretrain", "--config", str(path), "--resume"])
     assert result.exit_code == 2 and "no checkpoint to resume from" in result.stderr
+    assert not (tmp_path / "new").exists()
+    result = CliRunner().invoke(main, ["continued-pretrain", "--config", str(path), "--resume", "sometimes"])
+    assert result.exit_code == 2 and "'sometimes' is not one of 'auto', 'always', 'never'" in result.stderr

@@ -56,7 +56,7 @@ def test_run_killed_at_a_random_step_resumes_bit_identically(ws, cache, tmp_path
     proc.communicate()
     killed_at = max(committed_steps(run_dir))
     assert logged < STEPS - 1 and killed_at < STEPS, f"the run was not interrupted (kill at step {kill_at})"
-    resumed = F.run_cli("continued-pretrain", "--config", path, "--resume")
+    resumed = F.run_cli("continued-pretrain", "--config", path)  # the same command: --resume auto continues
     assert f"finished at step {STEPS}" in resumed.stdout
 
     reference = F.step_params(tmp_path / "reference" / "run" / str(STEPS))

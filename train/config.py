@@ -86,6 +86,8 @@ _FIX = "fix the config (or the flag that sets it)"
 _STEPS = Range(1, MAX_STEP)
 _NON_NEGATIVE = Range(0, None)
 
+RESUME_MODES = ("auto", "always", "never")  # `continued-pretrain --resume`: see loop.preflight.resumes
+
 
 @dataclass(frozen=True)
 class ModelConfig:

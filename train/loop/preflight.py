@@ -20,7 +20,7 @@ from upcycler.io.checkpoint import Checkpoint
 from upcycler.io.hashing import sha256_file
 from upcycler.io.staging import overlap
 from upcycler.spec import ModelSpec
-from upcycler.train.config import TrainConfig
+from upcycler.train.config import RESUME_MODES, TrainConfig
 from upcycler.train.data.sources import open_source
 from upcycler.train.loop import trainable
 from upcycler.train.techniques.init_merge import parse_init_merge, plan_init_merge
@@ -41,6 +41,9 @@ class RunInputs:
 def prepare(config: TrainConfig, resume: bool) -> RunInputs:
     """All file checks of a run (no devices, no tensor bytes): raises `UpcyclerError` on the first problem."""
     refuse_run_dir_overlap(config)
+    if config.model.init_from_merge is not None:  # also on a resume: run_dir is never a merge source
+        for source in parse_init_merge(config.model.init_from_merge)[0]:
+            refuse_overlap(config.run_dir, source, "model.init_from_merge")
     if os.path.lexists(config.run_dir) and not config.run_dir.is_dir():
         raise UpcyclerError(
             f"{shown_path(config.run_dir)}: run_dir is not a directory; choose another run_dir"
@@ -70,18 +73,19 @@ def prepare(config: TrainConfig, resume: bool) -> RunInputs:
     has_steps = bool(committed_steps(config.run_dir))
     if has_steps and not resume:
         raise UpcyclerError(
-            f"{shown_path(config.run_dir)}: holds checkpoints of an earlier run; pass --resume or use a new "
-            "run_dir"
+            f"{shown_path(config.run_dir)}: holds checkpoints of an earlier run; continue it (--resume auto, "
+            "the default) or use a new run_dir"
         )
     if resume and not has_steps:
         raise UpcyclerError(
-            f"{shown_path(config.run_dir)}: no checkpoint to resume from; drop --resume to start a new run"
+            f"{shown_path(config.run_dir)}: no checkpoint to resume from; use --resume auto (the default) to "
+            "start a new run"
         )
     _check_balancing(config, init.spec)
     merged = None
     if config.model.init_from_merge is not None and not resume:
         merged = plan_init_merge(config.model.init_from_merge, init.spec)
-        for source in (*merged.inputs, *parse_init_merge(config.model.init_from_merge)[0]):
+        for source in merged.inputs:
             refuse_overlap(config.run_dir, source, "model.init_from_merge")
     lineage = tuple((merged or init).lineage)
     trainable.check(config.optimizer.trainable, init.spec, lineage)  # before a run directory exists
@@ -114,6 +118,15 @@ def _check_balancing(config: TrainConfig, spec: ModelSpec) -> None:
             f"router's selection bias, but this {spec.family} model has none (GLM-4-MoE and DeepSeek-V3 "
             "routers have one: upcycle with --target glm4_moe); set loss.bias_update_rate to 0 or use lb_coef"
         )
+
+
+def resumes(config: TrainConfig, mode: str) -> bool:
+    """Whether a run started with `--resume MODE` continues from run_dir's newest committed checkpoint:
+    `auto` when there is one, `always` and `never` as they say (`prepare` refuses the run_dir that
+    contradicts them)."""
+    if mode not in RESUME_MODES:
+        raise UpcyclerError(f"--resume {mode}: use one of {', '.join(RESUME_MODES)}")
+    return mode == "always" or (mode == "auto" and bool(committed_steps(config.run_dir)))
 
 
 def refuse_run_dir_overlap(config: TrainConfig) -> None:

@@ -26,7 +26,14 @@ from upcycler.cli.transforms import click_option
 from upcycler.errors import UpcyclerError
 from upcycler.schema import options
 from upcycler.train.aot.topology import parse_slice
-from upcycler.train.config import DistributedConfig, MetricsConfig, ModelSection, TrainConfig, load_config
+from upcycler.train.config import (
+    RESUME_MODES,
+    DistributedConfig,
+    MetricsConfig,
+    ModelSection,
+    TrainConfig,
+    load_config,
+)
 from upcycler.units import parse_size
 
 MAX_HBM_BUDGET = 1 << 50  # --hbm-budget: 1 PiB per device, far beyond any accelerator
@@ -64,7 +71,11 @@ def config_options(fn: Callable) -> Callable:
     type=LOCAL_PATH,
     help="Training config (YAML); see upcycler.train.config for the schema.",
 )
-@click.option("--resume", is_flag=True, help="Continue from the latest checkpoint in run_dir.")
+@click.option("--resume", "resume_mode", type=click.Choice(RESUME_MODES), default="auto", show_default=True,
+              is_flag=False, flag_value="always",
+              help="auto: continue from the newest checkpoint in run_dir if it holds one, else start (the same "
+                   "command starts a run and restarts it after a preemption); always (a bare --resume): there "
+                   "must be a checkpoint; never: run_dir must hold none.")
 @config_options
 @click.option(
     "--set",
@@ -82,7 +93,7 @@ def config_options(fn: Callable) -> Callable:
 @click.option("--hbm-budget", metavar="SIZE", help="With --compile-only: the memory one device has (e.g. 16GiB), "
                                                    "instead of the chip's usable HBM.")
 @click.option("--json", "as_json", is_flag=True, help="With --compile-only: print the report as one JSON line.")
-def command(config_path: Path, resume: bool, sets: tuple[str, ...], compile_only: bool, topology: str | None,
+def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_only: bool, topology: str | None,
             hbm_budget: str | None, as_json: bool, **flags: Any) -> None:
     """Continue pretraining a dense or upcycled MoE checkpoint on prepared data; checkpoints go to run_dir."""
     keys = _flags()
@@ -90,8 +101,9 @@ def command(config_path: Path, resume: bool, sets: tuple[str, ...], compile_only
     if compile_only or topology or hbm_budget or as_json:
         _compile_only(config, compile_only, topology, hbm_budget, as_json)
         return
-    from upcycler.train.loop.preflight import prepare
+    from upcycler.train.loop.preflight import prepare, resumes
 
+    resume = resumes(config, resume_mode)
     checked = prepare(config, resume)
     from upcycler.train.loop.trainer import train
 
