@@ -6,6 +6,11 @@ its pytest-xdist workers and every `upcycle` subprocess they start share compile
 that starts the run makes the directory; workers (`PYTEST_XDIST_WORKER`) inherit its path. Identical
 programs give identical executables: it saves compile time and changes no result.
 
+Remote locations: the process that starts the run starts one loopback Cloud Storage emulator
+(`gcs_emulator.py`) and points `STORAGE_EMULATOR_HOST` at it, and points `HF_ENDPOINT` at a closed
+loopback port unless a test names its own Hub server: no gs:// URL and no Hub id of any test, forgotten
+or not, can reach the network.
+
 Fixtures: `tiny_dir` (tiny Hugging Face models per family, built once per argument set), `ws` (the
 trainer's workspace: tokenizer, prepared data, tiny dense and MoE checkpoints, built once) and `cache`
 (the run's compilation cache directory, for tests that name it).
@@ -31,6 +36,14 @@ else:
 os.environ.update(UPCYCLER_TEST_JAX_CACHE=str(JAX_CACHE), JAX_COMPILATION_CACHE_DIR=str(JAX_CACHE),
                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
+import gcs_emulator
+
+if not IS_WORKER:
+    EMULATOR, os.environ["STORAGE_EMULATOR_HOST"] = gcs_emulator.start()
+    os.environ["UPCYCLER_CACHE"] = tempfile.mkdtemp(prefix="upcycler-tests-cache-")  # bucket mirrors, staging
+os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens, refused at once
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
 import trainer_fixtures  # after the cache is set: it imports JAX
 from tiny_models import make_tiny
 
@@ -50,6 +63,8 @@ def pytest_collection_modifyitems(config, items) -> None:
 def pytest_sessionfinish(session, exitstatus) -> None:
     if not IS_WORKER:  # the workers' sessions end before the run's
         shutil.rmtree(JAX_CACHE, ignore_errors=True)
+        gcs_emulator.stop(EMULATOR)
+        shutil.rmtree(os.environ["UPCYCLER_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,13 @@
-"""Locations that are not local paths: refused in one line, never taken as a relative local path.
+"""Locations a path cannot take: refused in one line, never taken as a relative local path.
 
-Until object storage and Hub sources are supported, `gs://b/run` given anywhere a path goes must not
-become the local directory `gs:/b/run` (a run would write hours of checkpoints onto a VM's disk). Every
-command's path arguments and options, every path of a training config (also through `--set`),
-`prepare-data --source` and `--experts-from` are tried: exit 2, one `error:` line naming the argument or
-option and the scheme, nothing created in the working directory. A missing relative path that reads as
-a Hub id (`org/name`) says how to fetch it.
+A URL where only a local path goes (`gs://b/run` as a training config's run_dir, a recipe, prepared data,
+a report) must not become the local directory `gs:/b/run` (a run would write hours of checkpoints onto a
+VM's disk); nor may a scheme the tool does not speak (`s3://`, `https://`) where model sources and
+outputs take gs:// and Hub ids (`test_remote_locations.py`). Every command's path arguments and options,
+every path of a training config (also through `--set`), `prepare-data --source` and `--experts-from` are
+tried: exit 2, one `error:` line naming the argument or option and the scheme, nothing created in the
+working directory. A missing relative path that reads as a Hub id (`org/name`) is looked up on the Hub
+(here: a closed loopback endpoint) and the failure says so.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from upcycler.errors import UpcyclerError
 from upcycler.locations import hub_id_hint, local_path, url_scheme
 
 GS = "gs://bkt/some/dir"
+S3 = "s3://bkt/some/dir"  # for the model sources and outputs, which take gs://
 
 
 @pytest.mark.parametrize(("text", "scheme"), [("gs://b/x", "gs"), ("S3://b", "s3"), ("hf://org/name@main", "hf"),
@@ -33,7 +36,7 @@ def test_url_scheme(text, scheme):
 def test_local_paths_pass_unchanged_and_urls_name_their_option():
     assert local_path("runs/cpt", "run_dir") == Path("runs/cpt")
     assert local_path(Path("gs:/x"), "run_dir") == Path("gs:/x")  # already a Path: the caller made it local
-    with pytest.raises(UpcyclerError, match=r"^run_dir: 'gs://b/r': gs:// locations are not supported yet"):
+    with pytest.raises(UpcyclerError, match=r"^run_dir: 'gs://b/r': gs:// locations are not supported here"):
         local_path("gs://b/r", "run_dir")
 
 
@@ -48,21 +51,21 @@ def test_hub_id_hint(path, hinted):
 
 
 COMMANDS = {  # case: (argv with the URL in one path position, what the error line names)
-    "inspect": (["inspect", GS], "PATH"),
-    "convert-src": (["convert", GS, "out"], "SRC"),
-    "convert-dst": (["convert", "{model}", GS], "DST"),
-    "depth-src": (["depth", "hf://org/name", "out", "--layers", "6"], "SRC"),
-    "dense-to-moe-out": (["dense-to-moe", "{model}", GS, "--experts", "4", "--topk", "2"], "OUT"),
+    "inspect": (["inspect", S3], "PATH"),
+    "convert-src": (["convert", S3, "out"], "SRC"),
+    "convert-dst": (["convert", "{model}", S3], "DST"),
+    "depth-src": (["depth", "https://huggingface.co/org/name", "out", "--layers", "6"], "SRC"),
+    "dense-to-moe-out": (["dense-to-moe", "{model}", S3, "--experts", "4", "--topk", "2"], "OUT"),
     "experts-from": (["dense-to-moe", "{model}", "out", "--experts", "4", "--topk", "2", "--experts-from",
-                      f"a={GS}", "--experts-from", "b={model}"], "upcycle dense-to-moe: --experts-from.a"),
+                      f"a={S3}", "--experts-from", "b={model}"], "upcycle dense-to-moe: --experts-from.a"),
     "run-recipe": (["run", GS], "RECIPE"),
-    "merge-input": (["merge", "{model}", GS, "out"], "PATHS"),
-    "merge-out": (["merge", "{model}", "{model}", GS], "OUT"),
-    "merge-base": (["merge", "{model}", "{model}", "out", "--base", GS, "--method", "task_arithmetic"], "--base"),
-    "verify": (["verify", "{model}", GS], "B"),
-    "eval": (["eval", GS, "--task", "needle"], "MODEL"),
-    "eval-vs": (["eval", "{model}", "--task", "needle", "--vs", GS], "--vs"),
-    "push": (["push", GS, "org/name"], "DIR"),
+    "merge-input": (["merge", "{model}", S3, "out"], "PATHS"),
+    "merge-out": (["merge", "{model}", "{model}", S3], "OUT"),
+    "merge-base": (["merge", "{model}", "{model}", "out", "--base", S3, "--method", "task_arithmetic"], "--base"),
+    "verify": (["verify", "{model}", S3], "B"),
+    "eval": (["eval", S3, "--task", "needle"], "MODEL"),
+    "eval-vs": (["eval", "{model}", "--task", "needle", "--vs", S3], "--vs"),
+    "push": (["push", S3, "org/name"], "DIR"),
     "prepare-data-out": (["prepare-data", "--tokenizer", "{tokenizer}", "--out", GS, "--source", "a=x.txt"], "--out"),
     "prepare-data-source": (["prepare-data", "--tokenizer", "{tokenizer}", "--out", "data", "--source",
                              "web=gs://bkt/web/*.jsonl"], "--source web"),
@@ -78,7 +81,7 @@ def test_every_command_refuses_a_url_where_a_path_goes(case, tiny_dir, ws, tmp_p
     given = {"{model}": str(tiny_dir("llama")), "{tokenizer}": str(ws["tokenizer"])}
     monkeypatch.chdir(tmp_path)
     proc = run_cli(*[given.get(a, a).replace("{model}", given["{model}"]) for a in argv], check=False)
-    line = assert_clean_failure(proc, mentions="locations are not supported yet")
+    line = assert_clean_failure(proc, mentions="locations are not supported here")
     assert line.startswith(f"error: {names}"), line
     assert list(tmp_path.iterdir()) == [], "nothing may be created in the working directory"
 
@@ -98,7 +101,10 @@ def test_training_config_paths_refuse_urls(ws, key, how, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.yaml"], line  # no local gs:, no run dir
 
 
-def test_a_missing_hub_id_says_how_to_fetch_it(tmp_path, monkeypatch):
+def test_a_missing_local_path_that_reads_as_a_hub_id_is_looked_up_on_the_hub(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    proc = run_cli("inspect", "kakaocorp/kanana-nano-2.1b-base", check=False)
-    assert_clean_failure(proc, mentions="huggingface-cli download kakaocorp/kanana-nano-2.1b-base --local-dir DIR")
+    proc = run_cli("inspect", "kakaocorp/kanana-nano-2.1b-base", check=False, timeout=120)
+    line = assert_clean_failure(proc, mentions="kakaocorp/kanana-nano-2.1b-base: no such local directory, and "
+                                              "not in the HF cache")
+    assert "the Hub cannot be reached" in line
+    assert list(tmp_path.iterdir()) == []

@@ -33,6 +33,7 @@ import numpy as np
 from upcycler.errors import UpcyclerError
 from upcycler.io.checkpoint import Checkpoint
 from upcycler.io.manifest import read_manifest
+from upcycler.locations import recorded_location
 from upcycler.merge import field_value, first_difference
 from upcycler.spec import LIMITS_ENV, ModelSpec, limits_on
 from upcycler.summary import expert_runs
@@ -71,7 +72,7 @@ class Sources:
 
     def lineage(self) -> dict[str, Any]:
         """What the lineage step records: every source with its own lineage, and each expert's source."""
-        return {"sources": [{"name": n, "source": str(c.source), "lineage": list(c.lineage)}
+        return {"sources": [{"name": n, "source": recorded_location(c.source), "lineage": list(c.lineage)}
                             for n, c in zip(self.names, self.checkpoints)],
                 "expert_sources": [self.names[k] for k in self.expert_source]}
 

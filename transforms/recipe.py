@@ -25,6 +25,7 @@ from typing import Any
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.hf_write import DEFAULT_SHARD_SIZE
+from upcycler.locations import recorded_location
 from upcycler.schema import options
 from upcycler.transforms.registry import Transform, config_dict, transform_named
 from upcycler.units import parse_size
@@ -77,7 +78,7 @@ class Recipe:
     output: Output
 
     def to_dict(self) -> dict[str, Any]:
-        return {"source": str(self.source), "transforms": [s.to_dict() for s in self.steps],
+        return {"source": recorded_location(self.source), "transforms": [s.to_dict() for s in self.steps],
                 "output": self.output.to_dict()}
 
 

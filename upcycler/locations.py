@@ -1,10 +1,12 @@
 """What kind of location a user's path names: a local path, a URL (object storage, the Hub), or a Hub id.
 
 Every path a user gives (a CLI argument, a path in a training config) is checked here before anything
-opens it. Today the tool reads and writes local paths only, so a URL is refused in one line that says so
-and how to proceed, instead of being taken as a relative local path (`gs://b/run` would otherwise become
-the local directory `gs:/b/run`, and a run would train for hours onto a disk that disappears with the
-VM). A path that does not exist and looks like a Hub id (`org/name`) gets a hint on how to fetch it.
+opens it. Where a path must be local (the CLI's `LOCAL_PATH` arguments, the paths of a training config
+or a recipe), a URL is refused in one line that says so and how to proceed, instead of being taken as a
+relative local path (`gs://b/run` would otherwise become the local directory `gs:/b/run`, and a run would
+train for hours onto a disk that disappears with the VM). Model sources and outputs of the CLI take
+bucket URLs and Hub ids (`upcycler.cli.path_type`). A missing local path that looks like a Hub id
+(`org/name`) gets a hint on how to fetch it.
 
 What this module preserves: a local path is returned unchanged (`Path(text)`).
 """
@@ -34,7 +36,7 @@ def local_path(text: str | Path, what: str) -> Path:
     scheme = url_scheme(text)
     if scheme is not None:
         raise UpcyclerError(
-            f"{what}: {describe(text)}: {scheme}:// locations are not supported yet, only local paths; use a "
+            f"{what}: {describe(text)}: {scheme}:// locations are not supported here, only local paths; use a "
             f"local directory (fetch inputs with `gcloud storage cp -r` or `huggingface-cli download NAME "
             f"--local-dir DIR`, copy outputs afterwards)")
     return Path(text)
@@ -45,5 +47,19 @@ def hub_id_hint(path: Path) -> str:
     text = str(path)
     if path.is_absolute() or not _HUB_ID.match(text) or text.startswith("."):
         return ""
-    return (f" (if {text} is a Hugging Face Hub id: sources are local directories for now; "
+    return (f" (if {text} is a Hugging Face Hub id: this path must be a local directory; "
             f"`huggingface-cli download {text} --local-dir DIR` fetches it)")
+
+
+_ORIGINS: dict[str, str] = {}
+
+
+def remember_origin(local: Path, origin: str) -> None:
+    """Record, for this process, that the local directory `local` is a copy of the remote `origin`
+    (a bucket mirror, a Hub snapshot), so that lineage names the origin, not the cache."""
+    _ORIGINS[str(local)] = origin
+
+
+def recorded_location(path: Path | str) -> str:
+    """How a source is recorded in a manifest's lineage: its remote origin when it is a copy of one."""
+    return _ORIGINS.get(str(path), str(path))

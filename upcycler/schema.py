@@ -31,7 +31,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from upcycler.errors import UpcyclerError
-from upcycler.locations import local_path
+from upcycler.locations import local_path, recorded_location
 from upcycler.untrusted import describe, integer, real
 
 INT64 = (-(2**63), 2**63 - 1)  # the widest integer any option takes without a range of its own
@@ -150,7 +150,8 @@ def check_value(opt: Option, value: Any, where: str, *, name: str | None = None,
 
 
 def to_plain(value: Any) -> Any:
-    """Plain YAML/JSON-able data (config keys, lists, strings for paths) that `from_mapping` reads back."""
+    """Plain YAML/JSON-able data (config keys, lists, strings for paths) that `from_mapping` reads back; a
+    local copy of a remote source is written as its origin (`upcycler.locations.recorded_location`)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {o.key or o.name: to_plain(getattr(value, o.name)) for o in options(type(value))}
     if isinstance(value, Mapping):
@@ -158,7 +159,7 @@ def to_plain(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return [to_plain(v) for v in value]
     if isinstance(value, PurePath):
-        return str(value)
+        return recorded_location(value)
     return value
 
 

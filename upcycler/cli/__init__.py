@@ -2,7 +2,8 @@
 
 Each module in `upcycler/cli/` (other than this one) defines `command`, a `click.Command` (or
 `commands`, a list of them, when the commands are generated); adding a command means adding a file.
-Heavy imports (jax, torch) happen inside the commands, so `upcycle inspect` starts fast.
+Heavy imports (jax, torch) happen inside the commands, so `upcycle inspect` starts fast. Every command is
+wrapped by `remote_locations.with_remote_locations`, so its `SOURCE`/`OUTPUT` paths may be remote.
 
 Every `UpcyclerError` and every usage error (a bad option value, a missing argument) becomes one line
 on stderr, `error: …`, with control characters escaped and the length bounded, and exit status 2, with
@@ -17,6 +18,7 @@ import sys
 
 import click
 
+from upcycler.cli.remote_locations import with_remote_locations
 from upcycler.errors import UpcyclerError
 from upcycler.train.aot.topology import quiet_libtpu_without_chips
 from upcycler.untrusted import escape
@@ -45,7 +47,7 @@ class _Group(click.Group):
             module = importlib.import_module(f"{__name__}.{info.name}")
             for cmd in (getattr(module, "command", None), *getattr(module, "commands", ())):
                 if isinstance(cmd, click.Command):
-                    self.add_command(cmd)
+                    self.add_command(with_remote_locations(cmd))
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         self._load()

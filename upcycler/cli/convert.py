@@ -18,15 +18,15 @@ from upcycler.cli.options import (
     verify_option,
     write_output,
 )
-from upcycler.cli.path_type import LOCAL_PATH
+from upcycler.cli.path_type import OUTPUT, SOURCE
 from upcycler.io import read_checkpoint
 from upcycler.io.manifest import convert_step
 from upcycler.tensors import dtype_name, parse_dtype
 
 
 @click.command("convert")
-@click.argument("src", type=LOCAL_PATH)
-@click.argument("dst", type=LOCAL_PATH)
+@click.argument("src", type=SOURCE)
+@click.argument("dst", type=OUTPUT)
 @output_options
 @verify_option
 @click.option("--weights", type=click.Choice(["params", "ema"]), default="params", show_default=True,

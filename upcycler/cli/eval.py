@@ -23,7 +23,7 @@ from typing import Any
 
 import click
 
-from upcycler.cli.path_type import LOCAL_PATH
+from upcycler.cli.path_type import LOCAL_PATH, SOURCE
 from upcycler.cli.transforms import click_option
 from upcycler.errors import UpcyclerError
 from upcycler.schema import from_mapping, options
@@ -42,12 +42,12 @@ def _prefill_options(fn):
 
 
 @click.command("eval")
-@click.argument("model", type=LOCAL_PATH)
+@click.argument("model", type=SOURCE)
 @click.argument("file", required=False, type=LOCAL_PATH)
 @click.option("--task", type=click.Choice(TASKS), required=True,
               help="needle (passkey retrieval in corpus text), perplexity (windows of --data) or prompts "
                    "(FILE: JSONL lines {\"prompt\": …, \"answer\": … (optional)}).")
-@click.option("--vs", "other", type=LOCAL_PATH, default=None,
+@click.option("--vs", "other", type=SOURCE, default=None,
               help="A second model with the same tokenizer (e.g. the dense parent), run on the same prompts.")
 @click.option("--lengths", default=None, metavar="4k,8k,…",
               help="Prompt lengths in tokens (k = 1024); needle and perplexity.")

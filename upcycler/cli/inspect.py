@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from upcycler.cli.path_type import LOCAL_PATH
+from upcycler.cli.path_type import SOURCE
 from upcycler.io import detect_format, read_checkpoint
 from upcycler.io.hf_read import read_spec, weight_files_present
 from upcycler.summary import checkpoint_summary, format_summary, spec_summary
@@ -22,7 +22,7 @@ def describe_path(path: Path) -> dict[str, Any]:
 
 
 @click.command("inspect")
-@click.argument("path", type=LOCAL_PATH)
+@click.argument("path", type=SOURCE)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
 def command(path: Path, as_json: bool) -> None:
     """Describe the checkpoint at PATH (HF or Orbax directory; a config-only HF directory works too)."""

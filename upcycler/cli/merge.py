@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from upcycler.cli.options import output_options, write_output
-from upcycler.cli.path_type import LOCAL_PATH
+from upcycler.cli.path_type import OUTPUT, SOURCE
 from upcycler.errors import UpcyclerError
 from upcycler.io import read_checkpoint
 from upcycler.io.staging import check_output
@@ -48,10 +48,10 @@ def _epilog() -> str:
 
 
 @click.command("merge", epilog=_epilog())
-@click.argument("paths", nargs=-1, required=True, type=LOCAL_PATH)
-@click.argument("out", type=LOCAL_PATH)
+@click.argument("paths", nargs=-1, required=True, type=SOURCE)
+@click.argument("out", type=OUTPUT)
 @click.option("--method", required=True, type=click.Choice(list(METHODS)), help="Merge method (see below).")
-@click.option("--base", type=LOCAL_PATH, help="Base model of the task-vector methods.")
+@click.option("--base", type=SOURCE, help="Base model of the task-vector methods.")
 @click.option("--weights", metavar="W1,W2,…", help="One weight per input (linear; scales for task methods).")
 @click.option("--no-normalize", is_flag=True, help="linear: apply --weights as given, not requiring a sum of 1.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random drops (dare-*).")

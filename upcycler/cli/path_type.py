@@ -1,4 +1,12 @@
-"""The type of every path argument and option of the CLI: a local path; a URL is refused in one line."""
+"""The types of the CLI's path arguments and options: where each may point.
+
+- `LOCAL_PATH`: a local path only (a URL is refused in one line naming the argument);
+- `SOURCE`: a local path, a bucket URL (`gs://…`) or a Hub model (`org/name`, `hf://org/name`, with
+  `@revision`), read from where it is (`upcycler.cli.remote_locations` makes the remote ones local);
+- `OUTPUT`: a local path or a bucket URL, published there when the command succeeds.
+
+Values stay text for remote locations (a `str`) and become a `Path` otherwise.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +15,33 @@ from typing import Any
 
 import click
 
+from upcycler.io.object_store import is_bucket_url
 from upcycler.locations import local_path
 
 
-class LocalPathType(click.ParamType):
-    """`upcycler.locations.local_path` of the value, naming the argument or option it was given as."""
+def option_name(param: click.Parameter | None) -> str:
+    """How an error names the argument or option `param` (`--base`, `SRC`)."""
+    if param is None:
+        return "path"
+    return param.opts[0] if param.param_type_name == "option" else param.human_readable_name
+
+
+class LocationType(click.ParamType):
+    """A path argument or option whose `role` is "local", "source" or "output" (see the module docstring)."""
 
     name = "path"
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
-        if param is None:
-            what = "path"
-        else:
-            what = param.opts[0] if param.param_type_name == "option" else param.human_readable_name
-        return local_path(value, what)
+    def __init__(self, role: str):
+        self.role = role
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
+        if isinstance(value, str) and self.role != "local" and is_bucket_url(value):
+            return value
+        if isinstance(value, str) and self.role == "source" and value.startswith("hf://"):
+            return value
+        return local_path(value, option_name(param))
 
 
-LOCAL_PATH = LocalPathType()
+LOCAL_PATH = LocationType("local")
+SOURCE = LocationType("source")
+OUTPUT = LocationType("output")

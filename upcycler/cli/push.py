@@ -17,11 +17,11 @@ from pathlib import Path
 
 import click
 
-from upcycler.cli.path_type import LOCAL_PATH
+from upcycler.cli.path_type import SOURCE
 
 
 @click.command("push")
-@click.argument("directory", metavar="DIR", type=LOCAL_PATH)
+@click.argument("directory", metavar="DIR", type=SOURCE)
 @click.argument("repo_id")
 @click.option(
     "--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility)."

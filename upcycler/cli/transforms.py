@@ -16,7 +16,8 @@ from pathlib import Path
 import click
 
 from upcycler.cli.options import echo_verification, function_check, output_options, verify_option
-from upcycler.cli.path_type import LOCAL_PATH
+from upcycler.cli.path_type import LOCAL_PATH, OUTPUT, SOURCE
+from upcycler.cli.remote_locations import SOURCE_MAPPING
 from upcycler.io.staging import check_output
 from upcycler.schema import Option
 from upcycler.transforms import TRANSFORMS
@@ -24,7 +25,7 @@ from upcycler.transforms.registry import Transform
 from upcycler.units import parse_size
 from upcycler.untrusted import describe
 
-_CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, Path: LOCAL_PATH}
+_CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, Path: SOURCE}
 _RESERVED = {"src", "out", "to", "family", "dtype", "shard_size", "overwrite", "dry_run", "as_json", "no_verify"}
 
 
@@ -50,8 +51,9 @@ def click_option(opt: Option, dest: str | None = None, *, override: bool = False
         return click.option(flag, dest, is_flag=True, default=None if override else bool(opt.default),
                             help=opt.help)
     if typing.get_origin(opt.type) in (Mapping, dict):
-        return click.option(opt.flag, dest, multiple=True, metavar=opt.metavar or "NAME=VALUE",
-                            callback=lambda ctx, param, given: _pairs(opt.flag, given), help=opt.help)
+        add = click.option(opt.flag, dest, multiple=True, metavar=opt.metavar or "NAME=VALUE",
+                           callback=lambda ctx, param, given: _pairs(opt.flag, given), help=opt.help)
+        return lambda fn: _mark_sources(add(fn), dest, typing.get_args(opt.type)[-1] is Path)
     if typing.get_origin(opt.type) is tuple:
         return click.option(opt.flag, dest, default=None, metavar=opt.metavar or "A,B,…",
                             callback=lambda ctx, param, given: _listed(given), help=opt.help)
@@ -59,6 +61,15 @@ def click_option(opt: Option, dest: str | None = None, *, override: bool = False
     default = None if override else opt.default
     return click.option(opt.flag, dest, type=kind, required=opt.required and not override, default=default,
                         show_default=default is not None, metavar=opt.metavar, help=opt.help)
+
+
+def _mark_sources(fn: Callable, dest: str, are_paths: bool) -> Callable:
+    """Mark the mapping option `dest` just added to `fn` as one whose values are sources (paths)."""
+    if are_paths:
+        for param in getattr(fn, "__click_params__", ()):
+            if param.name == dest:
+                setattr(param, SOURCE_MAPPING, True)
+    return fn
 
 
 def _pairs(flag: str, given: tuple[str, ...]) -> dict[str, str] | None:
@@ -204,8 +215,8 @@ def transform_command(t: Transform) -> click.Command:
     fn: Callable = run_options(output_options(callback))
     for info in reversed(t.options()):
         fn = _option(info)(fn)
-    fn = click.argument("out", required=False, type=LOCAL_PATH)(fn)
-    fn = click.argument("src", type=LOCAL_PATH)(fn)
+    fn = click.argument("out", required=False, type=OUTPUT)(fn)
+    fn = click.argument("src", type=SOURCE)(fn)
     pairs = tuple(o.flag for o in t.options() if typing.get_origin(o.type) in (Mapping, dict))
     return click.command(t.name, cls=_PairsCommand, pair_flags=pairs, help=t.doc, short_help=t.summary)(fn)
 

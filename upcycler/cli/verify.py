@@ -17,13 +17,13 @@ from pathlib import Path
 
 import click
 
-from upcycler.cli.path_type import LOCAL_PATH
+from upcycler.cli.path_type import SOURCE
 from upcycler.verify import MAX_BATCH, MAX_TOKENS, NOISE_FACTOR, check_options, compare, format_stats, verdict
 
 
 @click.command("verify")
-@click.argument("a", type=LOCAL_PATH)
-@click.argument("b", type=LOCAL_PATH)
+@click.argument("a", type=SOURCE)
+@click.argument("b", type=SOURCE)
 @click.option(
     "--tolerance", type=float, default=None,
     help=f"Largest max |Δlogits| that passes, absolute (default: {NOISE_FACTOR:g} × A's measured fp32 noise floor).",

@@ -25,6 +25,7 @@ from typing import Any, NotRequired, TypedDict
 
 from upcycler.errors import UpcyclerError
 from upcycler.families import family_named
+from upcycler.locations import recorded_location
 from upcycler.spec import ModelSpec
 from upcycler.untrusted import describe, load_json_object, shown_path
 
@@ -95,8 +96,9 @@ LineageStep = Mapping[str, Any]  # one of the above, or a step written by a newe
 
 
 def read_step(source: Path, fmt: str, **details: Any) -> ReadStep:
-    """A checkpoint was read from `source` in format `fmt` (details: revision, files, config_only)."""
-    return ReadStep(step="read", source=str(source), format=fmt, **details)  # type: ignore[typeddict-item]
+    """A checkpoint was read from `source` in format `fmt` (details: revision, files, config_only); a local
+    copy of a bucket or Hub source is recorded as its origin (`gs://…`, `org/name`)."""
+    return ReadStep(step="read", source=recorded_location(source), format=fmt, **details)  # type: ignore[typeddict-item]
 
 
 def convert_step(to: str, family: str, dtype: str | None) -> ConvertStep:

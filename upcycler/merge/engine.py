@@ -23,6 +23,7 @@ import numpy as np
 
 from upcycler.io.checkpoint import Checkpoint
 from upcycler.io.manifest import MergeStep, merge_step
+from upcycler.locations import recorded_location
 from upcycler.merge.averaging import weighted_average
 from upcycler.merge.plan import MergePlan, stacked_names
 from upcycler.tensors import LazyTensor, TensorMap, dtype_name, read_ahead, stack
@@ -50,7 +51,7 @@ def lineage_step(plan: MergePlan) -> MergeStep:
     """The lineage entry of this merge (JSON-ready)."""
     details: dict[str, Any] = {}
     if plan.base is not None:
-        details["base"] = {"source": str(plan.base.source), "lineage": list(plan.base.lineage)}
+        details["base"] = {"source": recorded_location(plan.base.source), "lineage": list(plan.base.lineage)}
     if plan.method.seeded:
         details["seed"] = plan.seed
     if plan.dtype is not None:

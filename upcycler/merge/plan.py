@@ -20,6 +20,7 @@ import numpy as np
 from upcycler.errors import UpcyclerError
 from upcycler.io.checkpoint import Checkpoint
 from upcycler.layout import declare_params
+from upcycler.locations import recorded_location
 from upcycler.merge.registry import Method, get_method
 from upcycler.spec import ModelSpec
 from upcycler.tensors import dtype_name, parse_dtype
@@ -37,7 +38,8 @@ class MergeInput:
 
     @property
     def label(self) -> str:
-        return str(self.checkpoint.source) if self.checkpoint.source is not None else "(in memory)"
+        source = self.checkpoint.source
+        return recorded_location(source) if source is not None else "(in memory)"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,218 @@
+"""Model sources and outputs in a bucket (`gs://`, against the run's loopback emulator) and on the Hub.
+
+The strong check: the same commands on local paths and on bucket URLs write the same bytes. Every output
+file is compared byte for byte with the local run's; the manifests are equal once the local paths are
+read as the bucket URLs they stand for (the lineage records the bucket URL, not the local cache). The
+commit protocol is checked at every point a write can die (a real SIGKILL between uploads, and an
+interrupted publish before, between and after the uploads): no reader takes the output as finished, and
+the next write to the same place succeeds without `--overwrite`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import gcs_emulator
+import pytest
+from cli_helpers import assert_clean_failure, run_cli
+from hub_server import FakeHub
+
+from upcycler.errors import UpcyclerError
+from upcycler.io import bucket_output
+from upcycler.io import object_store as store
+from upcycler.io.manifest import MANIFEST
+from upcycler.io.remote_sources import mirror
+
+pytestmark = pytest.mark.skipif(not gcs_emulator.is_running(), reason="the run's storage emulator is not set")
+
+
+def bucket_files(url: str) -> dict[str, bytes]:
+    """Every object under `url`, read with gcsfs directly (not through the code under test)."""
+    from gcsfs.core import GCSFileSystem
+
+    fs = GCSFileSystem(token="anon", endpoint_url=os.environ["STORAGE_EMULATOR_HOST"], skip_instance_cache=True)
+    prefix = url.split("://", 1)[1] + "/"
+    return {key[len(prefix):]: fs.cat_file(key) for key in fs.find(prefix)}
+
+
+def local_files(path: Path) -> dict[str, bytes]:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in path.rglob("*") if p.is_file()}
+
+
+def assert_same_output(url: str, local: Path, stands_for: dict[str, str]) -> None:
+    """The objects at `url` are the files of `local`, byte for byte; the manifest once `stands_for` (local
+    path → URL) is applied to the local one."""
+    remote, here = bucket_files(url), local_files(local)
+    assert sorted(remote) == sorted(here), url
+    for name in here:
+        if name != MANIFEST:
+            assert remote[name] == here[name], (url, name)
+    text = here[MANIFEST].decode()
+    for path, where in stands_for.items():
+        text = text.replace(json.dumps(path)[1:-1], where)
+    assert json.loads(remote[MANIFEST]) == json.loads(text)
+
+
+@pytest.fixture(scope="module")
+def surgery(tiny_dir, tmp_path_factory):
+    """convert, depth, dense-to-moe (also with --experts-from) and merge, once on local paths and once
+    on bucket URLs, each reading the previous step's output."""
+    model = tiny_dir("llama")
+    local, bucket = tmp_path_factory.mktemp("local"), gcs_emulator.unique_prefix("surgery")
+    runs = {}
+    for root in (str(local), bucket):
+        at = (lambda name, root=root: f"{root}/{name}")
+        runs[root] = [
+            run_cli("convert", model, at("conv"), timeout=120),
+            run_cli("depth", at("conv"), at("deep"), "--layers", "4", timeout=120),
+            run_cli("dense-to-moe", at("conv"), at("moe"), "--experts", "4", "--topk", "2", timeout=120),
+            run_cli("dense-to-moe", at("conv"), at("btx"), "--experts", "4", "--topk", "2", "--experts-from",
+                    f"a={at('conv')}", f"b={model}", timeout=120),
+            run_cli("merge", at("conv"), model, at("merged"), "--method", "sma", timeout=120),
+        ]
+    return {"model": model, "local": local, "bucket": bucket, "runs": runs}
+
+
+NAMES = ("conv", "deep", "moe", "btx", "merged")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_surgery_writes_the_same_bytes_to_a_bucket(surgery, name):
+    local = surgery["local"]
+    bucket = surgery["bucket"]
+    assert_same_output(f"{bucket}/{name}", local / name,
+                       {str(local / n): f"{bucket}/{n}" for n in NAMES})
+    assert bucket_output.WRITING not in bucket_files(f"{bucket}/{name}")
+
+
+def test_reading_commands_take_bucket_urls(surgery):
+    local = surgery["local"]
+    bucket = surgery["bucket"]
+    runs = surgery["runs"]
+    assert all("published gs://" in proc.stdout for proc in runs[bucket])
+    remote = json.loads(run_cli("inspect", f"{bucket}/moe", "--json", timeout=60).stdout)
+    here = json.loads(run_cli("inspect", local / "moe", "--json", timeout=60).stdout)
+    assert {k: v for k, v in remote.items() if k != "path"} == {k: v for k, v in here.items() if k != "path"}
+    verdict = run_cli("verify", f"{bucket}/moe", local / "moe", timeout=120).stdout
+    assert "same function" in verdict, verdict
+
+
+def test_bucket_outputs_keep_the_output_rules(surgery, tmp_path, monkeypatch):
+    model = surgery["model"]
+    bucket = surgery["bucket"]
+    monkeypatch.chdir(tmp_path)
+    before = bucket_files(f"{bucket}/conv")
+    cases = {  # argv: what the one error line says
+        ("convert", model, f"{bucket}/conv"): "already exists; choose another output or pass --overwrite",
+        ("convert", f"{bucket}/conv", f"{bucket}/conv/inner"): "lies inside the source",
+        ("convert", f"{bucket}/conv", bucket, "--overwrite"): "contains the source",
+    }
+    store.write_bytes(f"{bucket}/foreign/notes.txt", b"not ours")
+    cases[("convert", model, f"{bucket}/foreign", "--overwrite")] = "holds objects upcycler did not write"
+    for argv, says in cases.items():
+        assert_clean_failure(run_cli(*argv, check=False, timeout=60), mentions=says)
+    assert bucket_files(f"{bucket}/conv") == before
+    assert bucket_files(f"{bucket}/foreign") == {"notes.txt": b"not ours"}
+    assert list(tmp_path.iterdir()) == []
+    run_cli("convert", model, f"{bucket}/conv", "--overwrite", "--dtype", "bf16", timeout=120)
+    after = bucket_files(f"{bucket}/conv")
+    assert sorted(after) == sorted(before) and after["model.safetensors"] != before["model.safetensors"]
+
+
+KILL_AFTER_FIRST_UPLOAD = """
+import sys, time
+from pathlib import Path
+from upcycler.io import bucket_output, object_store as store
+upload = store.upload
+def upload_then_hang(local, url):
+    upload(local, url)
+    print("uploaded", flush=True)
+    time.sleep(600)
+store.upload = upload_then_hang
+bucket_output.publish(Path(sys.argv[1]), sys.argv[2])
+"""
+
+
+def test_a_write_killed_mid_publish_never_looks_finished(surgery, tmp_path):
+    local = surgery["local"]
+    bucket = surgery["bucket"]
+    out = f"{bucket}/killed"
+    proc = subprocess.Popen([sys.executable, "-c", KILL_AFTER_FIRST_UPLOAD, str(local / "moe"), out],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "uploaded"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    left = bucket_files(out)
+    assert bucket_output.WRITING in left and MANIFEST not in left and len(left) == 2
+    proc = run_cli("inspect", out, check=False, timeout=60)
+    assert_clean_failure(proc, mentions="an unfinished upcycler write")
+    run_cli("convert", local / "moe", out, timeout=120)  # no --overwrite needed over a killed write
+    assert sorted(bucket_files(out)) == sorted(local_files(local / "moe"))
+
+
+@pytest.mark.parametrize("when", ["before the uploads", "between uploads", "before the commit"])
+def test_an_interrupted_publish_is_refused_and_cleaned_up(surgery, monkeypatch, when):
+    """Interrupted before any upload, after one, or after every file (the manifest last) but before the
+    commit (the marker's deletion)."""
+    local = surgery["local"]
+    out, uploaded = gcs_emulator.unique_prefix("interrupted"), []
+    real_upload, real_remove = store.upload, store.remove
+
+    def upload(path, url):
+        if when != "before the commit" and len(uploaded) == {"before the uploads": 0, "between uploads": 1}[when]:
+            raise KeyboardInterrupt
+        uploaded.append(url)
+        real_upload(path, url)
+
+    def remove(urls):
+        if any(url.endswith(f"/{bucket_output.WRITING}") for url in urls):
+            raise KeyboardInterrupt
+        real_remove(urls)
+
+    monkeypatch.setattr(store, "upload", upload)
+    monkeypatch.setattr(store, "remove", remove)
+    with pytest.raises(KeyboardInterrupt):
+        bucket_output.publish(local / "moe", out)
+    monkeypatch.setattr(store, "upload", real_upload)
+    monkeypatch.setattr(store, "remove", real_remove)
+    if when == "before the commit":
+        assert uploaded[-1].endswith(f"/{MANIFEST}") and len(uploaded) == len(local_files(local / "moe"))
+    with pytest.raises(UpcyclerError, match="an unfinished upcycler write"):
+        mirror(out)
+    bucket_output.check_output(out, overwrite=False)  # a killed write's leftovers need no --overwrite
+    bucket_output.publish(local / "moe", out)
+    assert bucket_files(out) == local_files(local / "moe")
+
+
+def test_a_hub_id_is_a_source_for_dense_to_moe(surgery, tmp_path, monkeypatch):
+    """The fake Hub serves the converted model as org/tiny; `dense-to-moe org/tiny` writes the bytes the
+    local source gives, and the lineage names the Hub id and the commit it read. `push` takes its
+    directory from a bucket and uploads its objects as they are."""
+    import huggingface_hub
+    from huggingface_hub import HfApi
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_DISABLE_XET", True)
+    local = surgery["local"]
+    env = {"HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "t"}
+    with FakeHub() as hub:
+        env["HF_ENDPOINT"] = hub.url
+        api = HfApi(endpoint=hub.url, token="t")
+        api.create_repo("org/tiny")
+        api.upload_folder(repo_id="org/tiny", folder_path=str(local / "conv"))
+        run_cli("dense-to-moe", "org/tiny", tmp_path / "moe", "--experts", "4", "--topk", "2", env=env,
+                timeout=120)
+        run_cli("push", f"{surgery['bucket']}/moe", "org/moe", "--endpoint", hub.url, env=env, timeout=120)
+        pushed = hub.files("org/moe")
+    written = local_files(tmp_path / "moe")
+    expected = local_files(local / "moe")
+    assert written["model.safetensors"] == expected["model.safetensors"]
+    lineage = json.loads(written[MANIFEST])["lineage"]
+    reads = [step for step in lineage if step["step"] == "read"]
+    assert reads[-1]["source"] == "org/tiny" and len(reads[-1]["revision"]) == 40
+    assert {k: v for k, v in pushed.items() if k != "README.md"} == local_files(surgery["local"] / "moe") \
+        | {MANIFEST: bucket_files(f"{surgery['bucket']}/moe")[MANIFEST]}

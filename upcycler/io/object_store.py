@@ -1,0 +1,149 @@
+"""Bucket locations (`gs://bucket/key`): the one module that talks to object storage, through gcsfs.
+
+The client's settings are chosen here, deliberately, so that no command hangs or crawls on a bucket:
+
+- the plain `gcsfs.core.GCSFileSystem`: the class that `import gcsfs` selects by default first probes
+  each bucket for a hierarchical namespace over gRPC and, where gRPC does not answer (an emulator, a
+  proxy), waits about a minute per call before falling back;
+- `STORAGE_EMULATOR_HOST`, the standard variable of Google's clients, points every call at an emulator
+  with anonymous credentials; otherwise Application Default Credentials are used, as `gcloud` does;
+- no listing cache: a listing is always the bucket's state now (a writer and a reader may be different
+  processes on different hosts).
+
+Every failure becomes an `UpcyclerError` naming the URL. What this module preserves: bytes are moved
+as they are, streamed between a local file and an object (never whole in memory).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from upcycler.errors import UpcyclerError
+from upcycler.locations import url_scheme
+from upcycler.untrusted import describe
+
+SCHEMES = ("gs",)
+"""The bucket schemes the tool reads and writes."""
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """One object under a prefix: its name relative to the prefix, size and generation (its version)."""
+
+    name: str
+    size: int
+    generation: str
+
+
+def is_bucket_url(text: str | os.PathLike) -> bool:
+    """Whether `text` names a location in a bucket (`gs://…`)."""
+    return isinstance(text, str) and url_scheme(text) in SCHEMES
+
+
+def join(url: str, *names: str) -> str:
+    """`url` with `names` appended, one `/` between parts."""
+    return "/".join([url.rstrip("/"), *(n.strip("/") for n in names)])
+
+
+def _key(url: str) -> str:
+    """`gs://bucket/a/b` → `bucket/a/b` (gcsfs's form), checked to name a bucket."""
+    rest = url.split("://", 1)[1].strip("/")
+    if not rest or rest.startswith("/"):
+        raise UpcyclerError(f"{describe(url)}: names no bucket; write gs://BUCKET/PATH")
+    return rest
+
+
+@functools.lru_cache(maxsize=1)
+def filesystem() -> Any:
+    """The gcsfs client, made once per process with the settings in the module docstring."""
+    from gcsfs.core import GCSFileSystem
+
+    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
+    options: dict[str, Any] = {"token": "anon", "endpoint_url": emulator} if emulator else {}
+    return GCSFileSystem(**options, skip_instance_cache=True, use_listings_cache=False, retries=3,
+                         requests_timeout=120)
+
+
+@contextmanager
+def _errors(url: str, doing: str) -> Iterator[None]:
+    """Turn a client failure while `doing` something at `url` into one line."""
+    try:
+        yield
+    except UpcyclerError:
+        raise
+    except FileNotFoundError as err:
+        raise UpcyclerError(f"{describe(url, 200)}: no such object or bucket; check the URL") from err
+    except PermissionError as err:
+        raise UpcyclerError(f"{describe(url, 200)}: permission denied while {doing} "
+                            f"({describe(str(err), 120)}); check the credentials") from err
+    except OSError as err:
+        raise UpcyclerError(f"{describe(url, 200)}: {doing} failed ({describe(str(err), 160)}); "
+                            f"check the network and the bucket, then retry") from err
+    except Exception as err:  # the client's own errors (HTTP, auth) have no common base
+        raise UpcyclerError(f"{describe(url, 200)}: {doing} failed ({type(err).__name__}: "
+                            f"{describe(str(err), 160)}); check the network and the credentials") from err
+
+
+def list_objects(url: str) -> dict[str, StoredObject]:
+    """Every object under the prefix `url` (as a directory), by name relative to it; {} when none."""
+    prefix = _key(url) + "/"
+    with _errors(url, "listing"):
+        found = filesystem().find(prefix, detail=True)
+    return {key[len(prefix):]: StoredObject(key[len(prefix):], int(info.get("size") or 0),
+                                            str(info.get("generation", "")))
+            for key, info in found.items() if key.startswith(prefix) and info.get("type") != "directory"}
+
+
+def object_info(url: str) -> StoredObject | None:
+    """The object named exactly `url`, or None when there is none."""
+    with _errors(url, "reading the object's metadata"):
+        try:
+            info = filesystem().info(_key(url))
+        except FileNotFoundError:
+            return None
+    if info.get("type") == "directory":
+        return None
+    return StoredObject(_key(url).rsplit("/", 1)[-1], int(info.get("size") or 0), str(info.get("generation", "")))
+
+
+def download(url: str, local: Path) -> None:
+    """Stream the object `url` into the local file `local` (replaced)."""
+    with _errors(url, "downloading"):
+        filesystem().get_file(_key(url), str(local))
+
+
+def upload(local: Path, url: str) -> None:
+    """Stream the local file `local` into the object `url` (replaced)."""
+    with _errors(url, "uploading"):
+        filesystem().put_file(str(local), _key(url))
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    """Write the object `url` with `data` (small objects: markers, metrics)."""
+    with _errors(url, "writing"):
+        filesystem().pipe_file(_key(url), data)
+
+
+def read_bytes(url: str) -> bytes:
+    """The bytes of the object `url` (small objects: markers, metrics, configs)."""
+    with _errors(url, "reading"):
+        return filesystem().cat_file(_key(url))
+
+
+def remove(urls: list[str]) -> None:
+    """Delete the objects `urls` (missing ones are not an error)."""
+    if not urls:
+        return
+    with _errors(urls[0], "deleting"):
+        fs = filesystem()
+        for url in urls:
+            try:
+                fs.rm_file(_key(url))
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,128 @@
+"""Sources that are not local paths: bucket prefixes (`gs://…`) and Hugging Face Hub ids.
+
+Both become a local directory the readers stream from, so every check of a local source holds (the
+digests of `upcycler.json` on every byte read, the hostile-input rules):
+
+- a bucket prefix is mirrored into the upcycler cache (`$UPCYCLER_CACHE`, else `$XDG_CACHE_HOME/upcycler`,
+  else `~/.cache/upcycler`), object by object, streamed to disk (memory stays one buffer whatever the
+  size); an object is fetched again only when its generation changed, so a second command on the same
+  source reads nothing from the bucket but its listing. A prefix that holds the marker of an unfinished
+  upcycler write is refused. Object names never escape the mirror directory;
+- a Hub id (`org/name`, `hf://org/name`, either with `@revision`) is fetched by `huggingface_hub` into the
+  HF cache (`HF_HOME`), from `HF_ENDPOINT`, honouring `HF_HUB_OFFLINE` and the usual token.
+
+What this module preserves: the local copy holds the source's files byte for byte under their names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path, PurePosixPath
+
+from upcycler.errors import UpcyclerError
+from upcycler.io import object_store as store
+from upcycler.io.bucket_output import refuse_unfinished
+from upcycler.locations import url_scheme
+from upcycler.untrusted import describe
+
+_HUB_ID = re.compile(r"^(?:hf://)?([A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*)(?:@([^@\s]+))?$")
+
+
+def cache_root() -> Path:
+    """The upcycler cache: bucket mirrors and staged bucket outputs live under it."""
+    if os.environ.get("UPCYCLER_CACHE"):
+        return Path(os.environ["UPCYCLER_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "upcycler"
+
+
+def hub_reference(text: str) -> tuple[str, str | None] | None:
+    """`(repo_id, revision)` when `text` names a Hub model (`org/name[@rev]`, `hf://org/name[@rev]`)."""
+    if text.startswith(".") or url_scheme(text) not in (None, "hf"):
+        return None
+    found = _HUB_ID.match(text)
+    return (found.group(1), found.group(2)) if found else None
+
+
+def _safe_name(url: str, name: str) -> PurePosixPath:
+    relative = PurePosixPath(name)
+    if not name or relative.is_absolute() or any(part in ("", ".", "..") for part in name.split("/")):
+        raise UpcyclerError(f"{describe(url, 200)}: holds the object name {describe(name)}, which would escape "
+                            "the local copy; rename or remove that object")
+    return relative
+
+
+def mirror(url: str) -> Path:
+    """The local copy of the bucket prefix (or single object) `url`, brought up to date."""
+    objects = store.list_objects(url)
+    local = cache_root() / "gs" / url.split("://", 1)[1].strip("/")
+    if not objects:
+        single = store.object_info(url)
+        if single is None:
+            raise UpcyclerError(f"{describe(url, 200)}: no such object or prefix; check the URL")
+        objects, local, url = {single.name: single}, local.parent, url.rsplit("/", 1)[0]
+        return _fetch(url, objects, local, keep_others=True) / single.name
+    refuse_unfinished(url, objects)
+    return _fetch(url, objects, local, keep_others=False)
+
+
+def _fetch(url: str, objects: dict[str, store.StoredObject], local: Path, *, keep_others: bool) -> Path:
+    record_path = local.parent / f".{local.name}.mirror.json"
+    try:
+        record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    except (OSError, ValueError):
+        record = {}
+    local.mkdir(parents=True, exist_ok=True)
+    for name, obj in sorted(objects.items()):
+        target = local / _safe_name(url, name)
+        if record.get(name) == obj.generation and target.is_file() and target.stat().st_size == obj.size:
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
+        store.download(store.join(url, name), partial)
+        os.replace(partial, target)
+        record[name] = obj.generation
+    if not keep_others:
+        for path in sorted(local.rglob("*"), reverse=True):
+            name = path.relative_to(local).as_posix()
+            if path.is_file() and name not in objects:
+                path.unlink()
+            elif path.is_dir() and not any(path.iterdir()):
+                path.rmdir()
+        record = {name: record[name] for name in objects}
+    partial_record = record_path.with_name(f"{record_path.name}.partial-{os.getpid()}")
+    partial_record.write_text(json.dumps(record, sort_keys=True))
+    os.replace(partial_record, record_path)
+    return local
+
+
+def hub_snapshot(repo_id: str, revision: str | None) -> Path:
+    """The local snapshot of the Hub model `repo_id` at `revision` (fetched into the HF cache if needed)."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = f"{repo_id}{'@' + revision if revision else ''}"
+    try:
+        return Path(snapshot_download(repo_id, revision=revision))
+    except GatedRepoError:
+        raise UpcyclerError(f"{where}: a gated model on the Hub; accept its terms and log in "
+                            "(`hf auth login` or HF_TOKEN)") from None
+    except RepositoryNotFoundError:
+        raise UpcyclerError(f"{where}: no such local directory, and no such model at {constants.ENDPOINT} "
+                            "(check the path or the Hub id; private models need HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise UpcyclerError(f"{where}: no such revision on the Hub; check the branch, tag or commit") from None
+    except LocalEntryNotFoundError:
+        raise UpcyclerError(f"{where}: no such local directory, and not in the HF cache while offline "
+                            "(HF_HUB_OFFLINE is set, or the Hub cannot be reached); check the path, or fetch "
+                            "it with network access") from None
+    except OSError as err:
+        raise UpcyclerError(f"{where}: fetching it from {constants.ENDPOINT} failed ({describe(str(err), 160)}); "
+                            "check the network, or pass a local directory") from None
