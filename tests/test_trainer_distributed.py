@@ -8,13 +8,16 @@ trains 3 steps; losses and parameters must agree with the single-device run up t
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import trainer_fixtures as F
 
 from upcycler.train.config import TrainConfig
+from upcycler.train.loop.preflight import committed_steps
 from upcycler.train.loop.trainer import train
 
 STEPS = 3
@@ -26,11 +29,16 @@ def one_device_run(ws, model: str, root, **changes) -> tuple[list, dict]:
     return F.metrics(root / "run"), F.step_params(root / "run" / str(STEPS))
 
 
-def start(path, *args: str, devices: int):
-    """The CLI in a child process that sees `devices` CPU devices."""
+def start(path, *args: str, devices: int, host: Path | None = None):
+    """The CLI in a child process that sees `devices` CPU devices; with `host`, a simulated host of its own
+    (working directory, HOME and temporary directory in `host`)."""
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    if host is not None:
+        (host / "tmp").mkdir(parents=True, exist_ok=True)
+        env.update(HOME=str(host), TMPDIR=str(host / "tmp"), UPCYCLER_CACHE=str(host / "cache"))
     command = [sys.executable, "-m", "upcycler", "continued-pretrain", "--config", str(path), *args]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=host)
 
 
 def finish(procs) -> None:
@@ -104,6 +112,50 @@ def test_two_processes_match_one(ws, cache, tmp_path):
     reference = one_device_run(ws, "dense", tmp_path / "one")
     finish(procs)
     assert_same_run(tmp_path / "run", reference)
+
+
+def two_process_args(port: int, i: int) -> list[str]:
+    return ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
+
+
+def test_a_run_dir_the_processes_do_not_share_is_refused(ws, cache, tmp_path):
+    """Two simulated hosts, each with run_dir on its own disk: both stop before any step, with one line
+    naming the process that cannot see process 0's run_dir, and nothing but config.yaml is written."""
+    port, procs = F.free_port(), []
+    for i in range(2):
+        host = tmp_path / f"host{i}"
+        host.mkdir()
+        cfg = F.config_dict(host, ws["dense"], ws["data"], steps=STEPS, mesh={"data": 2, "fsdp": 2, "expert": 1})
+        procs.append(start(F.write_config(host / "train.yaml", cfg), *two_process_args(port, i), devices=2,
+                           host=host))
+    for i, proc in enumerate(procs):
+        _, err = proc.communicate(timeout=600)
+        lines = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in err, err[-3000:]
+        assert lines[0] == (f"error: {tmp_path / f'host{i}' / 'run'}: run_dir is not shared by the run's 2 "
+                            "processes: process 1 cannot see what process 0 wrote there (each host's own disk?); "
+                            "put run_dir on a filesystem every host mounts at the same path")
+        assert sorted(p.name for p in (tmp_path / f"host{i}" / "run").iterdir()) == ["config.yaml"][:1 - i]
+
+
+def test_sigterm_on_one_process_stops_every_process_at_the_same_step(ws, cache, tmp_path):
+    """SIGTERM to process 1 only: both processes save the same step and exit with status 75."""
+    cfg = F.config_dict(tmp_path, ws["dense"], ws["data"], steps=100_000, mesh={"data": 2, "fsdp": 2, "expert": 1},
+                        **{"checkpoint.every": 100_000})
+    path, port = F.write_config(tmp_path / "train.yaml", cfg), F.free_port()
+    procs = [start(path, *two_process_args(port, i), devices=2) for i in range(2)]
+    from test_trainer_resume import wait_for_step
+
+    wait_for_step(procs[0], tmp_path / "run", 2, checkpoint=False)
+    procs[1].send_signal(signal.SIGTERM)
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 75, err[-3000:]
+        outs.append(out.strip().splitlines()[-1])
+    logged = len(F.metrics(tmp_path / "run"))
+    assert outs[0] == outs[1] and outs[0].startswith(f"stopped by SIGTERM at step {logged};"), outs
+    assert list(committed_steps(tmp_path / "run")) == [logged]
 
 
 EP_STEPS = 50

@@ -13,7 +13,9 @@ Guarantees:
   `upcycler.train.techniques.spike_guard`);
 - with `metrics.stop_on_collapse`, a window in which an MoE layer lost half its experts stops the run
   naming the layer and the last checkpoint;
-- SIGTERM finishes the current step, saves a checkpoint and exits normally.
+- SIGTERM on any process finishes the current step on every process, saves that step and returns
+  `RunResult(preempted=True)` (the CLI then exits with `PREEMPTED_EXIT_STATUS`);
+- with several processes, run_dir must be one directory they all see (`run_dir.refuse_unshared`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
 from jax.sharding import Mesh
 
 from upcycler.errors import UpcyclerError
@@ -40,6 +41,7 @@ from upcycler.train.data.mix import DataIterator, make_data_iterator
 from upcycler.train.loop import mesh as mesh_lib
 from upcycler.train.loop.checkpointing import RunCheckpoints
 from upcycler.train.loop.preflight import RunInputs, check_spec_options, prepare
+from upcycler.train.loop.run_dir import make_run_dir
 from upcycler.train.loop.train_step import (
     TrainState,
     compile_step,
@@ -57,7 +59,6 @@ from upcycler.train.reporting.metrics import (
 )
 from upcycler.train.techniques import expert_health
 from upcycler.train.techniques.spike_guard import SpikeGuard
-from upcycler.untrusted import shown_path
 
 
 @dataclass
@@ -82,7 +83,7 @@ def train(config: TrainConfig, *, resume: bool = False, checked: RunInputs | Non
     data = make_data_iterator(config.data, jax.process_index(), jax.process_count())
     run = None
     try:
-        _make_run_dir(config, primary=jax.process_index() == 0)
+        make_run_dir(config)
         run = _Run(config, checked, mesh, data)
         state = run.resumed_state() if resume else run.initial_state()
         return run.loop(state)
@@ -328,19 +329,6 @@ def _check_collapse(health: dict[str, Any], spec: ModelSpec, layers: list[int], 
         f"{spec.moe.num_experts} experts dead (load_cv {health['load_cv'][m]:.2f}); stopped; {where}; "  # type: ignore[union-attr]
         "raise loss.lb_coef or loss.bias_update_rate, or lower optimizer.lr, then resume"
     )
-
-
-def _make_run_dir(config: TrainConfig, primary: bool) -> None:
-    """Create RUN_DIR; the primary process also writes RUN_DIR/config.yaml, the config the run uses."""
-    try:
-        config.run_dir.mkdir(parents=True, exist_ok=True)
-        if primary:
-            (config.run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
-    except OSError as err:
-        raise UpcyclerError(
-            f"{shown_path(config.run_dir)}: cannot write the run directory ({err.strerror}); "
-            "choose a writable run_dir"
-        ) from None
 
 
 def _lineage_step(config: TrainConfig, step: int, rewinds: list[dict[str, Any]]) -> PretrainStep:

@@ -63,6 +63,10 @@ def config_options(fn: Callable) -> Callable:
     return fn
 
 
+PREEMPTED_EXIT_STATUS = 75
+"""The exit status of a run stopped by SIGTERM after saving (EX_TEMPFAIL: retry later), on every process,
+so a scheduler can restart it (a JobSet/Kubernetes podFailurePolicy on exit code 75, Slurm's requeue)."""
+
 @click.command("continued-pretrain")
 @click.option(
     "--config",
@@ -110,6 +114,9 @@ def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_
     result = train(config, resume=resume, checked=checked)
     how = "stopped by SIGTERM" if result.preempted else "finished"
     click.echo(f"{how} at step {result.step}; last checkpoint: {result.last_checkpoint}")
+    if result.preempted:
+        click.echo(f"preempted: exit status {PREEMPTED_EXIT_STATUS}; run the same command to continue", err=True)
+        sys.exit(PREEMPTED_EXIT_STATUS)
 
 
 def _compile_only(config: TrainConfig, compile_only: bool, topology: str | None, hbm_budget: str | None,
