@@ -3,15 +3,15 @@
     python bench/remote_io.py [--scale 0.5] [--repeats 3] [--workdir DIR]
 
 A synthetic bf16 checkpoint at Llama-3.2-1B shapes (widths and vocabulary × `--scale`) is written locally
-and uploaded once to a loopback Cloud Storage emulator (`gcp-storage-emulator`, in memory, started here
-and stopped at the end). Two jobs, `convert` and `dense-to-moe --experts 8 --topk 2`, each run
+and uploaded once to a loopback Cloud Storage emulator (fake-gcs-server, in memory, started here and
+stopped at the end: `tests/gcs_emulator.py`). Two jobs, `convert` and `dense-to-moe --experts 8 --topk 2`, each run
 local → local and gs:// → gs:// in the same rounds, interleaved, `--repeats` rounds, every run in a fresh
 process that reports its wall time and peak RSS (VmHWM). The remote run's time includes mirroring the
 source (the first round fetches it; later rounds find the mirror current and only list the bucket; the
 cache is emptied before every round so each one fetches) and publishing the output. One JSON line per
 job: medians of `local_s`, `remote_s`, `ratio` (remote / local) and `rss_ratio` (remote peak / local
-peak), and each round's figures. The emulator is a Python process on the same cores, so `ratio` is an
-upper bound for a real bucket's overhead on a fast network, not an estimate of it.
+peak), and each round's figures. The emulator runs on the same cores, so `ratio` is an upper bound for
+a real bucket's overhead on a fast network, not an estimate of it.
 """
 
 from __future__ import annotations
@@ -20,35 +20,18 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from common import write_synthetic
 from surgery import llama_spec, run_child
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from gcs_emulator import start, stop
+
 BUCKET = "bench"
-
-
-def start_emulator() -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
-                             "--port", str(port), "--in-memory", "--default-bucket", BUCKET],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(600):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("the storage emulator did not start")
 
 
 def main() -> None:
@@ -58,7 +41,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="upcycler-bench-remote-", dir=args.workdir))
-    emulator, url = start_emulator()
+    emulator, url = start(BUCKET)
     os.environ.update(STORAGE_EMULATOR_HOST=url, UPCYCLER_CACHE=str(work / "cache"))
     try:
         spec = llama_spec(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, head_dim=64,
@@ -90,7 +73,7 @@ def main() -> None:
                               "rss_ratio": round(median["remote_rss"] / median["local_rss"], 3),
                               "rounds": runs}))
     finally:
-        emulator.kill()
+        stop(emulator)
         shutil.rmtree(work, ignore_errors=True)
 
 

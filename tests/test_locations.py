@@ -1,9 +1,9 @@
 """Locations a path cannot take: refused in one line, never taken as a relative local path.
 
-A URL where only a local path goes (`gs://b/run` as a training config's run_dir, a recipe, prepared data,
-a report) must not become the local directory `gs:/b/run` (a run would write hours of checkpoints onto a
-VM's disk); nor may a scheme the tool does not speak (`s3://`, `https://`) where model sources and
-outputs take gs:// and Hub ids (`test_remote_locations.py`). Every command's path arguments and options,
+A URL where only a local path goes (a recipe, `prepare-data`, a report) must not become a local
+directory (`gs://b/run` would become `gs:/b/run`); nor may a scheme the tool does not speak (`s3://`,
+`https://`) where model sources and outputs and the training config's paths take gs:// (and sources Hub
+ids: `test_remote_locations.py`, `test_bucket_runs.py`). Every command's path arguments and options,
 every path of a training config (also through `--set`), `prepare-data --source` and `--experts-from` are
 tried: exit 2, one `error:` line naming the argument or option and the scheme, nothing created in the
 working directory. A missing relative path that reads as a Hub id (`org/name`) is looked up on the Hub
@@ -90,14 +90,14 @@ def test_every_command_refuses_a_url_where_a_path_goes(case, tiny_dir, ws, tmp_p
 @pytest.mark.parametrize("how", ["file", "--set"])
 def test_training_config_paths_refuse_urls(ws, key, how, tmp_path, monkeypatch):
     cfg = F.config_dict(tmp_path / "local", ws["moe"], ws["data"], steps=2)
-    value = "gs://bkt/runs/cpt"
+    value = "s3://bkt/runs/cpt"  # gs:// is taken (test_bucket_runs.py); other schemes are refused
     if how == "file":
         cfg = F.config_dict(tmp_path / "local", ws["moe"], ws["data"], steps=2, **{key: value})
     path = F.write_config(tmp_path / "train.yaml", cfg)
     monkeypatch.chdir(tmp_path)
     extra = ["--set", f"{key}={value}"] if how == "--set" else []
     proc = run_cli("continued-pretrain", "--config", path, *extra, check=False)
-    line = assert_clean_failure(proc, mentions=f"{key.split('.')[-1]}: 'gs://bkt/runs/cpt': gs:// locations")
+    line = assert_clean_failure(proc, mentions=f"{key.split('.')[-1]}: 's3://bkt/runs/cpt': s3:// locations")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.yaml"], line  # no local gs:, no run dir
 
 

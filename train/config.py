@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 from upcycler.errors import UpcyclerError
+from upcycler.locations import Location
 from upcycler.schema import Range, field, from_mapping, to_plain
 from upcycler.train.data.config import MAX_STEP, DataConfig
 from upcycler.untrusted import describe, escape, load_yaml, parse_yaml, shown_path
@@ -156,8 +157,9 @@ class ModelConfig:
 class ModelSection(ModelConfig):
     """`model:`: the checkpoint to start from, its tokenizer, and how to run it (every `ModelConfig` option)."""
 
-    init: Path = field(help="The checkpoint to start from (HF or Orbax).")
-    tokenizer: Path | None = field(None, help="tokenizer.json or its directory (default: init/tokenizer.json).")
+    init: Location = field(help="The checkpoint to start from (HF or Orbax; a path or gs:// URL).")
+    tokenizer: Location | None = field(None, help="tokenizer.json or its directory (default: "
+                                                  "init/tokenizer.json).")
     init_from_merge: str | None = field(
         None, metavar="'RUN --last N --method M'",
         help="Start from an average of a run's checkpoints instead of model.init's weights: a run directory "
@@ -273,7 +275,8 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    run_dir: Path = field(help="Where checkpoints, metrics.jsonl and config.yaml go.")
+    run_dir: Location = field(help="Where checkpoints, metrics and config.yaml go: a directory every process "
+                                   "sees (a local path, a shared filesystem, or gs://bucket/path).")
     steps: int = field(range=_STEPS, help="Train until this absolute step.")
     model: ModelSection = field(help="The checkpoint to start from and how to run it.")
     data: DataConfig = field(help="The prepared data and its mixture; see upcycler.train.data.config.")

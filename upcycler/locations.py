@@ -14,7 +14,8 @@ What this module preserves: a local path is returned unchanged (`Path(text)`).
 from __future__ import annotations
 
 import re
-from pathlib import Path
+from pathlib import Path, PurePath
+from typing import NewType
 
 from upcycler.errors import UpcyclerError
 from upcycler.untrusted import describe
@@ -40,6 +41,31 @@ def local_path(text: str | Path, what: str) -> Path:
             f"local directory (fetch inputs with `gcloud storage cp -r` or `huggingface-cli download NAME "
             f"--local-dir DIR`, copy outputs afterwards)")
     return Path(text)
+
+
+Location = NewType("Location", Path)
+"""The annotation of a config path that may name a bucket (`run_dir`): its value is a local `Path`, or an
+`etils.epath.Path` for gs:// (which Orbax and the run directory's code use as they use a local path)."""
+
+
+def location(text: str | PurePath, what: str) -> Path:
+    """`text` as a `Location`: gs:// becomes a bucket path (with the clients configured,
+    `upcycler.bucket_client`); any other URL is refused naming `what`; anything else is a local path."""
+    if isinstance(text, PurePath):
+        return text  # type: ignore[return-value]  (a Path, or a bucket path made earlier)
+    if url_scheme(text) == "gs":
+        from etils import epath
+
+        from upcycler.bucket_client import configure
+
+        configure()
+        return epath.Path(text)
+    return local_path(text, what)
+
+
+def is_remote(path: PurePath | str) -> bool:
+    """Whether `path` names a bucket (a `location` made it from gs://); a local path never does."""
+    return str(path).startswith("gs://")
 
 
 def hub_id_hint(path: Path) -> str:

@@ -31,7 +31,7 @@ from pathlib import Path, PurePath
 from typing import Any
 
 from upcycler.errors import UpcyclerError
-from upcycler.locations import local_path, recorded_location
+from upcycler.locations import Location, local_path, location, recorded_location
 from upcycler.untrusted import describe, integer, real
 
 INT64 = (-(2**63), 2**63 - 1)  # the widest integer any option takes without a range of its own
@@ -168,7 +168,8 @@ def validate(instance: Any, where: str, fix: str = "fix the config") -> None:
     from_mapping(type(instance), to_plain(instance), where, fix=fix)
 
 
-_KINDS = {bool: "true or false", int: "int", float: "float", str: "text", Path: "a path"}
+_KINDS = {bool: "true or false", int: "int", float: "float", str: "text", Path: "a path",
+          Location: "a path or gs:// URL"}
 
 
 def _typed(hint: Any, value: Any, name: str, where: str, fix: str, or_null: str = "",
@@ -204,13 +205,16 @@ def _typed(hint: Any, value: Any, name: str, where: str, fix: str, or_null: str 
         value = str(value)
     ok = {bool: isinstance(value, bool), int: number and isinstance(value, int), float: number,
           str: isinstance(value, str),
-          Path: isinstance(value, (str, PurePath)) and str(value) != "" and "\0" not in str(value)}.get(hint)
+          Path: isinstance(value, (str, PurePath)) and str(value) != "" and "\0" not in str(value)}.get(
+        Path if hint is Location else hint)
     if ok is None:
         raise TypeError(f"unsupported option type {hint!r}")
     if not ok:
         raise UpcyclerError(f"{where}: {name} must be {_KINDS[hint]}{or_null}, not {describe(value)}; {fix}")
     if hint is Path:
         checked = local_path(value, f"{where}: {name}")
+    elif hint is Location:
+        checked = location(value, f"{where}: {name}")
     else:
         checked = real(value, name, where, fix=fix) if hint is float else value
     if bounds is not None and not bounds.contains(checked):

@@ -31,9 +31,9 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from upcycler.errors import UpcyclerError
+from upcycler.locations import Location
 from upcycler.schema import Range, field, from_mapping, validate
 from upcycler.untrusted import describe, integer, real
 
@@ -60,7 +60,7 @@ class Phase:
 class DataConfig:
     """Where the prepared sources are and how to cut, mix and batch them; see the module docstring."""
 
-    dir: Path = field(help="The directory prepare-data wrote.")
+    dir: Location = field(help="The directory prepare-data wrote (a path or gs:// URL).")
     seq_len: int = field(range=Range(1, MAX_SEQ_LEN), help="Tokens per example (plus one for the targets).")
     global_batch_size: int = field(range=Range(1, MAX_BATCH), help="Rows per step, over all processes.")
     phases: tuple[Phase, ...] = field(help="The mixture phases, in order of steps.")

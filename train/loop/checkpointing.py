@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -39,7 +38,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.manifest import MANIFEST, write_manifest
-from upcycler.io.orbax_layout import PARAMS
+from upcycler.io.orbax_layout import COMMIT_FILE, PARAMS
+from upcycler.locations import is_remote
 from upcycler.spec import ModelSpec
 from upcycler.train.loop.preflight import committed_steps
 from upcycler.train.model.params import ParamInfo, Params, declare_tree
@@ -101,7 +101,7 @@ class RunCheckpoints:
         hf_every: int = 0,
         hf_dtype: str = "bfloat16",
     ):
-        self.run_dir = Path(run_dir).absolute()
+        self.run_dir = run_dir if is_remote(run_dir) else Path(run_dir).absolute()
         self.spec = spec
         self.lineage = [dict(x) for x in lineage]
         self.tokenizer = tokenizer
@@ -252,7 +252,7 @@ class RunCheckpoints:
             for name in TOKENIZER_FILES:
                 src = self.tokenizer.parent / name
                 if src.is_file():
-                    shutil.copyfile(src, step_dir / name)
+                    (step_dir / name).write_bytes(src.read_bytes())  # a local or a bucket step alike
         # no `files` or `tensors` digests: hashing every parameter byte at every checkpoint would cost more
         # than the save, and `read_checkpoint` does not need them
         write_manifest(step_dir, ModelSpec.from_json(json.dumps(meta["spec"])), meta["lineage"])
@@ -316,7 +316,7 @@ def _canonical_abstract(spec: ModelSpec, abstract_params: Params, shardings: Par
 
 
 def _meta_file(step_dir: Path) -> Path:
-    files = [p for p in (step_dir / "meta").iterdir() if p.is_file()]
+    files = [p for p in (step_dir / "meta").iterdir() if p.name != COMMIT_FILE and p.is_file()]
     if not files:
         raise FileNotFoundError(step_dir / "meta")
     return files[0]

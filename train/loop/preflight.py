@@ -18,7 +18,9 @@ from upcycler.errors import UpcyclerError
 from upcycler.io import read_checkpoint
 from upcycler.io.checkpoint import Checkpoint
 from upcycler.io.hashing import sha256_file
+from upcycler.io.orbax_layout import COMMIT_FILE
 from upcycler.io.staging import overlap
+from upcycler.locations import is_remote
 from upcycler.spec import ModelSpec
 from upcycler.train.config import RESUME_MODES, TrainConfig
 from upcycler.train.data.sources import open_source
@@ -44,7 +46,12 @@ def prepare(config: TrainConfig, resume: bool) -> RunInputs:
     if config.model.init_from_merge is not None:  # also on a resume: run_dir is never a merge source
         for source in parse_init_merge(config.model.init_from_merge)[0]:
             refuse_overlap(config.run_dir, source, "model.init_from_merge")
-    if os.path.lexists(config.run_dir) and not config.run_dir.is_dir():
+    if config.checkpoint.hf_every and is_remote(config.run_dir):
+        raise UpcyclerError(
+            f"{shown_path(config.run_dir)}: checkpoint.hf_every is not supported with a gs:// run_dir yet; set "
+            "it to 0 and convert a step afterwards (`upcycle convert RUN_DIR/STEP OUT`)"
+        )
+    if not is_remote(config.run_dir) and os.path.lexists(config.run_dir) and not config.run_dir.is_dir():
         raise UpcyclerError(
             f"{shown_path(config.run_dir)}: run_dir is not a directory; choose another run_dir"
         )
@@ -136,8 +143,11 @@ def refuse_run_dir_overlap(config: TrainConfig) -> None:
 
 
 def refuse_overlap(run_dir: Path, source: Path, option: str) -> None:
-    """Refuse a run_dir that is, contains or lies inside `source` (what `option` names)."""
-    why = overlap(run_dir, source)
+    """Refuse a run_dir that is, contains or lies inside `source` (what `option` names); a bucket run_dir
+    cannot overlap a local source."""
+    if is_remote(run_dir) != is_remote(source):
+        return  # a bucket and a local disk never overlap
+    why = url_overlap(str(run_dir), str(source)) if is_remote(run_dir) else overlap(run_dir, source)
     if why is not None:
         raise UpcyclerError(
             f"{shown_path(run_dir)}: run_dir {why} {option} {shown_path(source)}; the run would write "
@@ -145,12 +155,20 @@ def refuse_overlap(run_dir: Path, source: Path, option: str) -> None:
         )
 
 
+def url_overlap(run_dir: str, source: str) -> str | None:
+    """How the bucket location `run_dir` overlaps `source` ("is", "contains", "lies inside"), or None."""
+    a, b = run_dir.rstrip("/"), source.rstrip("/")
+    return "is" if a == b else "contains" if b.startswith(a + "/") else "lies inside" if a.startswith(b + "/") else None
+
+
 def committed_steps(run_dir: Path) -> dict[int, Path]:
-    """Step number -> directory of every committed step under `run_dir` (Orbax renames a step into place)."""
+    """Step number -> directory of every committed step under `run_dir`: on a local disk Orbax renames a
+    finished step into place; in a bucket it writes the step in place and `COMMIT_FILE` last."""
+    remote = is_remote(run_dir)
     if not run_dir.is_dir():
         return {}
     return {
         int(p.name): p
         for p in sorted(run_dir.iterdir(), key=lambda p: p.name)
-        if p.name.isascii() and p.name.isdigit() and p.is_dir()
+        if p.name.isascii() and p.name.isdigit() and ((p / COMMIT_FILE).exists() if remote else p.is_dir())
     }

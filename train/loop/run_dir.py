@@ -13,7 +13,6 @@ What this module preserves: a run_dir that every process sees is left as it was,
 
 from __future__ import annotations
 
-import os
 import secrets
 
 import jax
@@ -60,7 +59,7 @@ def refuse_unshared(config: TrainConfig) -> None:
     every = np.asarray(multihost_utils.process_allgather(np.asarray(seen))).reshape(-1)
     multihost_utils.sync_global_devices("upcycler: run_dir token read")
     if jax.process_index() == 0:
-        os.unlink(path)
+        path.unlink()
     blind = [str(i) for i, ok in enumerate(every) if not ok]
     if blind:
         raise UpcyclerError(

@@ -41,6 +41,7 @@ from upcycler.train.data.mix import DataIterator, make_data_iterator
 from upcycler.train.loop import mesh as mesh_lib
 from upcycler.train.loop.checkpointing import RunCheckpoints
 from upcycler.train.loop.preflight import RunInputs, check_spec_options, prepare
+from upcycler.train.loop.remote_inputs import localized
 from upcycler.train.loop.run_dir import make_run_dir
 from upcycler.train.loop.train_step import (
     TrainState,
@@ -75,6 +76,7 @@ def train(config: TrainConfig, *, resume: bool = False, checked: RunInputs | Non
 
     `checked` is the result of `prepare(config, resume)` when the caller already ran it."""
     mesh_lib.init_distributed(config.distributed)
+    config = localized(config)
     checked = checked or prepare(config, resume)
     mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, checked.spec,
                                microbatches=config.data.microbatches,
@@ -204,7 +206,10 @@ class _Run:
                     _check_collapse(health, self.spec, self.moe_layers, step, last)
                 step += 1
                 preempted = stop.agreed()
-                last = self._maybe_checkpoint(state, step, preempted, progress) or last
+                saved = self._maybe_checkpoint(state, step, preempted, progress)
+                if saved is not None:
+                    log.saved()
+                    last = saved
                 if preempted:
                     return RunResult(step, last, preempted=True)
             return RunResult(step, last)
@@ -271,7 +276,9 @@ class _Run:
         progress.note(f"loss spike: {what}; rewound to the average of steps {', '.join(map(str, chosen))}")
         opt_state = _with_count(newest.opt_state, step + 1)  # the schedule reads the optimiser's own count
         state = TrainState(jnp.asarray(step + 1, jnp.int32), params, opt_state, newest.ema)
-        return state, self._save(state, step + 1, progress)
+        saved = self._save(state, step + 1, progress)
+        log.saved()
+        return state, saved
 
 
 def _check_finite(raw: dict[str, Any], step: int, last: Path | None) -> None:

@@ -41,19 +41,22 @@ ignored; any other bad line is an `UpcyclerError` naming the file and the line.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.layout import declare_params
+from upcycler.locations import is_remote
 from upcycler.spec import ModelSpec
+from upcycler.train.reporting import metrics_objects
 from upcycler.train.techniques.expert_health import MAX_MAGNITUDE, check_logged_health, layer_health
 from upcycler.untrusted import MAX_JSON_BYTES, describe, integer, open_regular, parse_json, real, shown_path
 
@@ -87,13 +90,20 @@ def flops_per_token(spec: ModelSpec, seq_len: int) -> float:
 
 
 class MetricsLog:
-    """Appends one JSON line per step to RUN_DIR/metrics.jsonl (a no-op on non-primary processes)."""
+    """Appends one JSON line per step to RUN_DIR/metrics.jsonl (a no-op on non-primary processes); in a
+    bucket run_dir, keeps the lines since the last checkpoint and writes them as one object when the
+    trainer says a checkpoint was saved (`saved`) and at `close` (`metrics_objects`)."""
 
     def __init__(self, run_dir: Path, *, enabled: bool, start_step: int):
-        self.path = Path(run_dir) / METRICS_FILE
+        self.run_dir = run_dir
+        self.path = run_dir / METRICS_FILE
         self.enabled = enabled
         self._file: TextIO | None = None
-        if enabled:
+        self._pending: tuple[list[int], list[str]] | None = None  # bucket run_dir: (steps, lines) not written
+        if enabled and is_remote(run_dir):
+            metrics_objects.truncate_from(run_dir, start_step)
+            self._pending = ([], [])
+        elif enabled:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 _truncate_from(self.path, start_step)
@@ -104,11 +114,22 @@ class MetricsLog:
                 ) from None
 
     def write(self, record: Mapping[str, Any]) -> None:
+        line = json.dumps(_finite(record), allow_nan=False) + "\n"
         if self._file is not None:
-            self._file.write(json.dumps(_finite(record), allow_nan=False) + "\n")
+            self._file.write(line)
             self._file.flush()
+        elif self._pending is not None:
+            self._pending[0].append(int(record["step"]))
+            self._pending[1].append(line)
+
+    def saved(self) -> None:
+        """A checkpoint was saved: in a bucket run_dir, write the lines since the previous one."""
+        if self._pending is not None:
+            metrics_objects.write_interval(self.run_dir, *self._pending)
+            self._pending = ([], [])
 
     def close(self) -> None:
+        self.saved()
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -207,35 +228,46 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """Every record of RUN_DIR/metrics.jsonl, in file order, each checked by `parse_metrics_line`.
 
     A torn last line (no final line break, not parseable) is skipped; any other bad line raises."""
+    if is_remote(run_dir):
+        data = metrics_objects.read_all(run_dir)
+        if data is None:
+            raise UpcyclerError(f"{shown_path(run_dir)}: no metrics ({metrics_objects.PREFIX}*.jsonl); pass the "
+                                "run_dir of a continued-pretrain run")
+        return _read_records(io.BytesIO(data), run_dir / f"{metrics_objects.PREFIX}*.jsonl")
     path = Path(run_dir) / METRICS_FILE
+    with os.fdopen(open_regular(path, "metrics log"), "rb") as f:
+        return _read_records(f, path)
+
+
+def _read_records(f: BinaryIO, path: Path) -> list[dict[str, Any]]:
+    """The checked records of the metrics lines in `f` (named `path` in errors); see `read_metrics`."""
     records: list[dict[str, Any]] = []
     load_shape: tuple[tuple[int, int], int] | None = None  # (shape, line of its first appearance)
     by_source: tuple[list[str], int, int | None, int] | None = None  # (sources, layers, experts, line)
-    with os.fdopen(open_regular(path, "metrics log"), "rb") as f:
-        lineno = 0
-        while line := _read_line(f, path, lineno + 1):
-            lineno += 1
-            where = f"{shown_path(path)}:{lineno}"
-            try:
-                record = parse_metrics_line(line, where)
-            except UpcyclerError:
-                if not line.endswith(b"\n"):
-                    break  # only the last line can lack a line break: torn by a run killed mid-write
-                raise
-            if record is None:
-                continue
-            if "expert_load" in record:
-                shape = np.shape(record["expert_load"])
-                if load_shape is None:
-                    load_shape = (shape, lineno)
-                elif shape != load_shape[0]:
-                    raise UpcyclerError(
-                        f"{where}: expert_load is {shape[0]}×{shape[1]}, but line {load_shape[1]} has "
-                        f"{load_shape[0][0]}×{load_shape[0][1]} (layers × experts); {_FIX}"
-                    )
-            if "expert_load_by_source" in record:
-                by_source = _same_by_source(record, by_source, lineno, where)
-            records.append(record)
+    lineno = 0
+    while line := _read_line(f, path, lineno + 1):
+        lineno += 1
+        where = f"{shown_path(path)}:{lineno}"
+        try:
+            record = parse_metrics_line(line, where)
+        except UpcyclerError:
+            if not line.endswith(b"\n"):
+                break  # only the last line can lack a line break: torn by a run killed mid-write
+            raise
+        if record is None:
+            continue
+        if "expert_load" in record:
+            shape = np.shape(record["expert_load"])
+            if load_shape is None:
+                load_shape = (shape, lineno)
+            elif shape != load_shape[0]:
+                raise UpcyclerError(
+                    f"{where}: expert_load is {shape[0]}×{shape[1]}, but line {load_shape[1]} has "
+                    f"{load_shape[0][0]}×{load_shape[0][1]} (layers × experts); {_FIX}"
+                )
+        if "expert_load_by_source" in record:
+            by_source = _same_by_source(record, by_source, lineno, where)
+        records.append(record)
     return records
 
 

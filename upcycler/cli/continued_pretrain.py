@@ -24,6 +24,7 @@ import click
 from upcycler.cli.path_type import LOCAL_PATH
 from upcycler.cli.transforms import click_option
 from upcycler.errors import UpcyclerError
+from upcycler.locations import Location
 from upcycler.schema import options
 from upcycler.train.aot.topology import parse_slice
 from upcycler.train.config import (
@@ -45,7 +46,7 @@ def _flags() -> dict[str, str]:
     out: dict[str, str] = {}
     for section, cls in FLAG_SECTIONS.items():
         for opt in options(cls):
-            if opt.type in (bool, int, float, str, Path):
+            if opt.type in (bool, int, float, str, Path, Location):
                 name = opt.name
                 if name in out or name in ("config_path", "resume", "sets"):
                     raise ValueError(f"config option {name!r} would give two flags the same name")
@@ -102,6 +103,9 @@ def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_
     """Continue pretraining a dense or upcycled MoE checkpoint on prepared data; checkpoints go to run_dir."""
     keys = _flags()
     config = load_config(config_path, {keys[name]: value for name, value in flags.items()}, sets)
+    from upcycler.train.loop.remote_inputs import localized
+
+    config = localized(config)  # gs:// model.init, model.tokenizer, data.dir: this host's copies
     if compile_only or topology or hbm_budget or as_json:
         _compile_only(config, compile_only, topology, hbm_budget, as_json)
         return

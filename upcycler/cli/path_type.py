@@ -3,7 +3,9 @@
 - `LOCAL_PATH`: a local path only (a URL is refused in one line naming the argument);
 - `SOURCE`: a local path, a bucket URL (`gs://…`) or a Hub model (`org/name`, `hf://org/name`, with
   `@revision`), read from where it is (`upcycler.cli.remote_locations` makes the remote ones local);
-- `OUTPUT`: a local path or a bucket URL, published there when the command succeeds.
+- `OUTPUT`: a local path or a bucket URL, published there when the command succeeds;
+- `BUCKET_OR_LOCAL`: a local path or a bucket URL that the command itself reads and writes in place
+  (a training config's `run_dir`, as a flag).
 
 Values stay text for remote locations (a `str`) and become a `Path` otherwise.
 """
@@ -45,3 +47,4 @@ class LocationType(click.ParamType):
 LOCAL_PATH = LocationType("local")
 SOURCE = LocationType("source")
 OUTPUT = LocationType("output")
+BUCKET_OR_LOCAL = LocationType("in place")

@@ -16,16 +16,17 @@ from pathlib import Path
 import click
 
 from upcycler.cli.options import echo_verification, function_check, output_options, verify_option
-from upcycler.cli.path_type import LOCAL_PATH, OUTPUT, SOURCE
+from upcycler.cli.path_type import BUCKET_OR_LOCAL, LOCAL_PATH, OUTPUT, SOURCE
 from upcycler.cli.remote_locations import SOURCE_MAPPING
 from upcycler.io.staging import check_output
+from upcycler.locations import Location
 from upcycler.schema import Option
 from upcycler.transforms import TRANSFORMS
 from upcycler.transforms.registry import Transform
 from upcycler.units import parse_size
 from upcycler.untrusted import describe
 
-_CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, Path: SOURCE}
+_CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, Path: SOURCE, Location: BUCKET_OR_LOCAL}
 _RESERVED = {"src", "out", "to", "family", "dtype", "shard_size", "overwrite", "dry_run", "as_json", "no_verify"}
 
 

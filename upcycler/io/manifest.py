@@ -25,7 +25,7 @@ from typing import Any, NotRequired, TypedDict
 
 from upcycler.errors import UpcyclerError
 from upcycler.families import family_named
-from upcycler.locations import recorded_location
+from upcycler.locations import is_remote, recorded_location
 from upcycler.spec import ModelSpec
 from upcycler.untrusted import describe, load_json_object, shown_path
 
@@ -266,7 +266,8 @@ def write_manifest(directory: Path, spec: ModelSpec, lineage: Sequence[LineageSt
                    files: Mapping[str, Mapping[str, Any]] | None = None,
                    tensors: Mapping[str, Mapping[str, Any]] | None = None,
                    extra: Mapping[str, Any] | None = None) -> Path:
-    """Write `directory/upcycler.json` atomically (a temporary name, then a rename); returns its path."""
+    """Write `directory/upcycler.json` atomically (a temporary name, then a rename; in a bucket, one object
+    write); returns its path."""
     manifest: dict[str, Any] = {"format": FORMAT, "spec": json.loads(spec.to_json()),
                                 "lineage": [dict(step) for step in lineage], **(extra or {})}
     if files is not None:
@@ -274,6 +275,9 @@ def write_manifest(directory: Path, spec: ModelSpec, lineage: Sequence[LineageSt
     if tensors is not None:
         manifest["tensors"] = {name: dict(record) for name, record in tensors.items()}
     path = directory / MANIFEST
+    if is_remote(directory):  # an object is written whole or not at all
+        path.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        return path
     tmp = directory / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     tmp.replace(path)

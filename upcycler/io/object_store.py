@@ -1,14 +1,5 @@
-"""Bucket locations (`gs://bucket/key`): the one module that talks to object storage, through gcsfs.
-
-The client's settings are chosen here, deliberately, so that no command hangs or crawls on a bucket:
-
-- the plain `gcsfs.core.GCSFileSystem`: the class that `import gcsfs` selects by default first probes
-  each bucket for a hierarchical namespace over gRPC and, where gRPC does not answer (an emulator, a
-  proxy), waits about a minute per call before falling back;
-- `STORAGE_EMULATOR_HOST`, the standard variable of Google's clients, points every call at an emulator
-  with anonymous credentials; otherwise Application Default Credentials are used, as `gcloud` does;
-- no listing cache: a listing is always the bucket's state now (a writer and a reader may be different
-  processes on different hosts).
+"""Bucket locations (`gs://bucket/key`): our own reads, writes and listings of objects, through gcsfs with
+the client settings of `upcycler.bucket_client` (chosen so that no command hangs or crawls on a bucket).
 
 Every failure becomes an `UpcyclerError` naming the URL. What this module preserves: bytes are moved
 as they are, streamed between a local file and an object (never whole in memory).
@@ -24,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from upcycler.bucket_client import bucket_filesystem_class, configure
 from upcycler.errors import UpcyclerError
 from upcycler.locations import url_scheme
 from upcycler.untrusted import describe
@@ -61,13 +53,9 @@ def _key(url: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def filesystem() -> Any:
-    """The gcsfs client, made once per process with the settings in the module docstring."""
-    from gcsfs.core import GCSFileSystem
-
-    emulator = os.environ.get("STORAGE_EMULATOR_HOST")
-    options: dict[str, Any] = {"token": "anon", "endpoint_url": emulator} if emulator else {}
-    return GCSFileSystem(**options, skip_instance_cache=True, use_listings_cache=False, retries=3,
-                         requests_timeout=120)
+    """The gcsfs client of this process, with the settings of `upcycler.bucket_client`."""
+    configure()
+    return bucket_filesystem_class()(skip_instance_cache=True)
 
 
 @contextmanager

@@ -1,0 +1,194 @@
+"""Training with everything in a bucket (the run's loopback emulator): inputs, run_dir, metrics.
+
+The tiny dense model and the prepared data are uploaded once; every run reads `model.init` and `data.dir`
+from gs:// and writes its run_dir there. Checked against runs on a local disk:
+
+- one process: the bucket run is bit-identical to the local run (parameters and every logged metric),
+  and its last step exported by `upcycle convert` bucket to bucket holds the same weights;
+  its metrics are objects, one per checkpoint interval, that concatenate to the local log's records
+  (and survive Orbax's clean-up of the run_dir on a restart);
+  no local `gs:` directory appears;
+- a run whose newest step was left uncommitted (as by a kill during that save: the step's objects are
+  there, Orbax's commit file is not) restarts with the same command from the step before, and ends
+  bit-identical to the uninterrupted run;
+- a simulated pod, 2 processes × 2 CPU devices, each with its own working directory, HOME, temporary
+  and cache directories, sharing only the bucket: it matches the one-process run up to fp32 reduction
+  order; SIGTERM to one process makes both save the same step and exit with status 75, and the same
+  commands restarted end bit-identical to the uninterrupted pod run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gcs_emulator
+import numpy as np
+import pytest
+import trainer_fixtures as F
+
+from upcycler.locations import location
+from upcycler.train.config import TrainConfig
+from upcycler.train.loop.trainer import train
+from upcycler.train.reporting.metrics import read_metrics
+
+pytestmark = pytest.mark.skipif(not gcs_emulator.is_running(), reason="the run's storage emulator is not set")
+STEPS = 6
+TIMING = ("step_time", "tokens_per_s", "mfu")
+POD_MESH = {"data": 2, "fsdp": 2, "expert": 1}
+
+
+def bucket_fs():
+    from gcsfs.core import GCSFileSystem
+
+    return GCSFileSystem(token="anon", endpoint_url=os.environ["STORAGE_EMULATOR_HOST"], skip_instance_cache=True,
+                         use_listings_cache=False)
+
+
+def key(url: str) -> str:
+    return url.split("://", 1)[1]
+
+
+def without_timing(records):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+def bucket_metrics(run_dir: str) -> list[dict]:
+    """The metrics objects of a bucket run_dir, read with gcsfs directly, in name order."""
+    fs = bucket_fs()
+    names = sorted(fs.glob(key(run_dir) + "/metrics-*.jsonl"))
+    return [json.loads(line) for name in names for line in fs.cat_file(name).decode().splitlines()]
+
+
+def bucket_step_params(run_dir: str, step: int, into: Path) -> dict[str, np.ndarray]:
+    """A step of a bucket run_dir, downloaded with gcsfs and read with the public checkpoint reader."""
+    local = into / "downloaded" / str(step)
+    bucket_fs().get(key(run_dir) + f"/{step}/", str(local), recursive=True)
+    return F.step_params(local)
+
+
+def assert_identical(run_dir: str, reference_records, reference_params, tmp: Path) -> None:
+    assert without_timing(bucket_metrics(run_dir)) == without_timing(reference_records)
+    params = bucket_step_params(run_dir, STEPS, tmp)
+    assert all(np.array_equal(reference_params[k], params[k]) for k in reference_params)
+
+
+@pytest.fixture(scope="module")
+def inputs(ws):
+    """gs:// copies of the tiny dense model and the prepared data."""
+    root = gcs_emulator.unique_prefix("inputs")
+    fs = bucket_fs()
+    fs.put(str(ws["dense"]) + "/", key(root) + "/dense/", recursive=True)
+    fs.put(str(ws["data"]) + "/", key(root) + "/data/", recursive=True)
+    return {"init": f"{root}/dense", "data": f"{root}/data"}
+
+
+def bucket_config(folder: Path, run_dir: str, inputs, ws, **changes) -> Path:
+    """A config in `folder` (created) that reads the inputs from the bucket and trains into `run_dir`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = F.config_dict(folder, ws["dense"], ws["data"], steps=STEPS, **changes)
+    cfg["run_dir"], cfg["model"]["init"], cfg["data"]["dir"] = run_dir, inputs["init"], inputs["data"]
+    return F.write_config(folder / "train.yaml", cfg)
+
+
+@pytest.fixture(scope="module")
+def local_run(ws, tmp_path_factory):
+    """The same run on a local disk, in this process: its metrics and final parameters."""
+    root = tmp_path_factory.mktemp("local")
+    train(TrainConfig.from_dict(F.config_dict(root, ws["dense"], ws["data"], steps=STEPS)))
+    return F.metrics(root / "run"), F.step_params(root / "run" / str(STEPS))
+
+
+def test_a_bucket_run_is_the_local_run(ws, inputs, local_run, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run_dir = gcs_emulator.unique_prefix("run")
+    out = F.run_cli("continued-pretrain", "--config", bucket_config(tmp_path / "cfg", run_dir, inputs, ws),
+                    timeout=600).stdout
+    assert f"finished at step {STEPS}; last checkpoint: {run_dir}/{STEPS}" in out
+    assert_identical(run_dir, *local_run, tmp_path)
+    assert without_timing(read_metrics(location(run_dir, "run_dir"))) == without_timing(local_run[0])
+    objects = sorted(bucket_fs().glob(key(run_dir) + "/metrics-*.jsonl"))
+    assert [Path(o).name for o in objects] == ["metrics-0000000000-0000000001.jsonl",
+                                               "metrics-0000000002-0000000003.jsonl",
+                                               "metrics-0000000004-0000000005.jsonl"]
+    config = bucket_fs().cat_file(key(run_dir) + "/config.yaml").decode()
+    assert f"init: {inputs['init']}" in config and f"dir: {inputs['data']}" in config
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg", "downloaded"]  # no local gs: directory
+    F.run_cli("convert", f"{run_dir}/{STEPS}", f"{run_dir}-hf", timeout=600)  # a step exported bucket to bucket
+    bucket_fs().get(key(run_dir) + "-hf/", str(tmp_path / "hf"), recursive=True)
+    exported, trained = F.step_params(tmp_path / "hf"), local_run[1]
+    assert exported.keys() == trained.keys() and all(np.array_equal(exported[k], trained[k]) for k in trained)
+
+
+def test_an_uncommitted_step_in_a_bucket_is_redone_on_restart(ws, inputs, local_run, tmp_path):
+    """Stopped at step 4, then step 4's commit file removed (a kill during its save leaves the step's
+    other objects): the same command resumes from step 2 and ends as the uninterrupted run."""
+    run_dir = gcs_emulator.unique_prefix("restart")
+    path = bucket_config(tmp_path / "cfg", run_dir, inputs, ws)
+    F.run_cli("continued-pretrain", "--config", path, "--steps", "4", timeout=600)
+    bucket_fs().rm_file(key(run_dir) + "/4/commit_success.txt")
+    out = F.run_cli("continued-pretrain", "--config", path, timeout=600).stdout
+    assert f"finished at step {STEPS}" in out
+    assert_identical(run_dir, *local_run, tmp_path)
+
+
+def start_host(host: Path, config: Path, process: int, port: int) -> subprocess.Popen:
+    """`continued-pretrain` as process `process` of 2, on a simulated host of its own (2 CPU devices; its
+    own working directory, HOME, temporary and cache directories)."""
+    (host / "tmp").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "HOME": str(host),
+           "TMPDIR": str(host / "tmp"), "UPCYCLER_CACHE": str(host / "cache")}
+    command = [sys.executable, "-m", "upcycler", "continued-pretrain", "--config", str(config), "--coordinator",
+               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=host)
+
+
+def run_pod(tmp: Path, run_dir: str, inputs, ws, *, sigterm_after: int | None = None) -> list[tuple[int, str]]:
+    """Both hosts of the pod (each with its own copy of the config); with `sigterm_after`, SIGTERM to
+    process 1 once step `sigterm_after` is committed. Returns each process's exit status and last line."""
+    port = F.free_port()
+    procs = [start_host(tmp / f"host{i}", bucket_config(tmp / f"host{i}", run_dir, inputs, ws, mesh=POD_MESH),
+                        i, port) for i in range(2)]
+    if sigterm_after is not None:
+        deadline = time.monotonic() + 600
+        while not bucket_fs().exists(key(run_dir) + f"/{sigterm_after}/commit_success.txt"):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.02)
+        procs[1].send_signal(signal.SIGTERM)
+    ends = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode in (0, 75), err[-3000:]
+        ends.append((proc.returncode, out.strip().splitlines()[-1]))
+    return ends
+
+
+@pytest.fixture(scope="module")
+def pod_run(ws, inputs, tmp_path_factory):
+    run_dir = gcs_emulator.unique_prefix("pod")
+    tmp = tmp_path_factory.mktemp("pod")
+    assert [status for status, _ in run_pod(tmp, run_dir, inputs, ws)] == [0, 0]
+    return bucket_metrics(run_dir), bucket_step_params(run_dir, STEPS, tmp)
+
+
+def test_a_pod_sharing_only_the_bucket_matches_one_process(pod_run, local_run):
+    (pod_metrics, pod_params), (metrics, params) = pod_run, local_run
+    for name in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[name] for r in pod_metrics], [r[name] for r in metrics], rtol=2e-5)
+    assert max(float(np.abs(pod_params[k] - params[k]).max()) for k in params) < 5e-5
+
+
+def test_sigterm_on_a_pod_host_saves_one_step_and_the_restart_ends_as_uninterrupted(ws, inputs, pod_run,
+                                                                                    tmp_path):
+    run_dir = gcs_emulator.unique_prefix("preempted")
+    first = run_pod(tmp_path, run_dir, inputs, ws, sigterm_after=2)
+    assert [status for status, _ in first] == [75, 75] and first[0][1] == first[1][1], first
+    assert first[0][1].startswith("stopped by SIGTERM at step ")
+    again = run_pod(tmp_path, run_dir, inputs, ws)
+    assert [status for status, _ in again] == [0, 0], again
+    assert_identical(run_dir, *pod_run, tmp_path)
