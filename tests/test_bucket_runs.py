@@ -4,7 +4,8 @@ The tiny dense model and the prepared data are uploaded once; every run reads `m
 from gs:// and writes its run_dir there. Checked against runs on a local disk:
 
 - one process: the bucket run is bit-identical to the local run (parameters and every logged metric),
-  and its last step exported by `upcycle convert` bucket to bucket holds the same weights;
+  its last step exported by `upcycle convert` bucket to bucket holds the same weights, and `upcycle
+  report` plots it;
   its metrics are objects, one per checkpoint interval, that concatenate to the local log's records
   (and survive Orbax's clean-up of the run_dir on a restart);
   no local `gs:` directory appears;
@@ -119,6 +120,10 @@ def test_a_bucket_run_is_the_local_run(ws, inputs, local_run, tmp_path, monkeypa
     config = bucket_fs().cat_file(key(run_dir) + "/config.yaml").decode()
     assert f"init: {inputs['init']}" in config and f"dir: {inputs['data']}" in config
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg", "downloaded"]  # no local gs: directory
+    refused = F.run_cli("report", run_dir, check=False, timeout=300)
+    assert refused.returncode == 2 and "a run_dir in a bucket needs --out" in refused.stderr
+    pngs = F.run_cli("report", run_dir, "--out", tmp_path / "report", timeout=300).stdout.split()
+    assert "loss.png" in [Path(p).name for p in pngs] and all(Path(p).is_file() for p in pngs)
     F.run_cli("convert", f"{run_dir}/{STEPS}", f"{run_dir}-hf", timeout=600)  # a step exported bucket to bucket
     bucket_fs().get(key(run_dir) + "-hf/", str(tmp_path / "hf"), recursive=True)
     exported, trained = F.step_params(tmp_path / "hf"), local_run[1]

@@ -69,7 +69,7 @@ COMMANDS = {  # case: (argv with the URL in one path position, what the error li
     "prepare-data-out": (["prepare-data", "--tokenizer", "{tokenizer}", "--out", GS, "--source", "a=x.txt"], "--out"),
     "prepare-data-source": (["prepare-data", "--tokenizer", "{tokenizer}", "--out", "data", "--source",
                              "web=gs://bkt/web/*.jsonl"], "--source web"),
-    "report": (["report", GS], "RUN_DIR"),
+    "report": (["report", S3], "RUN_DIR"),
     "report-out": (["report", "run", "--out", GS], "--out"),
     "demo-out": (["demo", "--out", GS], "--out"),
 }

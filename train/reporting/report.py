@@ -44,6 +44,7 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.staging import staged_files
+from upcycler.locations import is_remote
 from upcycler.train.reporting.metrics import METRICS_FILE, read_metrics
 from upcycler.train.techniques.expert_health import HEALTH_KEYS, check_logged_health
 from upcycler.untrusted import shown_path
@@ -55,13 +56,18 @@ MAX_USAGE_CELLS = 2**24  # layers × sources × experts of expert_usage_by_sourc
 
 
 def make_report(run_dir: Path, out: Path | None = None) -> list[Path]:
-    """Write the report's PNGs into `out` (default RUN_DIR/report) and return their paths."""
+    """Write the report's PNGs into `out` (default RUN_DIR/report; a gs:// RUN_DIR needs a local `out`)
+    and return their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
-    run_dir = Path(run_dir)
+    remote = is_remote(run_dir)
+    if remote and out is None:
+        raise UpcyclerError(f"{shown_path(run_dir)}: a run_dir in a bucket needs --out, a local directory for the "
+                            "PNGs")
+    run_dir = run_dir if remote else Path(run_dir)
     log = run_dir / METRICS_FILE
-    if not os.path.lexists(log):
+    if not remote and not os.path.lexists(log):
         raise UpcyclerError(f"{shown_path(log)}: missing; pass the run_dir of a continued-pretrain run")
     records = read_metrics(run_dir)
     if not records:
