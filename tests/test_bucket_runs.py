@@ -15,7 +15,9 @@ from gs:// and writes its run_dir there. Checked against runs on a local disk:
 - a simulated pod, 2 processes × 2 CPU devices, each with its own working directory, HOME, temporary
   and cache directories, sharing only the bucket: it matches the one-process run up to fp32 reduction
   order; SIGTERM to one process makes both save the same step and exit with status 75, and the same
-  commands restarted end bit-identical to the uninterrupted pod run.
+  commands restarted end bit-identical to the uninterrupted pod run;
+- elastic resume: a run started on one process and device continues on the pod (another process count,
+  device count and mesh) with the same global batches.
 """
 
 from __future__ import annotations
@@ -153,12 +155,13 @@ def start_host(host: Path, config: Path, process: int, port: int) -> subprocess.
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=host)
 
 
-def run_pod(tmp: Path, run_dir: str, inputs, ws, *, sigterm_after: int | None = None) -> list[tuple[int, str]]:
+def run_pod(tmp: Path, run_dir: str, inputs, ws, *, sigterm_after: int | None = None,
+            **changes) -> list[tuple[int, str]]:
     """Both hosts of the pod (each with its own copy of the config); with `sigterm_after`, SIGTERM to
     process 1 once step `sigterm_after` is committed. Returns each process's exit status and last line."""
     port = F.free_port()
-    procs = [start_host(tmp / f"host{i}", bucket_config(tmp / f"host{i}", run_dir, inputs, ws, mesh=POD_MESH),
-                        i, port) for i in range(2)]
+    procs = [start_host(tmp / f"host{i}", bucket_config(tmp / f"host{i}", run_dir, inputs, ws, mesh=POD_MESH,
+                                                        **changes), i, port) for i in range(2)]
     if sigterm_after is not None:
         deadline = time.monotonic() + 600
         while not bucket_fs().exists(key(run_dir) + f"/{sigterm_after}/commit_success.txt"):
@@ -197,3 +200,22 @@ def test_sigterm_on_a_pod_host_saves_one_step_and_the_restart_ends_as_uninterrup
     again = run_pod(tmp_path, run_dir, inputs, ws)
     assert [status for status, _ in again] == [0, 0], again
     assert_identical(run_dir, *pod_run, tmp_path)
+
+
+def test_a_run_resumed_on_another_topology_continues_the_same_batches(ws, inputs, local_run, tmp_path):
+    """Elastic resume: 4 steps on one process and one device, then the same run_dir resumed by the pod (2
+    processes × 2 devices, mesh data=2 × fsdp=2): parameters and optimiser state restored with the new
+    shardings, and every later step sees the global batch of the uninterrupted run (the same token count
+    and per-source losses within fp32 reduction order)."""
+    run_dir = gcs_emulator.unique_prefix("elastic")
+    F.run_cli("continued-pretrain", "--config", bucket_config(tmp_path / "one", run_dir, inputs, ws), "--steps",
+              "4", timeout=600)
+    assert [status for status, _ in run_pod(tmp_path, run_dir, inputs, ws)] == [0, 0]
+    metrics, reference = bucket_metrics(run_dir), local_run[0]
+    assert [r["step"] for r in metrics] == list(range(STEPS))
+    assert without_timing(metrics[:4]) == without_timing(reference[:4])  # the one-device steps, as they were
+    for name in ("loss", "loss/json", "loss/email", "grad_norm", "tokens"):
+        np.testing.assert_allclose([r[name] for r in metrics[4:]], [r[name] for r in reference[4:]], rtol=2e-5,
+                                   err_msg=name)
+    params = bucket_step_params(run_dir, STEPS, tmp_path)
+    assert max(float(np.abs(params[k] - local_run[1][k]).max()) for k in params) < 5e-5
