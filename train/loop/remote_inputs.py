@@ -19,9 +19,11 @@ from upcycler.train.config import TrainConfig
 from upcycler.train.loop.preflight import refuse_overlap
 
 
-def localized(config: TrainConfig) -> TrainConfig:
-    """`config` with its gs:// inputs replaced by this host's up-to-date local copies."""
-    inputs = {"model.init": config.model.init, "model.tokenizer": config.model.tokenizer, "data.dir": config.data.dir}
+def localized(config: TrainConfig, *, data: bool = True) -> TrainConfig:
+    """`config` with its gs:// inputs replaced by this host's up-to-date local copies (`data=False`: the
+    model's only, for `--compile-only`, which reads no data)."""
+    inputs = {"model.init": config.model.init, "model.tokenizer": config.model.tokenizer,
+              **({"data.dir": config.data.dir} if data else {})}
     remote = {key: value for key, value in inputs.items() if value is not None and is_remote(value)}
     if not remote:
         return config

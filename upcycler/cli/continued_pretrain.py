@@ -105,7 +105,7 @@ def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_
     config = load_config(config_path, {keys[name]: value for name, value in flags.items()}, sets)
     from upcycler.train.loop.remote_inputs import localized
 
-    config = localized(config)  # gs:// model.init, model.tokenizer, data.dir: this host's copies
+    config = localized(config, data=not compile_only)  # gs:// inputs: this host's copies
     if compile_only or topology or hbm_budget or as_json:
         _compile_only(config, compile_only, topology, hbm_budget, as_json)
         return
