@@ -3,8 +3,8 @@
     python bench/remote_io.py [--scale 0.5] [--repeats 3] [--workdir DIR]
 
 A synthetic bf16 checkpoint at Llama-3.2-1B shapes (widths and vocabulary × `--scale`) is written locally
-and uploaded once to a loopback Cloud Storage emulator (fake-gcs-server, in memory, started here and
-stopped at the end: `tests/gcs_emulator.py`). Two jobs, `convert` and `dense-to-moe --experts 8 --topk 2`, each run
+and uploaded once to a loopback Cloud Storage emulator (fake-gcs-server, started here and stopped at
+the end: `tests/gcs_emulator.py`). Two jobs, `convert` and `dense-to-moe --experts 8 --topk 2`, each run
 local → local and gs:// → gs:// in the same rounds, interleaved, `--repeats` rounds, every run in a fresh
 process that reports its wall time and peak RSS (VmHWM). The remote run's time includes mirroring the
 source (the first round fetches it; later rounds find the mirror current and only list the bucket; the
@@ -27,6 +27,8 @@ from pathlib import Path
 
 from common import write_synthetic
 from surgery import llama_spec, run_child
+
+from upcycler.io import object_store
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from gcs_emulator import start, stop
@@ -61,6 +63,7 @@ def main() -> None:
                     shutil.rmtree(work / "cache", ignore_errors=True)
                     figures[where] = run_child([a.format(src=src, out=out) for a in argv])
                 shutil.rmtree(work / f"out-{name}-{k}", ignore_errors=True)
+                object_store.filesystem().rm(f"{BUCKET}/out-{name}-{k}", recursive=True)
                 rounds[name].append({"local_s": figures["local"]["seconds"], "remote_s": figures["remote"]["seconds"],
                                      "local_rss": figures["local"]["peak_rss"],
                                      "remote_rss": figures["remote"]["peak_rss"]})

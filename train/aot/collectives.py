@@ -74,6 +74,7 @@ class KindTraffic:
     executions: int = 0
     bytes: int = 0
     traffic_bytes: float = 0.0
+    dcn_traffic_bytes: float = 0.0  # the part of `traffic_bytes` of ops whose groups span slices
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class CollectiveOp:
     bytes: int
     traffic_bytes: float
     executions: int
+    dcn: bool = False  # a transfer between slices, over the data-center network
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,11 @@ class CollectiveTraffic:
     def traffic_bytes(self) -> float:
         """Interconnect bytes one device receives in a step, all kinds together."""
         return sum(k.traffic_bytes for k in self.kinds.values())
+
+    @property
+    def dcn_traffic_bytes(self) -> float:
+        """The part of `traffic_bytes` carried by ops that cross slices (data-center network)."""
+        return sum(k.dcn_traffic_bytes for k in self.kinds.values())
 
 
 @dataclass
@@ -126,7 +133,8 @@ class _Computation:
 
 def collective_traffic(hlo_text: str) -> CollectiveTraffic:
     """The collectives of the HLO module `hlo_text` and their traffic per device for one execution of the
-    entry computation, loops unrolled by their trip counts (see the module docstring for the model)."""
+    entry computation, loops unrolled by their trip counts (see the module docstring for the model),
+    transfers between slices (`dcn`) included."""
     computations, entry = _parse_module(hlo_text)
     devices = _module_devices(hlo_text)
     counts, unknown = _execution_counts(computations, entry)
@@ -134,10 +142,13 @@ def collective_traffic(hlo_text: str) -> CollectiveTraffic:
     for comp_name, runs in counts.items():
         comp = computations[comp_name]
         for instr in comp.instrs.values():
-            kind = _OPCODES.get(instr.opcode)
-            if kind is None or runs == 0:
+            if runs == 0:
                 continue
-            ops.append(_collective_op(instr, kind, comp, devices, runs))
+            kind = _OPCODES.get(instr.opcode)
+            if kind is not None:
+                ops.append(_collective_op(instr, kind, comp, devices, runs))
+            elif instr.opcode == "send" and (transfer := _quoted_attr(instr.attrs, _MEGASCALE_TYPE)):
+                ops.append(_dcn_op(instr, transfer, comp, runs))
     kinds = {}
     for kind in KINDS:
         mine = [op for op in ops if op.kind == kind]
@@ -146,6 +157,7 @@ def collective_traffic(hlo_text: str) -> CollectiveTraffic:
             executions=sum(op.executions for op in mine),
             bytes=sum(op.bytes * op.executions for op in mine),
             traffic_bytes=sum(op.traffic_bytes * op.executions for op in mine),
+            dcn_traffic_bytes=sum(op.traffic_bytes * op.executions for op in mine if op.dcn),
         )
     return CollectiveTraffic(kinds=kinds, ops=tuple(ops), unknown_loops=tuple(unknown))
 
@@ -241,6 +253,28 @@ def _collective_op(
     share = (n - 1) / n
     traffic = size * share * (2 if kind == "all-reduce" else 1)
     return CollectiveOp(instr.name, kind, comp.name, n, size, traffic, runs)
+
+
+_MEGASCALE_TYPE = "_xla_megascale_transfer_type"
+_MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
+                    "ALL_TO_ALL": "all-to-all"}
+
+
+def _dcn_op(instr: _Instr, transfer: str, comp: _Computation, runs: int) -> CollectiveOp:
+    """A transfer between slices: on a multislice TPU the compiler compiles one slice's program and carries
+    each collective across slices as a host-transfer `send` (with its `recv`) to the megascale runtime,
+    tagged with the transfer type and the participating slices (`_xla_megascale_target="{1,2}x{0:7}"`:
+    slices 1 and 2, devices 0 to 7 of each). The payload is the sent buffer; the traffic follows the ring
+    formulas of the module docstring over the n slices of the group (another type: the payload, once)."""
+    kind = _MEGASCALE_KINDS.get(transfer, "collective-permute")
+    size = shape_bytes(_split_top(instr.shape[1:-1])[0] if instr.shape.startswith("(") else instr.shape)
+    group = re.match(r"\{([^}]*)\}", _quoted_attr(instr.attrs, "_xla_megascale_target") or "")
+    n = max(2, len([x for x in group.group(1).split(",") if x.strip()])) if group else 2
+    if kind == "reduce-scatter":
+        size *= n
+    share = (n - 1) / n if kind != "collective-permute" else 1.0
+    traffic = size * share * (2 if kind == "all-reduce" else 1)
+    return CollectiveOp(instr.name, kind, comp.name, n, size, traffic, runs, dcn=True)
 
 
 def _start_result(instr: _Instr) -> str:
@@ -533,6 +567,12 @@ def _attr(attrs: str, key: str) -> str | None:
     if value[:1] in "{[(":
         return _balanced(value, value[0], {"{": "}", "[": "]", "(": ")"}[value[0]])
     return re.match(r"[^,\s]*", value).group(0)
+
+
+def _quoted_attr(attrs: str, key: str) -> str | None:
+    """The text of a quoted attribute `key="…"` (frontend attributes), else None."""
+    m = re.search(rf'\b{key}="([^"]*)"', attrs)
+    return m.group(1) if m else None
 
 
 def _attr_name(attrs: str, key: str) -> str | None:

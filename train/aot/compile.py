@@ -36,16 +36,17 @@ class Target:
     chip: hardware.Chip | None
 
 
-def target(topology: str | None) -> Target:
-    """A TPU slice by name (`v5e-256`), or the devices this process sees when `topology` is None."""
+def target(topology: str | None, slices: int = 1) -> Target:
+    """A TPU slice by name (`v5e-256`), `slices` of them joined by the data-center network, or the devices
+    this process sees when `topology` is None."""
     import jax
 
     if topology is None:
         devices = list(jax.devices())
         return Target(devices, f"local {devices[0].platform}", hardware.for_devices(devices))
     slice_ = parse_slice(topology)
-    devices = tpu_devices(slice_)
-    return Target(devices, slice_.name, hardware.for_devices(devices))
+    devices = tpu_devices(slice_, slices)
+    return Target(devices, slice_.name if slices == 1 else f"{slices} × {slice_.name}", hardware.for_devices(devices))
 
 
 def model_spec(path: Path) -> ModelSpec:
@@ -55,7 +56,8 @@ def model_spec(path: Path) -> ModelSpec:
     return read_checkpoint(path).spec
 
 
-def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget: int | None = None) -> report.Report:
+def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget: int | None = None,
+                 slices: int = 1) -> report.Report:
     """Compile the train step of `config` for `topology` (None: the local devices) and report per device.
 
     `hbm_budget` replaces the chip's usable HBM as the memory a device has (the only budget there is for
@@ -66,7 +68,7 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
     from upcycler.train.loop.train_step import abstract_batch, compile_step, make_train_step, state_layout
 
     spec = model_spec(config.model.init)
-    tgt = target(topology)
+    tgt = target(topology, slices)
     mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, spec,
                                microbatches=config.data.microbatches, devices=tgt.devices,
                                seq_len=config.data.seq_len, moe_chunks=config.model.moe_chunks)

@@ -88,6 +88,7 @@ class Report:
     roofline: dict[str, Any] | None
     compile_seconds: float
     notes: list[str] = field(default_factory=list)
+    slices: int = 1  # TPU slices joined by the data-center network (`dcn_traffic_bytes` of each kind crosses it)
 
     @property
     def margin(self) -> int | None:
@@ -140,6 +141,7 @@ def build(config: TrainConfig, spec: ModelSpec, mesh, layout, batch, compiled, *
         memory=memory, budget=budget, fits=fits, failure=failure, flops=flops, collectives=kinds,
         unknown_loops=traffic.unknown_loops if traffic else (), roofline=line,
         compile_seconds=compile_seconds, notes=notes,
+        slices=len({getattr(d, "slice_index", 0) for d in mesh.devices.flat}),
     )
 
 
@@ -244,8 +246,13 @@ def _text_lines(r: Report) -> list[str]:
                  f"{f['per_device'] / 1e12:.2f} TFLOP/device (executed {f['executed_per_device'] / 1e12:.2f})")
     for kind, t in r.collectives.items():
         if t["executions"]:
+            dcn = f", {_gib(t['dcn_traffic_bytes'])} of it over DCN" if r.slices > 1 else ""
             lines.append(f"  {kind:<19} {t['ops']:>4} ops, {t['executions']:>6} runs, "
-                         f"{_gib(t['traffic_bytes'])} received per device")
+                         f"{_gib(t['traffic_bytes'])} received per device{dcn}")
+    if r.slices > 1:
+        dcn_total = sum(t["dcn_traffic_bytes"] for t in r.collectives.values())
+        lines.append(f"dcn      {_gib(dcn_total)} per device per step crosses the data-center network between the "
+                     f"{r.slices} slices (the rest stays on each slice's ICI)")
     if r.unknown_loops:
         lines.append(f"  ({len(r.unknown_loops)} loop(s) with collectives have unknown trip counts, counted once)")
     if r.roofline:

@@ -120,8 +120,10 @@ def quiet_libtpu_without_chips() -> None:
         os.environ.setdefault(key, value)
 
 
-def tpu_devices(slice_: Slice) -> list[Any]:
-    """The slice's devices as libtpu describes them (no chip needed); `UpcyclerError` without libtpu."""
+def tpu_devices(slice_: Slice, slices: int = 1) -> list[Any]:
+    """The devices of `slices` copies of the slice joined by the data-center network (multislice), as
+    libtpu describes them (no chip needed; each device has its `slice_index`); `UpcyclerError` without
+    libtpu."""
     try:
         import libtpu  # noqa: F401  (only to tell a missing install from a bad topology)
     except ImportError:
@@ -135,7 +137,7 @@ def tpu_devices(slice_: Slice) -> list[Any]:
             topology_name=slice_.libtpu_name,
             chip_config_name="default",
             chips_per_host_bounds=(min(2, slice_.shape[0]), min(2, slice_.shape[1]), 1),
-            num_slices=1,
+            num_slices=slices,
         )
     except (RuntimeError, ValueError) as err:  # XlaRuntimeError is a RuntimeError, with a long message
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

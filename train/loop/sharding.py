@@ -69,8 +69,31 @@ def make_mesh(data: int = 1, fsdp: int = -1, expert: int = 1, devices: Sequence[
         raise ValueError(
             f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices, have {len(devices)}"
         )
-    grid = np.asarray(devices, dtype=object).reshape(sizes)
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return Mesh(device_grid(sizes, devices), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def device_grid(sizes: Sequence[int], devices: Sequence[Any]) -> np.ndarray:
+    """`devices` laid out as a (data, fsdp, expert) grid of `sizes` that follows the hardware: on TPU,
+    neighbours along each axis are neighbours on the ICI torus (`mesh_utils.create_device_mesh`); over
+    several slices (multislice), the `data` axis is split into an outer part across slices, over the
+    data-center network, and an inner part within each slice (`create_hybrid_device_mesh`), so only the
+    data-parallel gradient reduction crosses slices. Other devices (CPU, GPU) keep their order. Raises
+    `ValueError` when `data` is not a multiple of the slice count."""
+    from jax.experimental import mesh_utils
+
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices > 1:
+        if sizes[0] % slices:
+            raise ValueError(f"mesh.data {sizes[0]} must be a multiple of the {slices} slices (data parallelism "
+                             "spans them)")
+        return mesh_utils.create_hybrid_device_mesh([sizes[0] // slices, *sizes[1:]], [slices, 1, 1], devices,
+                                                     allow_split_physical_axes=True)
+    if devices[0].platform != "tpu":
+        return np.asarray(devices, dtype=object).reshape(sizes)
+    try:
+        return mesh_utils.create_device_mesh(list(sizes), devices, allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError, AssertionError):
+        return np.asarray(devices, dtype=object).reshape(sizes)  # a shape the torus cannot hold as such
 
 
 def _axis_size(mesh: Mesh, axes: tuple[str, ...]) -> int:
