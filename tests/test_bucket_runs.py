@@ -4,8 +4,8 @@ The tiny dense model and the prepared data are uploaded once; every run reads `m
 from gs:// and writes its run_dir there. Checked against runs on a local disk:
 
 - one process: the bucket run is bit-identical to the local run (parameters and every logged metric),
-  its last step exported by `upcycle convert` bucket to bucket holds the same weights, and `upcycle
-  report` plots it;
+  its last step exported to `STEP/hf/` during the run (`checkpoint.hf_every`) and by `upcycle convert`
+  bucket to bucket holds the same weights, and `upcycle report` plots it;
   its metrics are objects, one per checkpoint interval, that concatenate to the local log's records
   (and survive Orbax's clean-up of the run_dir on a restart);
   no local `gs:` directory appears;
@@ -111,7 +111,7 @@ def test_a_bucket_run_is_the_local_run(ws, inputs, local_run, tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     run_dir = gcs_emulator.unique_prefix("run")
     out = F.run_cli("continued-pretrain", "--config", bucket_config(tmp_path / "cfg", run_dir, inputs, ws),
-                    timeout=600).stdout
+                    "--set", f"checkpoint.hf_every={STEPS}", timeout=600).stdout
     assert f"finished at step {STEPS}; last checkpoint: {run_dir}/{STEPS}" in out
     assert_identical(run_dir, *local_run, tmp_path)
     assert without_timing(read_metrics(location(run_dir, "run_dir"))) == without_timing(local_run[0])
@@ -130,6 +130,11 @@ def test_a_bucket_run_is_the_local_run(ws, inputs, local_run, tmp_path, monkeypa
     bucket_fs().get(key(run_dir) + "-hf/", str(tmp_path / "hf"), recursive=True)
     exported, trained = F.step_params(tmp_path / "hf"), local_run[1]
     assert exported.keys() == trained.keys() and all(np.array_equal(exported[k], trained[k]) for k in trained)
+    in_run = sorted(Path(k).name for k in bucket_fs().find(key(run_dir) + f"/{STEPS}/hf/"))  # checkpoint.hf_every
+    assert in_run == ["config.json", "model.safetensors", "tokenizer.json", "upcycler.json"], in_run
+    bucket_fs().get(key(run_dir) + f"/{STEPS}/hf/", str(tmp_path / "hf-in-run"), recursive=True)
+    exported = F.step_params(tmp_path / "hf-in-run")  # bf16, the default checkpoint.hf_dtype
+    assert all(np.array_equal(exported[k], trained[k].astype(exported[k].dtype)) for k in trained)
 
 
 def test_an_uncommitted_step_in_a_bucket_is_redone_on_restart(ws, inputs, local_run, tmp_path):

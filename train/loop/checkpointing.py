@@ -38,15 +38,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.manifest import MANIFEST, write_manifest
-from upcycler.io.orbax_layout import COMMIT_FILE, PARAMS
+from upcycler.io.orbax_layout import COMMIT_FILE, PARAMS, STEP_HF, STEP_TOKENIZER_FILES
 from upcycler.locations import is_remote
 from upcycler.spec import ModelSpec
 from upcycler.train.loop.preflight import committed_steps
 from upcycler.train.model.params import ParamInfo, Params, declare_tree
 
 ITEMS = ("params", "ema", "opt_state", "data", "meta")
-HF_DIR = "hf"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+HF_DIR, TOKENIZER_FILES = STEP_HF, STEP_TOKENIZER_FILES  # the step layout's (`upcycler.io.orbax_layout`)
 
 
 # --- trainer tree <-> canonical tree --------------------------------------------------------------------
@@ -243,7 +242,7 @@ class RunCheckpoints:
             return
         if not (step_dir / MANIFEST).exists():
             self._add_manifest(step_dir)
-        if self.hf_every and int(step_dir.name) % self.hf_every == 0 and not (step_dir / HF_DIR).exists():
+        if self.hf_every and int(step_dir.name) % self.hf_every == 0 and not _exported(step_dir):
             export_hf(step_dir, self.hf_dtype)
 
     def _add_manifest(self, step_dir: Path) -> None:
@@ -286,9 +285,14 @@ class Restored(NamedTuple):
     ema: Params | None
 
 
-def export_hf(step_dir: Path, dtype: str) -> Path:
-    """Write `step_dir/hf/`, the committed step as a Hugging Face checkpoint in `dtype`, staged: it appears
-    only complete, and a write killed midway leaves only a hidden partial directory the next one removes."""
+def export_hf(step_dir: Path, dtype: str, out: Path | None = None) -> Path:
+    """Write `step_dir/hf/` (or `out`), the committed step as a Hugging Face checkpoint in `dtype`, staged:
+    it appears only complete, and a write killed midway leaves only a hidden partial directory the next
+    one removes. A step in a bucket goes through `bucket_export`."""
+    if is_remote(step_dir):
+        from upcycler.train.loop.bucket_export import export_step
+
+        return export_step(step_dir, dtype, convert=export_hf)
     from upcycler.io import read_checkpoint, write_checkpoint
     from upcycler.io.manifest import convert_step
     from upcycler.tensors import parse_dtype
@@ -298,7 +302,7 @@ def export_hf(step_dir: Path, dtype: str) -> Path:
     ckpt = ckpt.replace(inputs=tuple(step_dir / PARAMS if p == step_dir else p for p in ckpt.inputs))
     cast = ckpt.cast(parse_dtype(dtype))
     ckpt = ckpt.with_step(convert_step("hf", ckpt.spec.family, dtype), ckpt.spec, cast.tensors)
-    return write_checkpoint(ckpt, step_dir / HF_DIR, to="hf", progress=False)
+    return write_checkpoint(ckpt, out or step_dir / HF_DIR, to="hf", progress=False)
 
 
 def _canonical_abstract(spec: ModelSpec, abstract_params: Params, shardings: Params) -> Params:
@@ -313,6 +317,15 @@ def _canonical_abstract(spec: ModelSpec, abstract_params: Params, shardings: Par
 
     jax.tree.map(add, declare_tree(spec), abstract_params, is_leaf=_is_info)
     return out
+
+
+def _exported(step_dir: Path) -> bool:
+    """Whether the step's HF export is there, complete (in a bucket: committed, `bucket_output`)."""
+    if not is_remote(step_dir):
+        return (step_dir / HF_DIR).exists()
+    from upcycler.io.bucket_output import WRITING
+
+    return (step_dir / HF_DIR / MANIFEST).exists() and not (step_dir / HF_DIR / WRITING).exists()
 
 
 def _meta_file(step_dir: Path) -> Path:

@@ -46,11 +46,6 @@ def prepare(config: TrainConfig, resume: bool) -> RunInputs:
     if config.model.init_from_merge is not None:  # also on a resume: run_dir is never a merge source
         for source in parse_init_merge(config.model.init_from_merge)[0]:
             refuse_overlap(config.run_dir, source, "model.init_from_merge")
-    if config.checkpoint.hf_every and is_remote(config.run_dir):
-        raise UpcyclerError(
-            f"{shown_path(config.run_dir)}: checkpoint.hf_every is not supported with a gs:// run_dir yet; set "
-            "it to 0 and convert a step afterwards (`upcycle convert RUN_DIR/STEP OUT`)"
-        )
     if not is_remote(config.run_dir) and os.path.lexists(config.run_dir) and not config.run_dir.is_dir():
         raise UpcyclerError(
             f"{shown_path(config.run_dir)}: run_dir is not a directory; choose another run_dir"
