@@ -1,7 +1,8 @@
 """Training with everything in a bucket (the run's loopback emulator): inputs, run_dir, metrics.
 
-The tiny dense model and the prepared data are uploaded once; every run reads `model.init` and `data.dir`
-from gs:// and writes its run_dir there. Checked against runs on a local disk:
+The tiny dense model is uploaded once and the test sources are prepared in the bucket by `upcycle
+prepare-data` (gs:// globs in, a gs:// --out: the same token files as locally); every run reads
+`model.init` and `data.dir` from gs:// and writes its run_dir there. Checked against runs on a local disk:
 
 - one process: the bucket run is bit-identical to the local run (parameters and every logged metric),
   its last step exported to `STEP/hf/` during the run (`checkpoint.hf_every`) and by `upcycle convert`
@@ -83,11 +84,24 @@ def assert_identical(run_dir: str, reference_records, reference_params, tmp: Pat
 
 @pytest.fixture(scope="module")
 def inputs(ws):
-    """gs:// copies of the tiny dense model and the prepared data."""
+    """The tiny dense model copied to the bucket, and the test sources' text files too, prepared there by
+    `upcycle prepare-data` from gs:// globs into a gs:// --out: its token files must be the local ones."""
     root = gcs_emulator.unique_prefix("inputs")
     fs = bucket_fs()
     fs.put(str(ws["dense"]) + "/", key(root) + "/dense/", recursive=True)
-    fs.put(str(ws["data"]) + "/", key(root) + "/data/", recursive=True)
+    for name, files in F.SOURCES.items():
+        for file in files:
+            fs.put_file(str(file), key(root) + f"/text/{name}/{file.name}")
+    sources = [item for name in F.SOURCES for item in ("--source", f"{name}={root}/text/{name}/*.py")]
+    F.run_cli("prepare-data", "--tokenizer", ws["tokenizer"], *sources, "--out", f"{root}/data", "--format", "text",
+              timeout=600)
+    for name in F.SOURCES:
+        assert fs.cat_file(key(root) + f"/data/{name}.tokens.npy") == (ws["data"] / f"{name}.tokens.npy").read_bytes()
+        meta = json.loads(fs.cat_file(key(root) + f"/data/{name}.meta.json"))
+        assert [f["path"] for f in meta["files"]] == [f"{root}/text/{name}/{p.name}" for p in F.SOURCES[name]]
+    again = F.run_cli("prepare-data", "--tokenizer", ws["tokenizer"], *sources, "--out", f"{root}/data",
+                      "--format", "text", check=False, timeout=600)
+    assert again.returncode == 2 and "json.tokens.npy': already exists" in again.stderr
     return {"init": f"{root}/dense", "data": f"{root}/data"}
 
 

@@ -24,8 +24,10 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.hashing import sha256_file
+from upcycler.io.object_store import is_bucket_url
+from upcycler.io.remote_sources import mirror_glob
 from upcycler.io.staging import staged_files
-from upcycler.locations import local_path
+from upcycler.locations import local_path, recorded_location
 from upcycler.train.data.config import SOURCE_NAME
 from upcycler.train.data.format import FORMAT_VERSION, META_SUFFIX, TOKENS_SUFFIX, npy_header, token_dtype
 from upcycler.train.data.readers import detect_format, expand_pattern, read_documents
@@ -45,8 +47,11 @@ def parse_sources(specs: Iterable[str]) -> dict[str, list[Path]]:
             raise UpcyclerError(
                 f"--source {describe(spec)}: expected NAME=GLOB_OR_FILE with NAME like web or code_v2"
             )
-        local_path(pattern, f"--source {name}")  # a URL is refused, not globbed as a local name
-        files = expand_pattern(pattern)
+        if is_bucket_url(pattern):
+            files = mirror_glob(pattern)  # each object fetched into this host's cache
+        else:
+            local_path(pattern, f"--source {name}")  # another URL is refused, not globbed as a local name
+            files = expand_pattern(pattern)
         if not files:
             raise UpcyclerError(
                 f"{shown_path(pattern)}: matches no file; fix the --source {name}=... path or glob"
@@ -135,7 +140,8 @@ def _prepare_source(
         "eos_id": tok.eos_id,
         "tokenizer": {"file": str(tok.path), "sha256": tok.sha256},
         "input": _input_settings({fmt for _, fmt in files}, text_field, text_unit),
-        "files": [{"path": str(p), "bytes": p.stat().st_size, "sha256": sha256_file(p)} for p, _ in files],
+        "files": [{"path": recorded_location(p), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
+                  for p, _ in files],
     }
     _write_json(out_dir / f"{name}{META_SUFFIX}", meta)
     return meta

@@ -11,6 +11,11 @@ Object stores have no rename, so the local rule (work in a hidden sibling, renam
 
 The rules of local outputs hold: OUT is never a source (nor inside or around one), and an existing OUT is
 replaced only with `--overwrite` and only when it is an earlier upcycler output (it holds `upcycler.json`).
+Outputs that add files to a directory (`prepare-data --out`: one source's token file and metadata beside
+the sources prepared before) use `add_files` instead: the new files are uploaded beside what is there,
+each source's marker (its metadata, which readers look for) after its other files, so a killed upload
+leaves no source that reads as prepared.
+
 What this module preserves: the published objects are the local output's files, byte for byte, under
 the same relative names.
 """
@@ -21,7 +26,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from upcycler.errors import UpcyclerError
@@ -87,3 +92,22 @@ def publish(local: Path, out: str) -> list[str]:
         store.upload(local / name, store.join(out, name))
     store.remove([store.join(out, WRITING)])
     return names
+
+
+def refuse_existing(out: str, names: Iterable[str], *, overwrite: bool) -> None:
+    """Refuse to add files to the bucket directory `out` over objects of the same names, unless `overwrite`."""
+    existing = store.list_objects(out)
+    taken = [name for name in names if name in existing]
+    if taken and not overwrite:
+        raise UpcyclerError(f"{describe(store.join(out, taken[0]), 200)}: already exists; choose another --out or "
+                            "pass --overwrite")
+
+
+def add_files(local: Path, out: str, *, is_marker: Callable[[str], bool]) -> list[str]:
+    """Upload every file of the local directory `local` into the bucket directory `out`, beside the objects
+    there; the files `is_marker` selects go last. Returns the relative names uploaded."""
+    names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+    ordered = [n for n in names if not is_marker(n)] + [n for n in names if is_marker(n)]
+    for name in ordered:
+        store.upload(local / name, store.join(out, name))
+    return ordered

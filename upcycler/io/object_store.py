@@ -88,6 +88,13 @@ def list_objects(url: str) -> dict[str, StoredObject]:
             for key, info in found.items() if key.startswith(prefix) and info.get("type") != "directory"}
 
 
+def glob_objects(pattern: str) -> list[str]:
+    """The objects (as `bucket/key`) that the glob `bucket/pattern` matches; directories are left out."""
+    with _errors(f"gs://{pattern}", "listing"):
+        found = filesystem().glob(pattern, detail=True)
+    return sorted(key for key, info in found.items() if info.get("type") != "directory")
+
+
 def object_info(url: str) -> StoredObject | None:
     """The object named exactly `url`, or None when there is none."""
     with _errors(url, "reading the object's metadata"):

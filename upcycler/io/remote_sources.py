@@ -24,7 +24,7 @@ from pathlib import Path, PurePosixPath
 from upcycler.errors import UpcyclerError
 from upcycler.io import object_store as store
 from upcycler.io.bucket_output import refuse_unfinished
-from upcycler.locations import url_scheme
+from upcycler.locations import remember_origin, url_scheme
 from upcycler.untrusted import describe
 
 _HUB_ID = re.compile(r"^(?:hf://)?([A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*)(?:@([^@\s]+))?$")
@@ -66,6 +66,18 @@ def mirror(url: str) -> Path:
         return _fetch(url, objects, local, keep_others=True) / single.name
     refuse_unfinished(url, objects)
     return _fetch(url, objects, local, keep_others=False)
+
+
+def mirror_glob(pattern: str) -> list[Path]:
+    """The local copies of the objects a gs:// glob (`gs://b/web/*.jsonl`, `**` for any depth) matches,
+    sorted by name, each remembered as its URL for the lineage; [] when none matches."""
+    bucket_and_key = pattern.split("://", 1)[1]
+    copies = []
+    for key in sorted(store.glob_objects(bucket_and_key)):
+        copy = mirror(f"gs://{key}")
+        remember_origin(copy, f"gs://{key}")
+        copies.append(copy)
+    return copies
 
 
 def _fetch(url: str, objects: dict[str, store.StoredObject], local: Path, *, keep_others: bool) -> Path:
