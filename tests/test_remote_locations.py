@@ -102,6 +102,21 @@ def test_reading_commands_take_bucket_urls(surgery):
     assert "same function" in verdict, verdict
 
 
+def test_a_recipe_reads_and_writes_a_bucket(surgery, tmp_path):
+    """`upcycle run` with the recipe's source and output.path in the bucket writes what `dense-to-moe`
+    wrote from the same source; its lineage names the bucket source."""
+    local, bucket = surgery["local"], surgery["bucket"]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"source: {bucket}/conv\ntransforms:\n  - dense-to-moe: {{experts: 4, topk: 2}}\n"
+                      f"output: {{path: {bucket}/from-recipe}}\n")
+    run_cli("run", recipe, timeout=120)
+    written = bucket_files(f"{bucket}/from-recipe")
+    assert written["model.safetensors"] == local_files(local / "moe")["model.safetensors"]
+    assert json.loads(written[MANIFEST])["lineage"][-1]["recipe"]["source"] == f"{bucket}/conv"
+    recipe.write_text(recipe.read_text().replace(f"{bucket}/from-recipe", "s3://bkt/out"))
+    assert_clean_failure(run_cli("run", recipe, check=False), mentions="output.path: 's3://bkt/out': s3://")
+
+
 def test_bucket_outputs_keep_the_output_rules(surgery, tmp_path, monkeypatch):
     model = surgery["model"]
     bucket = surgery["bucket"]

@@ -25,7 +25,7 @@ from typing import Any
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.hf_write import DEFAULT_SHARD_SIZE
-from upcycler.locations import recorded_location
+from upcycler.locations import local_path, recorded_location, url_scheme
 from upcycler.schema import options
 from upcycler.transforms.registry import Transform, config_dict, transform_named
 from upcycler.units import parse_size
@@ -125,7 +125,8 @@ def recipe_from_dict(data: Any, base: Path, where: str) -> Recipe:
         if values is not None and not isinstance(values, dict):
             raise UpcyclerError(f"{where}: the options of {name} must be a mapping, not {describe(values)}")
         steps.append(Step(t, _rebased(t.make_config(values or {}, f"{where}: transforms[{k}] {name}"), base)))
-    return Recipe(_path(base, data["source"]), tuple(steps), _output(data.get("output"), base, where))
+    source = _path(base, data["source"], f"{where}: source", urls=("gs", "hf"))
+    return Recipe(source, tuple(steps), _output(data.get("output"), base, where))
 
 
 def _output(data: Any, base: Path, where: str) -> Output:
@@ -141,8 +142,9 @@ def _output(data: Any, base: Path, where: str) -> Output:
         if data.get(key) is not None and not isinstance(data[key], str):
             raise UpcyclerError(f"{where}: output.{key} must be a string, not {describe(data[key])}")
     shard_size = parse_size(data.get("shard_size", DEFAULT_SHARD_SIZE), f"{where}: output.shard_size")
-    return Output(_path(base, data["path"]), data.get("format") or "hf", data.get("family"), data.get("dtype"),
-                  shard_size)
+    return Output(_path(base, data["path"], f"{where}: output.path", urls=("gs",)), data.get("format") or "hf",
+                  data.get("family"),
+                  data.get("dtype"), shard_size)
 
 
 def _rebased(config: Any, base: Path) -> Any:
@@ -151,14 +153,18 @@ def _rebased(config: Any, base: Path) -> Any:
     for opt in options(type(config)):
         value = getattr(config, opt.name)
         if isinstance(value, Path):
-            changes[opt.name] = _path(base, str(value))
+            changes[opt.name] = _path(base, str(value), opt.name)
         elif isinstance(value, Mapping) and value and all(isinstance(v, Path) for v in value.values()):
-            changes[opt.name] = {k: _path(base, str(v)) for k, v in value.items()}
+            changes[opt.name] = {k: _path(base, str(v), opt.name) for k, v in value.items()}
     return dataclasses.replace(config, **changes) if changes else config
 
 
-def _path(base: Path, text: str) -> Path:
+def _path(base: Path, text: str, what: str, urls: tuple[str, ...] = ()) -> Path | str:
+    """A recipe's path, relative to the recipe's directory; a URL of a scheme in `urls` stays a URL (`upcycle
+    run` fetches or publishes it), any other URL is refused naming `what`."""
     if "\0" in text:
         raise UpcyclerError(f"path {describe(text)} contains a NUL byte; fix the recipe")
-    path = Path(text).expanduser()
+    if url_scheme(text) in urls:
+        return text
+    path = local_path(text, what).expanduser()
     return path if path.is_absolute() else base / path

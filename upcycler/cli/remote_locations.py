@@ -21,6 +21,7 @@ import functools
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,37 @@ def _replace(value: Any, fetched: Callable[[Any], Any]) -> Any:
     return fetched(value)
 
 
+@contextmanager
+def remote_io(sources: dict[str, Any], outputs: dict[str, str], *, overwrite: bool) -> Iterator[tuple[dict, dict]]:
+    """Steps 1-3 of the module docstring for `sources` (named as the error lines name them; a value may be
+    a path, a URL, or a tuple, list or mapping of them) and the bucket `outputs` (name: URL). Yields
+    (sources with every remote value made local, outputs as local staging paths); publishes each staged
+    output that exists when the body returns, and removes the staging directory in every case."""
+    remote = [str(v) for value in sources.values() for v in _values(value) if _is_remote_source(v)]
+    if not outputs and not remote:
+        yield sources, {}
+        return
+    for url in outputs.values():
+        bucket_output.check_output(url, overwrite=overwrite, sources=remote)
+    local_sources = {what: _replace(value, lambda v, what=what: _fetch(v, what) if _is_remote_source(v) else v)
+                     for what, value in sources.items()}
+    if not outputs:
+        yield local_sources, {}
+        return
+    root = cache_root() / "staging"
+    root.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix="out-", dir=root))
+    try:
+        local_outputs = {name: stage / name / url.rstrip("/").rsplit("/", 1)[-1] for name, url in outputs.items()}
+        yield local_sources, local_outputs
+        for name, url in outputs.items():
+            if local_outputs[name].is_dir():
+                published = bucket_output.publish(local_outputs[name], url)
+                click.echo(f"published {url} ({len(published)} files)")
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
 def with_remote_locations(command: click.Command) -> click.Command:
     """Wrap `command`'s callback so its `SOURCE` and `OUTPUT` parameters may name remote locations."""
     original = command.callback
@@ -97,33 +129,12 @@ def with_remote_locations(command: click.Command) -> click.Command:
     def callback(**values: Any) -> Any:
         outputs = {name: value for name, value in values.items()
                    if name in params and _role(params[name]) == "output" and isinstance(value, str)}
-        sources = {name: value for name, value in values.items()
-                   if name in params and _role(params[name]) == "source"
-                   and any(_is_remote_source(v) for v in _values(value))}
-        if not outputs and not sources:
+        sources = {option_name(params[name]): value for name, value in values.items()
+                   if name in params and _role(params[name]) == "source"}
+        names = {option_name(params[name]): name for name in values if name in params}
+        with remote_io(sources, outputs, overwrite=bool(values.get("overwrite"))) as (local_sources, local_outputs):
+            values.update({names[what]: value for what, value in local_sources.items()}, **local_outputs)
             return original(**values)
-        remote_sources = [str(v) for value in sources.values() for v in _values(value)]
-        for url in outputs.values():
-            bucket_output.check_output(url, overwrite=bool(values.get("overwrite")), sources=remote_sources)
-        for name, value in sources.items():
-            what = option_name(params[name])
-            values[name] = _replace(value, lambda v, what=what: _fetch(v, what) if _is_remote_source(v) else v)
-        if not outputs:
-            return original(**values)
-        root = cache_root() / "staging"
-        root.mkdir(parents=True, exist_ok=True)
-        stage = Path(tempfile.mkdtemp(prefix="out-", dir=root))
-        try:
-            for name, url in outputs.items():
-                values[name] = stage / name / url.rstrip("/").rsplit("/", 1)[-1]
-            result = original(**values)
-            for name, url in outputs.items():
-                if values[name].is_dir():
-                    published = bucket_output.publish(values[name], url)
-                    click.echo(f"published {url} ({len(published)} files)")
-            return result
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
 
     command.callback = callback
     return command

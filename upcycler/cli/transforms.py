@@ -227,11 +227,20 @@ def transform_command(t: Transform) -> click.Command:
 @click.option("--overwrite", is_flag=True, help="Replace the output directory if it exists.")
 @run_options
 def run(recipe: Path, dry_run: bool, as_json: bool, no_verify: bool, overwrite: bool) -> None:
-    """Apply the transforms of RECIPE (YAML) in one streaming pass and write its output."""
+    """Apply the transforms of RECIPE (YAML) in one streaming pass and write its output (the recipe's source
+    and output.path may be gs:// URLs, its source an hf://ORG/NAME Hub id)."""
+    import dataclasses
+
+    from upcycler.cli.remote_locations import remote_io
     from upcycler.transforms.recipe import load_recipe
 
-    finish(planned(load_recipe(recipe), dry_run=dry_run), dry_run=dry_run, as_json=as_json,
-           overwrite=overwrite, no_verify=no_verify)
+    plan = load_recipe(recipe)
+    remote_out = {"output": plan.output.path} if isinstance(plan.output.path, str) and not dry_run else {}
+    with remote_io({"source": plan.source}, remote_out, overwrite=overwrite) as (sources, outputs):
+        output = dataclasses.replace(plan.output, path=outputs.get("output", plan.output.path))
+        plan = dataclasses.replace(plan, source=sources["source"], output=output)
+        finish(planned(plan, dry_run=dry_run), dry_run=dry_run, as_json=as_json, overwrite=overwrite,
+               no_verify=no_verify)
 
 
 commands = [*(transform_command(t) for t in TRANSFORMS.values()), run]
