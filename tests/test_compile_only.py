@@ -120,6 +120,7 @@ def test_two_slices_report_dcn_traffic_apart(demo):
                                "--set", "model.compute_dtype=bfloat16")
     assert report["target"] == "2 × v5e-4" and report["slices"] == 2 and report["devices"] == 8
     assert report["mesh"] == {"data": 2, "fsdp": 4, "expert": 1} and report["fits"] is True
+    assert report["chip"] == "TPU v5e" and report["budget"] == int(15.75 * 2**30)  # a whole chip per device
     assert report["memory"]["params"] == expected_bytes(model_dir, fsdp=4)[0]
     kinds = report["collectives"]
     gathers = kinds["all-gather"]

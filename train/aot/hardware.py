@@ -169,14 +169,15 @@ def chip_for(device_kind: str) -> Chip | None:
 
 
 def devices_per_chip(devices: Sequence[Any]) -> int:
-    """How many of `devices` share one chip: the most devices found at one set of chip coordinates (1 for
-    devices without coordinates, such as CPUs)."""
+    """How many of `devices` share one chip: the most devices found at one set of chip coordinates within
+    one slice (1 for devices without coordinates, such as CPUs; every slice of a multislice target repeats
+    the same coordinates)."""
     per_chip: dict[tuple, int] = {}
     for d in devices:
         coords = getattr(d, "coords", None)
         if coords is None:
             return 1
-        key = tuple(coords)
+        key = (getattr(d, "slice_index", 0), *coords)
         per_chip[key] = per_chip.get(key, 0) + 1
     return max(per_chip.values(), default=1)
 
