@@ -219,6 +219,8 @@ def test_a_hub_id_is_a_source_for_dense_to_moe(surgery, tmp_path, monkeypatch):
         api = HfApi(endpoint=hub.url, token="t")
         api.create_repo("org/tiny")
         api.upload_folder(repo_id="org/tiny", folder_path=str(local / "conv"))
+        api.upload_file(path_or_fileobj=b"\0" * 1024, path_in_repo="original/consolidated.00.pth",
+                        repo_id="org/tiny")  # another copy of the weights, never fetched
         run_cli("dense-to-moe", "org/tiny", tmp_path / "moe", "--experts", "4", "--topk", "2", env=env,
                 timeout=120)
         run_cli("push", f"{surgery['bucket']}/moe", "org/moe", "--endpoint", hub.url, env=env, timeout=120)
@@ -229,5 +231,6 @@ def test_a_hub_id_is_a_source_for_dense_to_moe(surgery, tmp_path, monkeypatch):
     lineage = json.loads(written[MANIFEST])["lineage"]
     reads = [step for step in lineage if step["step"] == "read"]
     assert reads[-1]["source"] == "org/tiny" and len(reads[-1]["revision"]) == 40
+    assert not list((tmp_path / "hf").rglob("*.pth"))
     assert {k: v for k, v in pushed.items() if k != "README.md"} == local_files(surgery["local"] / "moe") \
         | {MANIFEST: bucket_files(f"{surgery['bucket']}/moe")[MANIFEST]}

@@ -9,7 +9,8 @@ digests of `upcycler.json` on every byte read, the hostile-input rules):
   source reads nothing from the bucket but its listing. A prefix that holds the marker of an unfinished
   upcycler write is refused. Object names never escape the mirror directory;
 - a Hub id (`org/name`, `hf://org/name`, either with `@revision`) is fetched by `huggingface_hub` into the
-  HF cache (`HF_HOME`), from `HF_ENDPOINT`, honouring `HF_HUB_OFFLINE` and the usual token.
+  HF cache (`HF_HOME`), from `HF_ENDPOINT`, honouring `HF_HUB_OFFLINE` and the usual token; only the
+  files a checkpoint needs (`HUB_FILES`), not a repo's other copies of the weights.
 
 What this module preserves: the local copy holds the source's files byte for byte under their names.
 """
@@ -110,6 +111,11 @@ def _fetch(url: str, objects: dict[str, store.StoredObject], local: Path, *, kee
     return local
 
 
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.py"]
+"""What a Hub source needs (configs, safetensors shards and index, tokenizer files, remote code): a model
+repo's other copies of the weights (`original/*.pth`, `*.bin`, GGUF) are not downloaded."""
+
+
 def hub_snapshot(repo_id: str, revision: str | None) -> Path:
     """The local snapshot of the Hub model `repo_id` at `revision` (fetched into the HF cache if needed)."""
     from huggingface_hub import constants, snapshot_download
@@ -122,7 +128,7 @@ def hub_snapshot(repo_id: str, revision: str | None) -> Path:
 
     where = f"{repo_id}{'@' + revision if revision else ''}"
     try:
-        return Path(snapshot_download(repo_id, revision=revision))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES))
     except GatedRepoError:
         raise UpcyclerError(f"{where}: a gated model on the Hub; accept its terms and log in "
                             "(`hf auth login` or HF_TOKEN)") from None
