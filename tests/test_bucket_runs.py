@@ -16,7 +16,8 @@ prepare-data` (gs:// globs in, a gs:// --out: the same token files as locally); 
 - a simulated pod, 2 processes × 2 CPU devices, each with its own working directory, HOME, temporary
   and cache directories, sharing only the bucket: it matches the one-process run up to fp32 reduction
   order; SIGTERM to one process makes both save the same step and exit with status 75, and the same
-  commands restarted end bit-identical to the uninterrupted pod run;
+  commands restarted end bit-identical to the uninterrupted pod run; SIGKILL to one process takes the
+  other down within the heartbeat timeout, and the restart ends bit-identical too;
 - elastic resume: a run started on one process and device continues on the pod (another process count,
   device count and mesh) with the same global batches.
 """
@@ -174,10 +175,11 @@ def start_host(host: Path, config: Path, process: int, port: int) -> subprocess.
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=host)
 
 
-def run_pod(tmp: Path, run_dir: str, inputs, ws, *, sigterm_after: int | None = None,
+def run_pod(tmp: Path, run_dir: str, inputs, ws, *, sigterm_after: int | None = None, kill: bool = False,
             **changes) -> list[tuple[int, str]]:
-    """Both hosts of the pod (each with its own copy of the config); with `sigterm_after`, SIGTERM to
-    process 1 once step `sigterm_after` is committed. Returns each process's exit status and last line."""
+    """Both hosts of the pod (each with its own copy of the config); with `sigterm_after`, SIGTERM (SIGKILL
+    with `kill`) to process 1 once step `sigterm_after` is committed. Returns each process's exit status
+    and last line."""
     port = F.free_port()
     procs = [start_host(tmp / f"host{i}", bucket_config(tmp / f"host{i}", run_dir, inputs, ws, mesh=POD_MESH,
                                                         **changes), i, port) for i in range(2)]
@@ -186,12 +188,12 @@ def run_pod(tmp: Path, run_dir: str, inputs, ws, *, sigterm_after: int | None = 
         while not bucket_fs().exists(key(run_dir) + f"/{sigterm_after}/commit_success.txt"):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
             time.sleep(0.02)
-        procs[1].send_signal(signal.SIGTERM)
+        procs[1].send_signal(signal.SIGKILL if kill else signal.SIGTERM)
     ends = []
     for proc in procs:
         out, err = proc.communicate(timeout=600)
-        assert proc.returncode in (0, 75), err[-3000:]
-        ends.append((proc.returncode, out.strip().splitlines()[-1]))
+        assert kill or proc.returncode in (0, 75), err[-3000:]
+        ends.append((proc.returncode, (out.strip().splitlines() or [""])[-1]))
     return ends
 
 
@@ -238,3 +240,19 @@ def test_a_run_resumed_on_another_topology_continues_the_same_batches(ws, inputs
                                    err_msg=name)
     params = bucket_step_params(run_dir, STEPS, tmp_path)
     assert max(float(np.abs(params[k] - local_run[1][k]).max()) for k in params) < 5e-5
+
+
+def test_a_pod_host_killed_takes_the_job_down_and_the_restart_resumes(ws, inputs, pod_run, tmp_path):
+    """SIGKILL to process 1 (no chance to save): process 0 stops once the lost heartbeat is noticed
+    (`distributed.heartbeat_timeout` 5 s here, instead of waiting in a collective for ever); the same
+    commands restarted resume from the last committed checkpoint and end bit-identical to the
+    uninterrupted pod run."""
+    run_dir = gcs_emulator.unique_prefix("killed")
+    started = time.monotonic()
+    first = run_pod(tmp_path, run_dir, inputs, ws, sigterm_after=2, kill=True,
+                    **{"distributed.heartbeat_timeout": 5})
+    assert first[1][0] == -signal.SIGKILL and first[0][0] not in (0, 75), first
+    assert time.monotonic() - started < 300
+    again = run_pod(tmp_path, run_dir, inputs, ws, **{"distributed.heartbeat_timeout": 5})
+    assert [status for status, _ in again] == [0, 0], again
+    assert_identical(run_dir, *pod_run, tmp_path)

@@ -42,7 +42,7 @@ Schema (every section but `model` and `data` is optional; defaults shown):
       bias_update: on                  # on | frozen (keep an inherited bias as it is)
       spike: null                      # {factor: 3.0, window: 20, action: stop | rewind, average: 3}
     mesh: {data: 1, fsdp: -1, expert: 1}   # -1: all remaining devices
-    distributed: {coordinator: null, num_processes: null, process_id: null}
+    distributed: {coordinator: null, num_processes: null, process_id: null, heartbeat_timeout: 100}
     checkpoint: {every: 100, keep: 3, async: true, hf_every: 0, hf_dtype: bfloat16}
     metrics: {peak_flops: null, expert_load_every: 1, progress: true, dead_below: 0.1, stop_on_collapse: false}
 
@@ -247,6 +247,10 @@ class DistributedConfig:
     coordinator: str | None = field(None, help="host:port of process 0 (or auto) to run on several processes.")
     num_processes: int | None = field(None, range=Range(1, MAX_DEVICES), help="How many processes.")
     process_id: int | None = field(None, range=Range(0, MAX_DEVICES), help="This process's id.")
+    heartbeat_timeout: int = field(100, range=Range(2, 3600),
+                                   help="Seconds without a heartbeat after which the other processes give up on "
+                                        "a lost one and exit (the job can then be restarted from the last "
+                                        "checkpoint).")
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ def init_distributed(d: DistributedConfig) -> None:
     pid = d.process_id if d.process_id is not None else _env_int("JAX_PROCESS_ID")
     address = None if d.coordinator == "auto" else d.coordinator
     try:
-        jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid)
+        jax.distributed.initialize(coordinator_address=address, num_processes=num, process_id=pid,
+                                   heartbeat_timeout_seconds=d.heartbeat_timeout)
     except (ValueError, TypeError, RuntimeError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise UpcyclerError(
