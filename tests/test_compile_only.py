@@ -89,13 +89,14 @@ def test_eight_fake_devices_split_the_state(demo):
     assert report["collectives"]["all-gather"]["executions"] > 0  # FSDP gathers the weights
 
 
-def test_v5e_2x2_report_fits_with_collectives_and_roofline(demo, cache):
+def test_v5e_2x2_report_fits_with_collectives_and_roofline(demo, tmp_path):
     pytest.importorskip("libtpu", reason="the [tpu] extra (libtpu) compiles for TPU; the test command installs it")
     config, model_dir = demo
-    cached = set(cache.iterdir())
-    proc, report = compile_report(config, "--topology", "v5e-4", "--set", "model.compute_dtype=bfloat16")
-    # JAX's persistent cache (set for the whole test run) keeps no TPU step: this host could not load it back
-    assert not [p.name for p in set(cache.iterdir()) - cached if p.name.startswith("jit_step")]
+    # a cache of its own (the run's shared one gains other workers' CPU steps meanwhile)
+    proc, report = compile_report(config, "--topology", "v5e-4", "--set", "model.compute_dtype=bfloat16",
+                                  env={"JAX_COMPILATION_CACHE_DIR": str(tmp_path)})
+    # JAX's persistent cache keeps no TPU step: this host could not load it back
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("jit_step")]
     params, adam = expected_bytes(model_dir, fsdp=4)
     memory = report["memory"]
     assert report["target"] == "v5e-4" and report["device_kind"] == "TPU v5 lite" and report["chip"] == "TPU v5e"
