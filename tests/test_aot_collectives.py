@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from xla_flags import with_devices
 
 from upcycler.train.aot.collectives import KINDS, collective_traffic, group_size, shape_bytes
 
@@ -220,7 +221,7 @@ def test_hand_written_module():
 
 def test_fsdp_scan_on_eight_cpu_devices():
     """XLA:CPU gathers each layer's float32 weight inside the loop (it prints the trip count)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": with_devices(8), "JAX_PLATFORMS": "cpu"}
     code = (
         "import sys, jax; sys.path.insert(0, sys.argv[1]); from test_aot_collectives import fsdp_hlo; "
         "print(fsdp_hlo(jax.devices(), 'float32'))"

@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 import trainer_fixtures as F
+from xla_flags import with_devices
 
 from upcycler.cli.demo import demo_assets
 from upcycler.io import read_checkpoint, write_checkpoint
@@ -154,7 +155,7 @@ def _start(path, *args, devices: int):
     import subprocess
     import sys
 
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = {**os.environ, "XLA_FLAGS": with_devices(devices)}
     return subprocess.Popen([sys.executable, "-m", "upcycler", "continued-pretrain", "--config", str(path), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 

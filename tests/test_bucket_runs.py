@@ -36,6 +36,7 @@ import gcs_emulator
 import numpy as np
 import pytest
 import trainer_fixtures as F
+from xla_flags import with_devices
 
 from upcycler.locations import location
 from upcycler.train.config import TrainConfig
@@ -168,7 +169,7 @@ def start_host(host: Path, config: Path, process: int, port: int) -> subprocess.
     """`continued-pretrain` as process `process` of 2, on a simulated host of its own (2 CPU devices; its
     own working directory, HOME, temporary and cache directories)."""
     (host / "tmp").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "HOME": str(host),
+    env = {**os.environ, "XLA_FLAGS": with_devices(2), "HOME": str(host),
            "TMPDIR": str(host / "tmp"), "UPCYCLER_CACHE": str(host / "cache")}
     command = [sys.executable, "-m", "upcycler", "continued-pretrain", "--config", str(config), "--coordinator",
                f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process)]

@@ -17,6 +17,7 @@ import sys
 
 import pytest
 from cli_helpers import assert_clean_failure, run_cli
+from xla_flags import with_devices
 
 from upcycler.cli.demo import _train_config, demo_assets
 from upcycler.io.hf_read import read_spec
@@ -79,7 +80,7 @@ def test_local_cpu_report(demo):
 
 def test_eight_fake_devices_split_the_state(demo):
     config, model_dir = demo
-    _, report = compile_report(config, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    _, report = compile_report(config, env={"XLA_FLAGS": with_devices(8)})
     params, adam = expected_bytes(model_dir, fsdp=8)
     memory = report["memory"]
     assert report["devices"] == 8 and report["mesh"] == {"data": 1, "fsdp": 8, "expert": 1}

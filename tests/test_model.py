@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from tiny_models import load_model, logits, make_tiny, random_ids
+from xla_flags import with_devices
 
 from upcycler.io import read_checkpoint
 from upcycler.layout import declare_params
@@ -343,7 +344,7 @@ def test_sharded_forward_on_8_devices_equals_single_device(model_dir, tmp_path):
     script.write_text(textwrap.dedent(_SHARDED))
     env = {
         **__import__("os").environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": with_devices(8),
         "JAX_PLATFORMS": "cpu",
     }
     proc = subprocess.run(

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 import trainer_fixtures as F
+from xla_flags import with_devices
 
 from upcycler.errors import UpcyclerError
 from upcycler.train.config import LossConfig, ModelConfig, TrainConfig
@@ -111,7 +112,7 @@ def _start(path, devices: int):
     import subprocess
     import sys
 
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = {**os.environ, "XLA_FLAGS": with_devices(devices)}
     code = ("import sys; from upcycler.train.config import load_config; "
             "from upcycler.train.loop.trainer import train; train(load_config(sys.argv[1]))")
     return subprocess.Popen([sys.executable, "-c", code, str(path)],

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import trainer_fixtures as F
 from click.testing import CliRunner
+from xla_flags import with_devices
 
 from upcycler.cli import main
 from upcycler.errors import UpcyclerError
@@ -120,7 +121,7 @@ def test_devices_that_do_not_split_the_batch_are_refused(ws, tmp_path):
         "--config",
         path,
         check=False,
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=3"},
+        env={"XLA_FLAGS": with_devices(3)},
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: data.global_batch_size 8 is not divisible")

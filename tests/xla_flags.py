@@ -1,0 +1,25 @@
+"""XLA flags for the child processes tests start: fake CPU devices, and compiling fast where that is the cost.
+
+`with_devices(N)` is the environment's `XLA_FLAGS` plus N host devices, so a flag the user set stays.
+
+`FAST_COMPILE` (LLVM at optimisation level 0, XLA:CPU's classic fusion emitters) compiles a program about
+4× faster and runs it up to 2× slower: the elementwise loops are no longer vectorised. It pays only where a
+process compiles many small programs and runs each once or twice (`expert_parallel_checks.py`: 60
+compiles of one MoE layer, 4 minutes of CPU at XLA's defaults, 1 with these flags); a training run of a
+hundred steps or a real model's prefill runs slower with them, so they are not the suite's default.
+Results move within float rounding (the same matmul kernels run).
+"""
+
+from __future__ import annotations
+
+import os
+
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
+
+def with_devices(devices: int, *, fast_compile: bool = False) -> str:
+    """XLA_FLAGS for a child process that sees `devices` CPU devices (with `fast_compile`, `FAST_COMPILE`)."""
+    flags = [os.environ.get("XLA_FLAGS", ""), f"--xla_force_host_platform_device_count={devices}"]
+    if fast_compile:
+        flags.insert(0, FAST_COMPILE)
+    return " ".join(f for f in flags if f)
