@@ -112,14 +112,14 @@ def test_v5e_2x2_report_fits_with_collectives_and_roofline(demo, tmp_path):
 
 
 def test_two_slices_report_dcn_traffic_apart(demo):
-    """Multislice: 2 × v5e-4 joined by the data-center network, mesh.data 2 spanning them. The compiler
+    """Multislice: 2 × v5e-4 joined by the data-center network, the demo's one-slice mesh (data 1, fsdp -1)
+    taken as data 2 spanning them, fsdp 4 within each; a data size the slices do not divide refused. The compiler
     carries the data-parallel gradient reduction across slices (DCN all-reduce traffic); the FSDP weight
     gathers stay inside each slice (under 5% of the all-gather traffic crosses it: small statistics);
     the state per device is the one-slice split (fsdp 4)."""
     pytest.importorskip("libtpu", reason="the [tpu] extra (libtpu) compiles for TPU; the test command installs it")
     config, model_dir = demo
-    _, report = compile_report(config, "--topology", "v5e-4", "--slices", "2", "--set", "mesh.data=2",
-                               "--set", "model.compute_dtype=bfloat16")
+    _, report = compile_report(config, "--topology", "v5e-4", "--slices", "2", "--set", "model.compute_dtype=bfloat16")
     assert report["target"] == "2 × v5e-4" and report["slices"] == 2 and report["devices"] == 8
     assert report["mesh"] == {"data": 2, "fsdp": 4, "expert": 1} and report["fits"] is True
     assert report["chip"] == "TPU v5e" and report["budget"] == int(15.75 * 2**30)  # a whole chip per device
@@ -129,7 +129,7 @@ def test_two_slices_report_dcn_traffic_apart(demo):
     assert kinds["all-reduce"]["dcn_traffic_bytes"] > 0, kinds
     assert gathers["traffic_bytes"] > 0 and gathers["dcn_traffic_bytes"] < 0.05 * gathers["traffic_bytes"], kinds
     refused = run_cli("continued-pretrain", "--config", config, "--compile-only", "--topology", "v5e-4",
-                      "--slices", "2", check=False)
+                      "--slices", "2", "--set", "mesh.fsdp=8", check=False)  # data 1 spelled out
     assert_clean_failure(refused, mentions="must be a multiple of the 2 slices")
     assert_clean_failure(run_cli("continued-pretrain", "--config", config, "--compile-only", "--slices", "2",
                                  check=False), mentions="--slices needs --topology")

@@ -55,8 +55,13 @@ RULES: dict[str, MeshAxes] = {
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, expert: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
-    """A (data, fsdp, expert) mesh over `devices` (all by default); one size may be -1 (the rest)."""
+    """A (data, fsdp, expert) mesh over `devices` (all by default); one size may be -1 (the rest).
+
+    Over several slices a `data` of 1 with another axis at -1 (a one-slice layout, the default) becomes the
+    slice count: data parallelism across slices, the -1 axis over each slice's devices."""
     devices = list(jax.devices() if devices is None else devices)
+    if data == 1 and -1 in (fsdp, expert):
+        data = len({getattr(d, "slice_index", 0) for d in devices})
     sizes = [data, fsdp, expert]
     if sizes.count(-1) > 1:
         raise ValueError("at most one mesh axis size may be -1")

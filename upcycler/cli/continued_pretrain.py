@@ -97,8 +97,8 @@ so a scheduler can restart it (a JobSet/Kubernetes podFailurePolicy on exit code
                    "instead of the local devices; needs the [tpu] extra.")
 @click.option("--slices", type=click.IntRange(1, 64), default=None,
               help="With --topology: that many slices joined by the data-center network (multislice); the "
-                   "mesh's data axis spans them (make mesh.data a multiple), and the report splits ICI and "
-                   "DCN traffic.")
+                   "mesh's data axis spans them (a multiple of the slices; a one-slice mesh.data 1 becomes the "
+                   "slice count), and the report splits ICI and DCN traffic.")
 @click.option("--hbm-budget", metavar="SIZE", help="With --compile-only: the memory one device has (e.g. 16GiB), "
                                                    "instead of the chip's usable HBM.")
 @click.option("--json", "as_json", is_flag=True, help="With --compile-only: print the report as one JSON line.")
