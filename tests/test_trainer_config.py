@@ -89,6 +89,7 @@ BAD = {
     "NaN chunk count": ({"model.moe_chunks": float("nan")}, "model.moe_chunks"),
     "sparse prefill attention for training": ({"model.attention": "flexprefill"}, "upcycle eval"),
     "prefill coverage above one": ({"model.prefill_gamma": 1.5}, "model.prefill_gamma"),
+    "an HF export no saved step reaches": ({"checkpoint.hf_every": 5}, "checkpoint.hf_every 5 exports no step"),
 }
 
 

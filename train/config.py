@@ -364,8 +364,19 @@ def check(config: TrainConfig, origin: str = "config") -> None:
             f"{origin}: loss.spike.average {spike.average} checkpoints can never be averaged: checkpoint.keep "
             f"is {config.checkpoint.keep}; lower loss.spike.average or raise checkpoint.keep"
         )
+    _check_exports(config.checkpoint, config.steps, origin)
     _check_trainable(config.optimizer.trainable, origin)
     _check_distributed(config.distributed, origin)
+
+
+def _check_exports(c: CheckpointConfig, steps: int, origin: str) -> None:
+    """`hf_every` exports at least one step: the saved steps are the multiples of `every` and the last."""
+    if c.hf_every and math.lcm(c.every, c.hf_every) > steps and steps % c.hf_every:
+        raise UpcyclerError(
+            f"{origin}: checkpoint.hf_every {c.hf_every} exports no step of this run (it saves the multiples of "
+            f"checkpoint.every {c.every} and step {steps}, none divisible by {c.hf_every}); set it to a "
+            f"multiple of {c.every} up to {steps}, or a divisor of {steps}, or 0 for no export"
+        )
 
 
 def _check_trainable(trainable: str, origin: str) -> None:
