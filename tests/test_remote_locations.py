@@ -102,6 +102,21 @@ def test_reading_commands_take_bucket_urls(surgery):
     assert "same function" in verdict, verdict
 
 
+def test_eval_reads_a_model_in_a_bucket(tmp_path):
+    """`upcycle eval gs://…` gives the local model's numbers: the demo model (it has a tokenizer) in the
+    bucket, two prompts teacher-forced against the same model read locally (--vs)."""
+    from upcycler.cli.demo import demo_assets
+
+    model, url = demo_assets() / "model", gcs_emulator.unique_prefix("eval") + "/demo"
+    run_cli("convert", model, url, timeout=120)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def __init__(self", "answer": "):"}\n{"prompt": "The answer is"}\n')
+    result = json.loads(run_cli("eval", url, "--vs", model, "--task", "prompts", prompts, "--json", timeout=300).stdout)
+    assert len(result["items"]) == 2
+    for item in result["items"]:
+        assert item["model"] == item["vs"] and item["kl"] == 0 and item["top1_agree"], item
+
+
 def test_a_recipe_reads_and_writes_a_bucket(surgery, tmp_path):
     """`upcycle run` with the recipe's source and output.path in the bucket writes what `dense-to-moe`
     wrote from the same source; its lineage names the bucket source."""
