@@ -508,12 +508,6 @@ def test_refuses_bad_weights(tmp_path, llamas, llama_base):
     refused(tmp_path, "computes its own weights", *llamas, "--method", "ema", "--weights", "0.2,0.3,0.5")
 
 
-def test_refuses_one_checkpoint_given_twice(tmp_path, llamas):
-    refused(tmp_path, "same checkpoint as", llamas[0], llamas[1], llamas[0], "--method", "sma")
-    respelled = llamas[0].parent / ".." / llamas[0].parent.name / llamas[0].name
-    refused(tmp_path, "same checkpoint as", llamas[0], respelled, "--method", "sma")
-
-
 def test_refuses_too_few_inputs_and_missing_base(tmp_path, llamas, llama_base):
     refused(tmp_path, "exactly 2 inputs", llamas[0], "--method", "slerp")
     refused(tmp_path, "at least 2 inputs", llamas[0], "--method", "model-stock", "--base", llama_base)

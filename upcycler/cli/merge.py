@@ -68,7 +68,6 @@ def command(paths: tuple[Path, ...], out: Path, method: str, base: Path | None, 
     given = {name: rest.pop(name) for name in _method_args()}
     options = {name: value for name, value in given.items() if value is not None}
     found = find_checkpoints(paths, last=last, every=every, until=until)
-    _refuse_repeats([p for p, _ in found])
     _check_output(out, [p for p, _ in found] + ([base] if base else []), rest["overwrite"])
     plan = plan_merge(
         [MergeInput(read_checkpoint(p), step) for p, step in found], method,
@@ -104,17 +103,6 @@ def _parse_weights(text: str | None) -> list[float] | None:
         return [float(w) for w in text.replace(" ", ",").split(",") if w]
     except ValueError:
         raise UpcyclerError(f"--weights {text!r}: give numbers separated by commas, e.g. 0.5,0.3,0.2") from None
-
-
-def _refuse_repeats(inputs: list[Path]) -> None:
-    """One checkpoint given twice (two spellings of a directory, or a run directory and one of its steps)
-    would count twice in every average: refused, with --weights as the way to weight it."""
-    seen: dict[Path, Path] = {}
-    for path in inputs:
-        first = seen.setdefault(Path(path).resolve(), path)
-        if first is not path:
-            raise UpcyclerError(f"merge input {path} is the same checkpoint as {first}; give each checkpoint once "
-                                "(weight one more with --weights)")
 
 
 def _check_output(out: Path, inputs: list[Path], overwrite: bool) -> None:
