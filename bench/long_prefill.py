@@ -4,6 +4,8 @@
     python bench/long_prefill.py --lengths 4k --layers 2 --repeats 1 --min-budget 512    # under a minute
     python bench/long_prefill.py --model DIR --lengths 16k --no-end-to-end
     python bench/long_prefill.py --lengths 4k --layers 2 --repeats 1 --dense-above 1   # force the sparse path
+    python bench/long_prefill.py --lengths 16k --layers 10 --save-qkv qkv-16k.npz      # keep the real inputs
+    python bench/long_prefill.py --qkv qkv-16k.npz      # time them on another machine (no model needed)
 
 The model is a Hugging Face checkpoint directory (`--model`; default: the bf16 SmolLM2-135M-Instruct the
 `real_model` tests build in `$UPCYCLER_TEST_CACHE`, default `~/.cache/upcycler-tests`; run
@@ -32,6 +34,12 @@ For each length, one JSON line with:
   medians; KL(dense ‖ flexprefill) of the next-token distributions after the prompt (nats), whether their
   top-1 agree, whether greedy decoding retrieves the passkey with each, the mean density over layers and
   heads and the number of query-aware (layer, head) pairs.
+
+`--save-qkv FILE` keeps the captured q, k, v (float16, one npz) and `--qkv FILE` times the attention op on
+them without the model (no end-to-end), so a machine that cannot hold the model or build the prompt (an
+accelerator host) still times real selections. Off CPU, `dot_product` (`jax.nn.dot_product_attention`,
+causal, in bfloat16: the platform's fused dense attention, cuDNN's flash attention on a GPU) is timed
+beside the model's own dense path (on a CPU it would materialise every score: skipped).
 
 Wall seconds and process CPU seconds are both reported (CPU seconds sum over threads), with the 1-minute
 load average: the machine may be shared.
@@ -93,6 +101,8 @@ def parse_args() -> argparse.Namespace:
                         help="selection density above which a layer runs dense (1: always sparse)")
     parser.add_argument("--end-to-end", action=argparse.BooleanOptionalAction, default=True,
                         help=f"time whole prefills too, for lengths <= {END_TO_END_MAX} (default: on)")
+    parser.add_argument("--save-qkv", type=Path, default=None, help="keep the captured q, k, v in this npz")
+    parser.add_argument("--qkv", type=Path, default=None, help="time the attention op on a --save-qkv file")
     parser.add_argument("--end-to-end-all", action="store_true",
                         help="time whole prefills at every length (a dense 32k prefill takes ~30 min)")
     args = parser.parse_args()
@@ -104,6 +114,8 @@ def parse_args() -> argparse.Namespace:
         args.layers = sorted({int(x) for x in args.layers.split(",")})
     except ValueError:
         parser.error(f"--layers: {args.layers!r} is not a comma-separated list of layer indices")
+    if args.qkv is not None:
+        return args
     if args.model is None:
         args.model = default_model()
         if not (args.model / "model.safetensors").is_file():
@@ -143,6 +155,30 @@ def capture_qkv(model: PrefillModel, ids: np.ndarray, layers: list[int]) -> dict
     return qkv
 
 
+def save_qkv(path: Path, length: int, qkv: dict[int, tuple[jax.Array, ...]]) -> None:
+    """`qkv` as float16 arrays `q<layer>`, `k<layer>`, `v<layer>` in one npz, with the prompt length."""
+    arrays = {f"{name}{layer}": np.asarray(x, np.float16)
+              for layer, xs in qkv.items() for name, x in zip("qkv", xs, strict=True)}
+    np.savez(path, length=length, **arrays)
+
+
+def load_qkv(path: Path) -> tuple[int, dict[int, tuple[jax.Array, ...]]]:
+    """The prompt length and per-layer float32 (q, k, v) a `save_qkv` file holds."""
+    with np.load(path) as data:
+        layers = sorted(int(name[1:]) for name in data.files if name.startswith("q"))
+        qkv = {layer: tuple(jax.numpy.asarray(data[f"{n}{layer}"], np.float32) for n in "qkv") for layer in layers}
+        return int(data["length"]), qkv
+
+
+def fused_dense(q, k, v):
+    """Causal attention by the platform's fused kernel (`jax.nn.dot_product_attention` in bfloat16), [N, H, h]."""
+    q, k, v = (x.astype(jax.numpy.bfloat16)[None] for x in (q, k, v))
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)[0]
+
+
+fused_dense_jit = jax.jit(fused_dense)
+
+
 def keeping(outputs: dict, name: str, fn: Callable) -> Callable:
     """`fn`, its last result kept in `outputs[name]` (the timed calls also give the outputs compared)."""
 
@@ -161,6 +197,8 @@ def attention_op(qkv: dict[int, tuple[jax.Array, ...]], opts: FlexPrefillOptions
         calls[f"flexprefill/{layer}"] = (keeping(outputs, f"flexprefill/{layer}", flexprefill_attention),
                                          (q, k, v, opts))
         calls[f"dense/{layer}"] = (keeping(outputs, f"dense/{layer}", causal_attention_jit), (q, k, v))
+        if jax.default_backend() != "cpu":
+            calls[f"dot_product/{layer}"] = (fused_dense_jit, (q, k, v))
         calls[f"select/{layer}"] = (keeping(outputs, f"select/{layer}", lambda q, k: select_blocks_jit(q, k, opts)),
                                     (q, k))
     with jax.default_matmul_precision("highest"):  # as PrefillModel runs the layers
@@ -169,7 +207,8 @@ def attention_op(qkv: dict[int, tuple[jax.Array, ...]], opts: FlexPrefillOptions
     per_layer = {}
     for layer, (q, _, _) in qkv.items():
         sparse, dense, selection = (outputs[f"{kind}/{layer}"] for kind in ("flexprefill", "dense", "select"))
-        t = {kind: times[f"{kind}/{layer}"] for kind in ("flexprefill", "dense", "select")}
+        t = {kind: times[f"{kind}/{layer}"] for kind in ("flexprefill", "dense", "select", "dot_product")
+             if f"{kind}/{layer}" in times}
         nb = opts.blocks(q.shape[0])
         selected = np.asarray(selection.mask_Hnn.sum((-2, -1))) / (nb * (nb + 1) / 2)
         out_sparse, out_dense = np.asarray(sparse.out_NHh), np.asarray(dense)
@@ -177,6 +216,8 @@ def attention_op(qkv: dict[int, tuple[jax.Array, ...]], opts: FlexPrefillOptions
             "seconds": {kind: round(t[kind]["wall"], 4) for kind in t},
             "cpu_seconds": {kind: round(t[kind]["cpu"], 3) for kind in t},
             "ratio": round(t["dense"]["wall"] / t["flexprefill"]["wall"], 3),
+            **({"ratio_dot_product": round(t["dot_product"]["wall"] / t["flexprefill"]["wall"], 3)}
+               if "dot_product" in t else {}),
             "density": round(float(np.mean(sparse.density_H)), 4),
             "selection_density": round(float(selected.mean()), 4),
             "fallback": bool(opts.runs_dense(q.shape[0]) or selected.mean() > opts.dense_above),
@@ -216,6 +257,16 @@ def main() -> None:
     cfg = ModelConfig(attention="flexprefill", prefill_gamma=args.gamma, prefill_tau=args.tau,
                       prefill_min_budget=args.min_budget, prefill_block=args.block,
                       prefill_dense_above=args.dense_above)
+    if args.qkv is not None:
+        length, qkv = load_qkv(args.qkv)
+        options = FlexPrefillOptions.of(cfg)
+        print(json.dumps({
+            "bench": "long_prefill", "length": length, "qkv": args.qkv.name, "layers": sorted(qkv),
+            "device": jax.devices()[0].platform, "options": dataclasses.asdict(options),
+            "dtype": "float32 (inputs stored as float16)", "repeats": args.repeats,
+            "attention": attention_op(qkv, options, args.repeats), "load_1min": os.getloadavg()[0],
+        }), flush=True)
+        return
     model = PrefillModel.load(args.model, cfg)
     if args.layers[0] < 0 or args.layers[-1] >= model.spec.num_layers:
         sys.exit(f"--layers: the model has layers 0..{model.spec.num_layers - 1}, not {args.layers}")
@@ -224,6 +275,8 @@ def main() -> None:
         start = time.perf_counter()
         qkv = capture_qkv(model, ids, args.layers)
         capture_s = time.perf_counter() - start
+        if args.save_qkv is not None:
+            save_qkv(args.save_qkv, length, qkv)
         result = {
             "bench": "long_prefill", "length": length, "model": str(args.model), "layers": args.layers,
             "options": dataclasses.asdict(model.options), "dtype": cfg.compute_dtype, "repeats": args.repeats,

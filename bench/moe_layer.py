@@ -42,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--small-experts", type=int, default=None, help="E for the memory comparison")
     parser.add_argument("--router", default="renormalized", choices=moe.ROUTER_KINDS)
     parser.add_argument("--backend", default="auto", choices=("auto", "tiled", "ragged_dot"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="activations and expert weights (the router stays float32)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="T 1024, D 128, width 256, 16 experts, top-4")
     args = parser.parse_args()
@@ -53,24 +55,25 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def moe_params(key: jax.Array, tokens: int, d: int, width: int, experts: int) -> tuple[jax.Array, ...]:
-    """x_TD, w_gate_up_EDU, w_down_EFD, w_router_ED with unit-variance activations."""
+def moe_params(key: jax.Array, tokens: int, d: int, width: int, experts: int,
+               dtype: str = "float32") -> tuple[jax.Array, ...]:
+    """x_TD, w_gate_up_EDU, w_down_EFD (in `dtype`), w_router_ED (float32) with unit-variance activations."""
     k = jax.random.split(key, 4)
     return (
-        jax.random.normal(k[0], (tokens, d)),
-        jax.random.normal(k[1], (experts, d, 2 * width)) * d**-0.5,
-        jax.random.normal(k[2], (experts, width, d)) * width**-0.5,
+        jax.random.normal(k[0], (tokens, d)).astype(dtype),
+        (jax.random.normal(k[1], (experts, d, 2 * width)) * d**-0.5).astype(dtype),
+        (jax.random.normal(k[2], (experts, width, d)) * width**-0.5).astype(dtype),
         jax.random.normal(k[3], (experts, d)) * d**-0.5,
     )
 
 
-def dense_params(key: jax.Array, tokens: int, d: int, width: int) -> tuple[jax.Array, ...]:
-    """x_TD, w_gate_up_DH, w_down_FD for a SwiGLU of width `width`."""
+def dense_params(key: jax.Array, tokens: int, d: int, width: int, dtype: str = "float32") -> tuple[jax.Array, ...]:
+    """x_TD, w_gate_up_DH, w_down_FD in `dtype` for a SwiGLU of width `width`."""
     k = jax.random.split(key, 3)
     return (
-        jax.random.normal(k[0], (tokens, d)),
-        jax.random.normal(k[1], (d, 2 * width)) * d**-0.5,
-        jax.random.normal(k[2], (width, d)) * width**-0.5,
+        jax.random.normal(k[0], (tokens, d)).astype(dtype),
+        (jax.random.normal(k[1], (d, 2 * width)) * d**-0.5).astype(dtype),
+        (jax.random.normal(k[2], (width, d)) * width**-0.5).astype(dtype),
     )
 
 
@@ -136,13 +139,13 @@ def main() -> None:
     key = jax.random.key(0)
     T, D, F, E, K = args.tokens, args.d_model, args.width, args.experts, args.topk
     backend = resolve_backend(args.backend)
-    moe_args, dense_args = moe_params(key, T, D, F, E), dense_params(key, T, D, K * F)
+    moe_args, dense_args = moe_params(key, T, D, F, E, args.dtype), dense_params(key, T, D, K * F, args.dtype)
     compiled = {
         "dropless": compiled_pair(moe_layer("dropless", K, args.router, backend), moe_args),
         "onehot": compiled_pair(moe_layer("onehot", K, args.router, backend), moe_args),
         "dense": compiled_pair(dense_layer, dense_args),
     }
-    small_args = moe_params(key, T, D, F, args.small_experts)
+    small_args = moe_params(key, T, D, F, args.small_experts, args.dtype)
     small = compiled_pair(moe_layer("dropless", K, args.router, backend), small_args)
 
     params = {"dropless": moe_args, "onehot": moe_args, "dense": dense_args}
@@ -154,7 +157,7 @@ def main() -> None:
 
     shape_args = ("tokens", "d_model", "width", "experts", "topk", "router")
     config = {name: getattr(args, name) for name in shape_args}
-    config.update(backend=backend, dtype="float32", repeats=args.repeats, devices=jax.device_count())
+    config.update(backend=backend, dtype=args.dtype, repeats=args.repeats, devices=jax.device_count())
     result = {"bench": "moe_layer", "config": config}
     result.update(summarise(times, compiled, f"dropless_E{args.small_experts}", small))
     print(json.dumps(result))

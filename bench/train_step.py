@@ -2,15 +2,22 @@
 
     python bench/train_step.py            # 4 layers, d 512, 64 experts of width 256, top-8
     python bench/train_step.py --small    # a seconds-long smoke run
+    python bench/train_step.py --model bench/configs/models/moe-13b-a2b --layers 4 --seq-len 4096 \
+        --batch 8 --compute-dtype bfloat16 --weights-dtype bfloat16 --attention dot_product --remat full \
+        --paths dropless                  # the reference MoE's layers, cut to 4, on an accelerator
 
 Each path (the dropless sort + grouped-matmul MoE, and the one-hot reference that runs every expert on
 every token) is compiled once through the trainer's own `compile_step` (same shardings, donation and
 optimiser) and timed over `--steps` steps after a warm-up step. The peak is measured in the same run, right
 before every timed step (the best of three large fp32 matmuls, `--peak-size`), so a machine shared with
-other work is compared with itself under the same load: `mfu` is the median over steps of
+other work is compared with itself under the same load. The peak matmul runs in the compute dtype
+(`--compute-dtype`), so a bf16 step is compared with a bf16 peak. `mfu` is the median over steps of
 (model FLOPs / step time) / that step's peak; `mfu_best_peak` divides the median step by the best peak
 seen. Model FLOPs are the trainer's analytical count (`upcycler.train.reporting.metrics.flops_per_token`: 6 × active
 matmul parameters plus causal attention), so the one-hot path's wasted expert FLOPs are not useful work.
+
+`--model DIR` takes the architecture from an HF config.json instead (weights are random), `--layers N`
+keeps its first N layers: the reference MoE's layer shapes at a size one accelerator holds.
 
 Prints one JSON line.
 """
@@ -21,11 +28,13 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from upcycler.io.hf_read import read_spec
 from upcycler.spec import ModelSpec, MoESpec
 from upcycler.train import model as model_lib
 from upcycler.train.config import LossConfig, OptimizerConfig
@@ -65,13 +74,24 @@ def bench_spec(small: bool) -> ModelSpec:
     )
 
 
-class MatmulPeak:
-    """FLOP/s of a jitted fp32 `size`×`size` matmul on the default device, measured on demand."""
+def spec_from_config(model: Path, layers: int | None) -> ModelSpec:
+    """The architecture of an HF directory's config.json, cut to its first `layers` layers."""
+    spec = read_spec(model)
+    if layers is None or layers >= spec.num_layers:
+        return spec
+    changes: dict = {"num_layers": layers, "dense_layers": tuple(i for i in spec.dense_layers if i < layers)}
+    if spec.layer_types is not None:
+        changes["layer_types"] = spec.layer_types[:layers]
+    return spec.replace(**changes)
 
-    def __init__(self, size: int):
+
+class MatmulPeak:
+    """FLOP/s of a jitted `size`×`size` matmul in `dtype` on the default device, measured on demand."""
+
+    def __init__(self, size: int, dtype: str = "float32"):
         self.size = size
-        self.a = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
-        self.b = jax.random.normal(jax.random.key(2), (size, size), jnp.float32)
+        self.a = jax.random.normal(jax.random.key(1), (size, size), dtype)
+        self.b = jax.random.normal(jax.random.key(2), (size, size), dtype)
         self.mm = jax.jit(jnp.matmul)
         self.mm(self.a, self.b).block_until_ready()
         self.best = 0.0
@@ -89,11 +109,10 @@ class MatmulPeak:
 
 
 def bench_path(
-    spec: ModelSpec, moe_impl: str, batch: int, seq_len: int, steps: int, peak: MatmulPeak
+    spec: ModelSpec, cfg: model_lib.ModelConfig, batch: int, seq_len: int, steps: int, peak: MatmulPeak
 ) -> dict:
-    """Compile and time the train step of one MoE implementation, probing the peak before every step."""
+    """Compile and time the train step under `cfg` (one MoE implementation), probing the peak before every step."""
     mesh = sharding.make_mesh()
-    cfg = model_lib.ModelConfig(moe_impl=moe_impl)
     tx, schedule = make_optimizer(OptimizerConfig(lr=1e-4), spec)
     p_shard = sharding.param_shardings(spec, mesh)
     params = jax.jit(lambda k: init_params(spec, k), out_shardings=p_shard)(jax.random.key(0))
@@ -144,13 +163,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--peak-size", type=int, default=None, help="matmul size for the peak measurement")
     parser.add_argument("--paths", default="dropless,onehot", help="comma-separated: dropless, onehot")
+    parser.add_argument("--model", type=Path, default=None, help="an HF directory: its config.json's architecture")
+    parser.add_argument("--layers", type=int, default=None, help="with --model: keep the first N layers")
+    defaults = model_lib.ModelConfig()
+    for option in ("compute_dtype", "weights_dtype", "attention", "remat", "gmm_backend"):
+        parser.add_argument("--" + option.replace("_", "-"), default=getattr(defaults, option))
     args = parser.parse_args()
-    spec = bench_spec(args.small)
+    spec = spec_from_config(args.model, args.layers) if args.model else bench_spec(args.small)
     batch = args.batch or (4 if args.small else 16)
     seq_len = args.seq_len or (32 if args.small else 256)
     steps = args.steps or (3 if args.small else 5)
     peak_size = args.peak_size or (512 if args.small else 2048)
-    peak = MatmulPeak(peak_size)
+    peak = MatmulPeak(peak_size, args.compute_dtype)
     flops_step = flops_per_token(spec, seq_len) * batch * seq_len
     out: dict = {
         "bench": "train_step",
@@ -169,10 +193,12 @@ def main() -> None:
         "batch": batch,
         "seq_len": seq_len,
         "model_flops_per_step": flops_step,
+        "config": {o: getattr(args, o) for o in ("compute_dtype", "weights_dtype", "attention", "remat", "gmm_backend")},
     }
     impl = {"dropless": "dropless", "onehot": "reference"}
     for name in args.paths.split(","):
-        out[name] = bench_path(spec, impl[name], batch, seq_len, steps, peak)
+        cfg = model_lib.ModelConfig(moe_impl=impl[name], **out["config"])
+        out[name] = bench_path(spec, cfg, batch, seq_len, steps, peak)
     out["peak_flops"] = round(peak.best / 1e9, 2) * 1e9
     for name in args.paths.split(","):
         best = flops_step / out[name]["step_s"] / (peak.best * jax.device_count())

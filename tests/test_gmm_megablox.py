@@ -82,8 +82,8 @@ def test_megablox_tiles_and_dtypes() -> None:
 
 def test_auto_backend_follows_the_host_without_a_mesh() -> None:
     host = jax.default_backend()
-    assert resolve_backend("auto") == {"cpu": "tiled", "tpu": "megablox"}.get(host, "ragged_dot")
-    assert [resolve_backend("auto", p) for p in ("cpu", "tpu", "gpu")] == ["tiled", "megablox", "ragged_dot"]
+    assert resolve_backend("auto") == {"cpu": "tiled", "tpu": "megablox", "gpu": "tiled"}.get(host, "ragged_dot")
+    assert [resolve_backend("auto", p) for p in ("cpu", "tpu", "gpu", "rocm")] == ["tiled", "megablox", "tiled", "ragged_dot"]
     with jax.set_mesh(Mesh(np.array(jax.devices()[:1]), ("data",))):
         assert resolve_backend("auto") == resolve_backend("auto", host)
         assert resolve_backend("ragged_dot") == "ragged_dot"

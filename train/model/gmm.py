@@ -15,7 +15,11 @@ Backends:
   adapter in `gmm_megablox.py` (padding to TPU tiles, masking rows past the groups). It computes only
   the row tiles that hold some group's rows. On a platform other than TPU it runs in the Pallas
   interpreter: correct but very slow, for tests only.
-- `"ragged_dot"`: `jax.lax.ragged_dot`, native on GPU. On CPU it expands to a masked dense product over
+- `"ragged_dot"`: `jax.lax.ragged_dot`. On an NVIDIA H200 (JAX 0.11.2) its forward is 3.8× the one-hot
+  reference's time and its weight gradient compiles to a masked product over all G groups: one layer's
+  forward+backward at T=8192, d 512, 64 experts top-8 in bf16 took 0.145 s and 69 GB of temporaries
+  (one-hot: 0.021 s, 4.4 GB; tiled: 0.057 s, 1.1 GB), and at the reference MoE's width (T=32768, d 1792,
+  width 1152) the compile asked for 144 GiB and failed. Hence tiled on GPU too. On CPU it expands to a masked dense product over
   all G groups (G times the FLOPs and memory), so it is only usable there at toy sizes. On TPU (JAX 0.10
   with its libtpu) the forward product and dx compile to XLA's own grouped kernels, but the weight
   gradient, whose contraction runs over the grouped rows, compiles to a masked dense product over all G
@@ -32,7 +36,7 @@ Backends:
   T·K = 65536 rows and 64 experts: matmuls of a few hundred rows run near peak there, while shallower
   contractions (the dW products) slow down sharply below about 256 rows.
 - `"auto"`: chosen for the TARGET platform, the one the code is compiled for, not the host's:
-  `"megablox"` on TPU, `"ragged_dot"` on GPU, `"tiled"` on CPU. The target is the platform of the mesh
+  `"megablox"` on TPU, `"tiled"` on CPU and GPU, `"ragged_dot"` on any other platform. The target is the platform of the mesh
   set by `jax.set_mesh` when there is one (so an ahead-of-time compile for a TPU slice from a CPU host
   gets the TPU kernel), else JAX's default backend. On TPU, one exception: XLA cannot partition a Pallas
   kernel across devices, so megablox needs code that runs whole on each device (a one-device mesh, or
@@ -55,7 +59,7 @@ from upcycler.train.config import GMM_BACKENDS
 Backend = Literal["auto", "tiled", "ragged_dot", "megablox"]
 BACKENDS: tuple[str, ...] = GMM_BACKENDS  # declared with the config, which must not import JAX
 DEFAULT_TILE_ROWS: tuple[int, ...] = (512, 256, 128, 64)
-AUTO_BACKENDS: dict[str, str] = {"tpu": "megablox", "cpu": "tiled"}  # any other platform: "ragged_dot"
+AUTO_BACKENDS: dict[str, str] = {"tpu": "megablox", "cpu": "tiled", "gpu": "tiled"}  # others: "ragged_dot"
 
 
 def gmm(
@@ -98,7 +102,7 @@ def resolve_backend(backend: Backend, platform: str | None = None) -> str:
     """The concrete backend `backend` stands for when compiling for `platform` (default: `target_platform()`).
 
     Only `"auto"` depends on the platform: megablox on TPU (ragged_dot there when the code is partitioned
-    across devices, see `runs_unpartitioned`), tiled on CPU, ragged_dot anywhere else.
+    across devices, see `runs_unpartitioned`), tiled on CPU and GPU, ragged_dot anywhere else.
     """
     if backend not in BACKENDS:
         raise ValueError(f"gmm backend must be one of {BACKENDS}, not {backend!r}")
