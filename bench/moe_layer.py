@@ -41,7 +41,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--small-experts", type=int, default=None, help="E for the memory comparison")
     parser.add_argument("--router", default="renormalized", choices=moe.ROUTER_KINDS)
-    parser.add_argument("--backend", default="auto", choices=("auto", "tiled", "ragged_dot"))
+    parser.add_argument("--backend", default="auto", choices=("auto", "tiled", "ragged_dot", "mosaic_gpu"))
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="activations and expert weights (the router stays float32)")
     parser.add_argument("--repeats", type=int, default=5)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gmm_checks import gmm_with_grads
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -33,17 +34,6 @@ GMM_CASES = {
 }
 
 
-@functools.cache
-def _with_grads(backend: str):
-    """One compiled function per backend: gmm's output and (dx, dw) of sum(out * cotangent)."""
-
-    def run(x, w, group_sizes, cotangent):
-        out, vjp = jax.vjp(lambda x, w: gmm(x, w, group_sizes, backend=backend), x, w)
-        return out, vjp(cotangent)
-
-    return jax.jit(run)
-
-
 def _case_arrays(m, k, n, sizes, dtype, seed=0):
     """x, w, cotangent with entries of order 1 in the products; the cotangent is nonzero on every row."""
     rng = np.random.default_rng(seed)
@@ -57,8 +47,8 @@ def _case_arrays(m, k, n, sizes, dtype, seed=0):
 def test_megablox_matches_tiled_in_output_and_gradients(name: str) -> None:
     m, k, n, sizes, dtype = GMM_CASES[name]
     args = _case_arrays(m, k, n, sizes, dtype)
-    out, (dx, dw) = _with_grads("megablox")(*args)
-    want_out, (want_dx, want_dw) = _with_grads("tiled")(*args)
+    out, (dx, dw) = gmm_with_grads("megablox")(*args)
+    want_out, (want_dx, want_dw) = gmm_with_grads("tiled")(*args)
     tol = BF16_TOL if dtype == jnp.bfloat16 else F32_TOL
     assert out.dtype == dx.dtype == dw.dtype == dtype
     assert out.shape == (m, n) and dx.shape == (m, k) and dw.shape == (len(sizes), k, n)

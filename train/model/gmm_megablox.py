@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops
+
+from upcycler.train.model.gmm_rows import round_up, zero_cotangent_past, zero_rows_past
 
 LANE = 128  # TPU tiles of the minor dimensions are multiples of this
 TILE_SIZES: tuple[int, ...] = (512, 256, 128)  # tried largest first, for rows and both widths
@@ -52,20 +53,20 @@ def megablox_gmm(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, *, i
         if jnp.dtype(arr.dtype) not in KERNEL_DTYPES:
             raise ValueError(f"the megablox gmm backend takes float32 or bfloat16 {name}, not {arr.dtype}")
     m, k, n = x_sorted.shape[0], w.shape[1], w.shape[2]
-    m_pad, k_pad, n_pad = (_round_up(d, LANE) for d in (m, k, n))
+    m_pad, k_pad, n_pad = (round_up(d, LANE) for d in (m, k, n))
     tiling = (tile_for(m_pad), tile_for(k_pad), tile_for(n_pad))
     group_sizes = group_sizes.astype(jnp.int32)
     total = jnp.sum(group_sizes)
 
     x_padded = jnp.pad(x_sorted, ((0, m_pad - m), (0, k_pad - k)))
     w_padded = jnp.pad(w, ((0, 0), (0, k_pad - k), (0, n_pad - n)))
-    x_padded = _zero_cotangent_past(x_padded, total)
+    x_padded = zero_cotangent_past(x_padded, total)
     # positional: the kernel's custom VJP marks (preferred_element_type, tiling, transpose_rhs, interpret)
     # as non-differentiable by position; group_offset and existing_out stay None
     out_padded = megablox_ops.gmm(
         x_padded, w_padded, group_sizes, x_sorted.dtype, tiling, None, None, False, interpret
     )
-    return _zero_rows_past(out_padded, total)[:m, :n]
+    return zero_rows_past(out_padded, total)[:m, :n]
 
 
 def tile_for(size: int) -> int:
@@ -73,35 +74,3 @@ def tile_for(size: int) -> int:
     if size % LANE:
         raise ValueError(f"tile_for wants a multiple of {LANE}, got {size}")
     return next(t for t in TILE_SIZES if size % t == 0)
-
-
-def _round_up(size: int, multiple: int) -> int:
-    return max(multiple, -(-size // multiple) * multiple)
-
-
-def _rows_below(total: jax.Array, rows: int) -> jax.Array:
-    """[rows, 1] mask of the rows before `total` (the rows some group owns)."""
-    return (lax.iota(jnp.int32, rows) < total)[:, None]
-
-
-def _zero_rows_past(a: jax.Array, total: jax.Array) -> jax.Array:
-    """`a` with rows from `total` on set to 0; a select, so whatever they held (NaN included) is dropped,
-    and the VJP passes the cotangent of the kept rows only."""
-    return jnp.where(_rows_below(total, a.shape[0]), a, jnp.zeros((), a.dtype))
-
-
-@jax.custom_vjp
-def _zero_cotangent_past(x: jax.Array, total: jax.Array) -> jax.Array:
-    """Identity on `x`; its VJP zeroes the cotangent rows from `total` on (free in the forward pass)."""
-    return x
-
-
-def _zero_cotangent_past_fwd(x, total):
-    return x, total
-
-
-def _zero_cotangent_past_bwd(total, g):
-    return _zero_rows_past(g, total), None
-
-
-_zero_cotangent_past.defvjp(_zero_cotangent_past_fwd, _zero_cotangent_past_bwd)
