@@ -95,7 +95,7 @@ def test_v5e_2x2_report_fits_with_collectives_and_roofline(demo, tmp_path):
     config, model_dir = demo
     # a cache of its own (the run's shared one gains other workers' CPU steps meanwhile)
     proc, report = compile_report(config, "--topology", "v5e-4", "--set", "model.compute_dtype=bfloat16",
-                                  env={"JAX_COMPILATION_CACHE_DIR": str(tmp_path)})
+                                  "--save-bandwidth", "2GB", env={"JAX_COMPILATION_CACHE_DIR": str(tmp_path)})
     # JAX's persistent cache keeps no TPU step: this host could not load it back
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("jit_step")]
     params, adam = expected_bytes(model_dir, fsdp=4)
@@ -109,6 +109,13 @@ def test_v5e_2x2_report_fits_with_collectives_and_roofline(demo, tmp_path):
     assert roofline["chip"] == "TPU v5e" and 0 < roofline["mfu"] < 1
     assert roofline["step_s"] == max(roofline["compute_s"], roofline["memory_s"], roofline["communication_s"])
     assert proc.stderr.strip() == ""  # libtpu stays quiet on a host without TPUs
+    # the checkpoint: the whole state once (fp32 parameters and Adam's two moments), written by the slice's
+    # one host at the 2 GB/s given
+    whole_params, whole_adam = expected_bytes(model_dir, fsdp=1)
+    save = report["save"]
+    assert whole_params + whole_adam <= save["state_bytes"] <= whole_params + whole_adam + ADAM_COUNTERS
+    assert save["hosts"] == 1 and save["max_host_bytes"] == save["state_bytes"]
+    assert save["seconds"] == pytest.approx(save["state_bytes"] / 2e9) and save["fits_notice"] is True
 
 
 def test_two_slices_report_dcn_traffic_apart(demo):
@@ -164,6 +171,10 @@ def test_compile_only_options_are_checked(demo, tmp_path):
                                  "v5e-300", check=False), mentions="v5e-256")
     assert_clean_failure(run_cli("continued-pretrain", "--config", config, "--compile-only", "--hbm-budget",
                                  "lots", check=False), mentions="--hbm-budget")
+    assert_clean_failure(run_cli("continued-pretrain", "--config", config, "--compile-only", "--save-bandwidth",
+                                 "fast", check=False), mentions="--save-bandwidth")
+    assert_clean_failure(run_cli("continued-pretrain", "--config", config, "--save-bandwidth", "1GB", check=False),
+                         mentions="--compile-only")
     assert not (tmp_path / "run").exists()
 
 
@@ -195,3 +206,35 @@ def test_topology_without_libtpu_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "libtpu", None)  # import libtpu now raises ImportError
     with pytest.raises(UpcyclerError, match=r"libtpu is not installed; install .*upcycler\[tpu\]"):
         tpu_devices(parse_slice("v5e-4"))
+
+
+def test_the_save_bound_counts_each_shard_once_per_writing_host():
+    """On v5e-256 (64 hosts of 4 chips), no compile: a tensor split over all 256 chips is written by every
+    host, 1/64 each; replicated over a data axis of 2, only the hosts of the first replica write it (1/32
+    each); a replicated scalar counts once. The bound is the busiest host's bytes over the bandwidth, and
+    a 30 s notice is missed once that exceeds 30 s."""
+    pytest.importorskip("libtpu", reason="the [tpu] extra (libtpu) describes TPU slices; the test command installs it")
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from upcycler.train.aot.save_time import save_bound
+    from upcycler.train.aot.topology import parse_slice, tpu_devices
+
+    devices = sorted(tpu_devices(parse_slice("v5e-256")), key=lambda d: d.id)
+    assert len({d.process_index for d in devices}) == 64
+    weight = 1024 * 2048 * 4  # bytes of the [1024, 2048] float32 tensor
+
+    def leaf(mesh, spec, shape=(1024, 2048)):
+        return jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(mesh, spec))
+
+    flat = Mesh(np.array(devices).reshape(1, 256), ("data", "fsdp"))
+    bound = save_bound([leaf(flat, P("fsdp")), leaf(flat, P(), shape=())], devices, host_bandwidth=1e9)
+    assert bound.hosts == 64 and bound.state_bytes == weight + 4
+    assert bound.max_host_bytes == weight // 64 + 4  # the scalar goes to device 0's host
+    assert bound.seconds == pytest.approx(bound.max_host_bytes / 1e9)
+    replicated = Mesh(np.array(devices).reshape(2, 128), ("data", "fsdp"))
+    bound = save_bound([leaf(replicated, P(None, "fsdp"))], devices, host_bandwidth=1e3)
+    assert bound.state_bytes == weight and bound.max_host_bytes == weight // 32
+    assert bound.seconds == pytest.approx(weight / 32 / 1e3) and not bound.fits_notice

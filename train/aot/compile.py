@@ -57,11 +57,12 @@ def model_spec(path: Path) -> ModelSpec:
 
 
 def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget: int | None = None,
-                 slices: int = 1) -> report.Report:
+                 slices: int = 1, save_bandwidth: float | None = None) -> report.Report:
     """Compile the train step of `config` for `topology` (None: the local devices) and report per device.
 
     `hbm_budget` replaces the chip's usable HBM as the memory a device has (the only budget there is for
-    a device the chip table does not know, such as a CPU)."""
+    a device the chip table does not know, such as a CPU). `save_bandwidth` (bytes/s one host writes to
+    the bucket; default `save_time.DEFAULT_HOST_BANDWIDTH`) sets the checkpoint save's bound."""
     import jax
 
     from upcycler.train.loop import mesh as mesh_lib
@@ -93,6 +94,7 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
     return report.build(
         config, spec, mesh, layout, batch, compiled,
         target_name=tgt.name, chip=tgt.chip, budget=budget, compile_seconds=seconds, failure=failure,
+        **({} if save_bandwidth is None else {"save_bandwidth": save_bandwidth}),
     )
 
 

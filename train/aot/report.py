@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from upcycler.spec import ModelSpec
-from upcycler.train.aot import collectives, roofline
+from upcycler.train.aot import collectives, roofline, save_time
 from upcycler.train.aot.hardware import Chip
 from upcycler.train.config import LossConfig, ModelConfig, TrainConfig
 from upcycler.train.reporting.metrics import flops_per_token, matmul_params
@@ -88,6 +88,7 @@ class Report:
     roofline: dict[str, Any] | None
     compile_seconds: float
     notes: list[str] = field(default_factory=list)
+    save: save_time.SaveBound | None = None  # the checkpoint save's lower bound on this target
     slices: int = 1  # TPU slices joined by the data-center network (`dcn_traffic_bytes` of each kind crosses it)
 
     @property
@@ -101,6 +102,8 @@ class Report:
         out = asdict(self)
         out["memory"]["working"] = self.memory.working
         out["margin"] = self.margin
+        if self.save is not None:
+            out["save"].update(fits_notice=self.save.fits_notice, fits_maintenance=self.save.fits_maintenance)
         return json.dumps(out, sort_keys=False)
 
     def to_text(self) -> str:
@@ -108,8 +111,10 @@ class Report:
 
 
 def build(config: TrainConfig, spec: ModelSpec, mesh, layout, batch, compiled, *, target_name: str,
-          chip: Chip | None, budget: int | None, compile_seconds: float, failure: str | None) -> Report:
-    """The report of `compiled` (None when the compile ran out of memory: `failure` says how)."""
+          chip: Chip | None, budget: int | None, compile_seconds: float, failure: str | None,
+          save_bandwidth: float = save_time.DEFAULT_HOST_BANDWIDTH) -> Report:
+    """The report of `compiled` (None when the compile ran out of memory: `failure` says how); the save
+    bound assumes `save_bandwidth` bytes/s written per host."""
     devices = mesh.devices.size
     memory = _memory(layout, batch, compiled)
     peak = memory.peak
@@ -141,6 +146,8 @@ def build(config: TrainConfig, spec: ModelSpec, mesh, layout, batch, compiled, *
         memory=memory, budget=budget, fits=fits, failure=failure, flops=flops, collectives=kinds,
         unknown_loops=traffic.unknown_loops if traffic else (), roofline=line,
         compile_seconds=compile_seconds, notes=notes,
+        save=save_time.save_bound((layout.abstract.params, layout.abstract.opt_state, layout.abstract.ema),
+                                  mesh.devices, save_bandwidth),
         slices=len({getattr(d, "slice_index", 0) for d in mesh.devices.flat}),
     )
 
@@ -260,5 +267,7 @@ def _text_lines(r: Report) -> list[str]:
         lines.append(f"roofline compute {rl['compute_s']:.3f} s, memory {rl['memory_s']:.3f} s, communication "
                      f"{rl['communication_s']:.3f} s → step ≥ {rl['step_s']:.3f} s ({rl['bound']}-bound), "
                      f"MFU ≤ {rl['mfu']:.1%} on {rl['chip']}")
+    if r.save is not None:
+        lines.append(save_time.describe(r.save))
     lines.extend(f"note     {n}" for n in r.notes)
     return lines

@@ -101,19 +101,23 @@ so a scheduler can restart it (a JobSet/Kubernetes podFailurePolicy on exit code
                    "slice count), and the report splits ICI and DCN traffic.")
 @click.option("--hbm-budget", metavar="SIZE", help="With --compile-only: the memory one device has (e.g. 16GiB), "
                                                    "instead of the chip's usable HBM.")
+@click.option("--save-bandwidth", metavar="SIZE",
+              help="With --compile-only: bytes per second one host writes to the run_dir's storage (e.g. 2GB), "
+                   "for the checkpoint save's time bound (default 1GB).")
 @click.option("--json", "as_json", is_flag=True, help="With --compile-only: print the report as one JSON line.")
 def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_only: bool, topology: str | None,
-            slices: int | None, hbm_budget: str | None, as_json: bool, **flags: Any) -> None:
+            slices: int | None, hbm_budget: str | None, save_bandwidth: str | None, as_json: bool,
+            **flags: Any) -> None:
     """Continue pretraining a dense or upcycled MoE checkpoint on prepared data; checkpoints go to run_dir."""
     keys = _flags()
     config = load_config(config_path, {keys[name]: value for name, value in flags.items()}, sets)
     from upcycler.train.loop.remote_inputs import localized
 
     config = localized(config, data=not compile_only)  # gs:// inputs: this host's copies
-    if compile_only or topology or hbm_budget or as_json or slices:
+    if compile_only or topology or hbm_budget or as_json or slices or save_bandwidth:
         if slices and not topology:
             raise UpcyclerError("--slices needs --topology (the slice to repeat), e.g. --topology v5e-256 --slices 2")
-        _compile_only(config, compile_only, topology, hbm_budget, as_json, slices or 1)
+        _compile_only(config, compile_only, topology, hbm_budget, as_json, slices or 1, save_bandwidth)
         return
     from upcycler.train.loop.preflight import prepare, resumes
 
@@ -130,17 +134,19 @@ def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_
 
 
 def _compile_only(config: TrainConfig, compile_only: bool, topology: str | None, hbm_budget: str | None,
-                  as_json: bool, slices: int = 1) -> None:
+                  as_json: bool, slices: int = 1, save_bandwidth: str | None = None) -> None:
     """Print the compile-only report; exit 1 when the step does not fit the device's memory."""
     if not compile_only:
-        raise UpcyclerError("--topology, --slices, --hbm-budget and --json belong to --compile-only; add "
-                            "--compile-only")
+        raise UpcyclerError("--topology, --slices, --hbm-budget, --save-bandwidth and --json belong to "
+                            "--compile-only; add --compile-only")
     budget = parse_size(hbm_budget, "--hbm-budget", most=MAX_HBM_BUDGET) if hbm_budget is not None else None
+    bandwidth = (parse_size(save_bandwidth, "--save-bandwidth", most=MAX_HBM_BUDGET)
+                 if save_bandwidth is not None else None)
     if topology is not None:
         parse_slice(topology)  # a bad name fails here, before JAX starts
     from upcycler.train.aot.compile import compile_only as run
 
-    report = run(config, topology=topology, hbm_budget=budget, slices=slices)
+    report = run(config, topology=topology, hbm_budget=budget, slices=slices, save_bandwidth=bandwidth)
     click.echo(report.to_json() if as_json else report.to_text())
     if report.fits is False:
         sys.exit(1)
