@@ -1,6 +1,8 @@
-"""Benchmark surgery with the model in a bucket (gs:// → gs://) against the same job on local disks.
+"""Benchmark surgery with the model in a bucket (gs:// → gs://) against the same job on local disks, and a
+resume's time to first step on a simulated pod.
 
     python bench/remote_io.py [--scale 0.5] [--repeats 3] [--workdir DIR]
+    python bench/remote_io.py --only resume --processes 4 --repeats 3
 
 A synthetic bf16 checkpoint at Llama-3.2-1B shapes (widths and vocabulary × `--scale`) is written locally
 and uploaded once to a loopback Cloud Storage emulator (fake-gcs-server, started here and stopped at
@@ -12,6 +14,15 @@ cache is emptied before every round so each one fetches) and publishing the outp
 job: medians of `local_s`, `remote_s`, `ratio` (remote / local) and `rss_ratio` (remote peak / local
 peak), and each round's figures. The emulator runs on the same cores, so `ratio` is an upper bound for
 a real bucket's overhead on a fast network, not an estimate of it.
+
+`resume`: the demo's MoE (`upcycle dense-to-moe` of the bundled model, written to the bucket) trained from
+data prepared into the bucket, to a run_dir in the bucket, by a simulated pod: `--processes` processes × 2
+CPU devices, each with its own working directory, HOME, temporary and cache directories, sharing only the
+bucket. Each round: a fresh run of one step (`fresh_s`: start, initialise, compile, one step, save), then a
+run of `--steps` steps in another run_dir, then that run resumed for one more step (`resume_s`: start,
+restore the parameters, optimiser state and data position from the bucket, compile, one step, save).
+Every figure is the wall time of the whole pod (launch to the last process's exit); `ratio` = resume /
+fresh is what restoring from the bucket adds to a start.
 """
 
 from __future__ import annotations
@@ -21,17 +32,25 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from common import write_synthetic
 from surgery import llama_spec, run_child
 
+from upcycler.cli.demo import _train_config, demo_assets
 from upcycler.io import object_store
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from gcs_emulator import start, stop
+from trainer_fixtures import free_port
+from xla_flags import with_devices
+
+DEMO_MOE = ["--experts", "24", "--topk", "6", "--granularity", "8", "--shared-experts", "2", "--dense-layers", "1",
+            "--target", "qwen2_moe", "--seed", "0"]  # the demo's upcycling (upcycler/cli/demo.py)
 
 BUCKET = "bench"
 
@@ -41,43 +60,100 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--only", choices=("surgery", "resume"), default=None, help="run one part only")
+    parser.add_argument("--processes", type=int, default=4, help="resume: processes of the simulated pod")
+    parser.add_argument("--steps", type=int, default=4, help="resume: steps trained before the resume")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="upcycler-bench-remote-", dir=args.workdir))
     emulator, url = start(BUCKET)
     os.environ.update(STORAGE_EMULATOR_HOST=url, UPCYCLER_CACHE=str(work / "cache"))
     try:
-        spec = llama_spec(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, head_dim=64,
-                          vocab=128256, tied=True, scale=args.scale)
-        source = work / "source"
-        write_synthetic(spec, source)
-        remote_source = f"gs://{BUCKET}/source"
-        run_child(["convert", str(source), remote_source, "--no-verify"])  # upload once, untimed
-        jobs = {"convert": ["convert", "{src}", "{out}"],
-                "dense-to-moe": ["dense-to-moe", "{src}", "{out}", "--experts", "8", "--topk", "2"]}
-        rounds: dict[str, list[dict]] = {name: [] for name in jobs}
-        for k in range(args.repeats):
-            for name, argv in jobs.items():
-                figures = {}
-                for where, src, out in (("local", str(source), str(work / f"out-{name}-{k}")),
-                                        ("remote", remote_source, f"gs://{BUCKET}/out-{name}-{k}")):
-                    shutil.rmtree(work / "cache", ignore_errors=True)
-                    figures[where] = run_child([a.format(src=src, out=out) for a in argv])
-                shutil.rmtree(work / f"out-{name}-{k}", ignore_errors=True)
-                object_store.filesystem().rm(f"{BUCKET}/out-{name}-{k}", recursive=True)
-                rounds[name].append({"local_s": figures["local"]["seconds"], "remote_s": figures["remote"]["seconds"],
-                                     "local_rss": figures["local"]["peak_rss"],
-                                     "remote_rss": figures["remote"]["peak_rss"]})
-        source_bytes = sum(p.stat().st_size for p in source.iterdir())
-        for name, runs in rounds.items():
-            median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-            print(json.dumps({"bench": f"remote_io/{name}", "source_bytes": source_bytes, "repeats": args.repeats,
-                              **{k: round(v, 3) if k.endswith("_s") else v for k, v in median.items()},
-                              "ratio": round(median["remote_s"] / median["local_s"], 3),
-                              "rss_ratio": round(median["remote_rss"] / median["local_rss"], 3),
-                              "rounds": runs}))
+        if args.only != "surgery":
+            print(json.dumps(pod_resume(work, args.processes, args.steps, args.repeats)), flush=True)
+        if args.only != "resume":
+            surgery_rounds(work, args.scale, args.repeats)
     finally:
         stop(emulator)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def surgery_rounds(work: Path, scale: float, repeats: int) -> None:
+    """convert and dense-to-moe, local → local against gs:// → gs:// (module docstring); one JSON line each."""
+    spec = llama_spec(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, head_dim=64,
+                      vocab=128256, tied=True, scale=scale)
+    source = work / "source"
+    write_synthetic(spec, source)
+    remote_source = f"gs://{BUCKET}/source"
+    run_child(["convert", str(source), remote_source, "--no-verify"])  # upload once, untimed
+    jobs = {"convert": ["convert", "{src}", "{out}"],
+            "dense-to-moe": ["dense-to-moe", "{src}", "{out}", "--experts", "8", "--topk", "2"]}
+    rounds: dict[str, list[dict]] = {name: [] for name in jobs}
+    for k in range(repeats):
+        for name, argv in jobs.items():
+            figures = {}
+            for where, src, out in (("local", str(source), str(work / f"out-{name}-{k}")),
+                                    ("remote", remote_source, f"gs://{BUCKET}/out-{name}-{k}")):
+                shutil.rmtree(work / "cache", ignore_errors=True)
+                figures[where] = run_child([a.format(src=src, out=out) for a in argv])
+            shutil.rmtree(work / f"out-{name}-{k}", ignore_errors=True)
+            object_store.filesystem().rm(f"{BUCKET}/out-{name}-{k}", recursive=True)
+            rounds[name].append({"local_s": figures["local"]["seconds"], "remote_s": figures["remote"]["seconds"],
+                                 "local_rss": figures["local"]["peak_rss"],
+                                 "remote_rss": figures["remote"]["peak_rss"]})
+    source_bytes = sum(p.stat().st_size for p in source.iterdir())
+    for name, runs in rounds.items():
+        median = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        print(json.dumps({"bench": f"remote_io/{name}", "source_bytes": source_bytes, "repeats": repeats,
+                          **{k: round(v, 3) if k.endswith("_s") else v for k, v in median.items()},
+                          "ratio": round(median["remote_s"] / median["local_s"], 3),
+                          "rss_ratio": round(median["remote_rss"] / median["local_rss"], 3),
+                          "rounds": runs}), flush=True)
+
+
+def pod_resume(work: Path, processes: int, steps: int, repeats: int) -> dict:
+    """Fresh start against resume on the simulated pod (module docstring): medians and every round."""
+    root = f"gs://{BUCKET}/pod"
+    assets = demo_assets()
+    run_child(["dense-to-moe", str(assets / "model"), f"{root}/moe", *DEMO_MOE])
+    corpus = assets / "corpus"
+    run_child(["prepare-data", "--tokenizer", str(assets / "model" / "tokenizer.json"), "--out", f"{root}/data",
+               *[a for name in ("code", "prose", "math") for a in ("--source", f"{name}={corpus / f'{name}.train.jsonl'}")]])
+    rounds = []
+    for k in range(repeats):
+        fresh = run_pod(work / f"fresh-{k}", f"{root}/fresh-{k}", root, processes, steps=1)
+        run_pod(work / f"run-{k}", f"{root}/run-{k}", root, processes, steps=steps)
+        resumed = run_pod(work / f"resume-{k}", f"{root}/run-{k}", root, processes, steps=steps + 1)
+        rounds.append({"fresh_s": round(fresh, 2), "resume_s": round(resumed, 2)})
+    fresh_s, resume_s = (statistics.median(r[key] for r in rounds) for key in ("fresh_s", "resume_s"))
+    return {"bench": "remote_io/resume", "processes": processes, "devices_per_process": 2, "resumed_at": steps,
+            "repeats": repeats, "fresh_s": fresh_s, "resume_s": resume_s, "ratio": round(resume_s / fresh_s, 3),
+            "rounds": rounds}
+
+
+def run_pod(folder: Path, run_dir: str, root: str, processes: int, steps: int) -> float:
+    """`continued-pretrain` of the demo's MoE on `processes` simulated hosts to `steps`; the pod's wall time."""
+    port = free_port()
+    procs = []
+    started = time.perf_counter()
+    for i in range(processes):
+        host = folder / f"host{i}"
+        (host / "tmp").mkdir(parents=True)
+        config = _train_config(host, Path("unused"), 60, Path("unused"))  # the demo's 60-step schedule
+        env = {**os.environ, "XLA_FLAGS": with_devices(2), "HOME": str(host), "TMPDIR": str(host / "tmp"),
+               "UPCYCLER_CACHE": str(host / "cache")}
+        sets = {"run_dir": run_dir, "model.init": f"{root}/moe", "model.tokenizer": f"{root}/moe/tokenizer.json",
+                "data.dir": f"{root}/data", "metrics.progress": "false", "checkpoint.every": "100"}
+        command = [sys.executable, "-m", "upcycler", "continued-pretrain", "--config", str(config),
+                   "--steps", str(steps), "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes),
+                   "--process-id", str(i),
+                   *[a for key, value in sets.items() for a in ("--set", f"{key}={value}")]]
+        procs.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                      cwd=host))
+    for proc in procs:
+        _, err = proc.communicate(timeout=1800)
+        if proc.returncode != 0:
+            raise SystemExit(f"pod process failed ({proc.returncode}): {err[-2000:]}")
+    return time.perf_counter() - started
 
 
 if __name__ == "__main__":

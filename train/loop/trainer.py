@@ -13,7 +13,8 @@ Guarantees:
   `upcycler.train.techniques.spike_guard`);
 - with `metrics.stop_on_collapse`, a window in which an MoE layer lost half its experts stops the run
   naming the layer and the last checkpoint;
-- SIGTERM on any process finishes the current step on every process, saves that step and returns
+- SIGTERM on any process stops every process after one same step (JAX's preemption sync point when there
+  are several: the step after the furthest any process had reached), saves that step and returns
   `RunResult(preempted=True)` (the CLI then exits with `PREEMPTED_EXIT_STATUS`);
 - with several processes, run_dir must be one directory they all see (`run_dir.refuse_unshared`).
 """
@@ -166,7 +167,7 @@ class _Run:
         experts = ExpertWindow(self.spec, config.metrics.dead_below)
         progress = Progress(enabled=primary and config.metrics.progress, start=start, total=config.steps)
         progress.note(f"{mesh_lib.describe(self.mesh)}; starting at step {start}")
-        stop = _SigtermFlag()
+        stop = _PreemptionNotice()
         last = self.ckpts.step_dir(start) if start else None
         compiled = None
         try:
@@ -197,15 +198,17 @@ class _Run:
                     health=health,
                 )
                 if spike:
-                    state, last = self._spike(guard, record, step, log, progress)
+                    state, last = self._spike(guard, record, step, log, progress)  # saves step + 1
                     step += 1
+                    if stop.agreed(step):
+                        return RunResult(step, last, preempted=True)
                     continue
                 log.write(record)
                 progress.update(record, expert_health.summary(health, self.moe_layers) if health else "")
                 if health and config.metrics.stop_on_collapse:
                     _check_collapse(health, self.spec, self.moe_layers, step, last)
                 step += 1
-                preempted = stop.agreed()
+                preempted = stop.agreed(step)
                 saved = self._maybe_checkpoint(state, step, preempted, progress)
                 if saved is not None:
                     log.saved()
@@ -356,22 +359,30 @@ def _lineage_step(config: TrainConfig, step: int, rewinds: list[dict[str, Any]])
     )
 
 
-class _SigtermFlag:
-    """Records SIGTERM; `agreed()` is True on every process as soon as any process got one."""
+class _PreemptionNotice:
+    """SIGTERM on any process stops every process after the same step: `agreed(step)`, asked after each step
+    with the same step numbers on every process, turns True on all of them at one step.
+
+    Several processes: JAX's preemption sync point (`multihost_utils.reached_preemption_sync_point`): the
+    process that got SIGTERM (JAX's own handler, installed by `jax.distributed.initialize`) tells the
+    coordination service, which picks the first step every process can still reach; no collective runs per
+    step. One process: a SIGTERM handler of our own, restored by `restore()`."""
 
     def __init__(self):
         self.hit = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self._shared = jax.process_count() > 1
+        self._previous = None if self._shared else signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame) -> None:
         self.hit = True
 
-    def agreed(self) -> bool:
-        if jax.process_count() == 1:
+    def agreed(self, step: int) -> bool:
+        if not self._shared:
             return self.hit
         from jax.experimental import multihost_utils
 
-        return bool(np.any(multihost_utils.process_allgather(np.asarray(self.hit))))
+        return bool(multihost_utils.reached_preemption_sync_point(step))
 
     def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
