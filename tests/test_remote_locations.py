@@ -158,12 +158,12 @@ KILL_AFTER_FIRST_UPLOAD = """
 import sys, time
 from pathlib import Path
 from upcycler.io import bucket_output, object_store as store
-upload = store.upload
-def upload_then_hang(local, url):
-    upload(local, url)
+upload_all = store.upload_all
+def upload_then_hang(pairs):
+    upload_all(pairs[:1])
     print("uploaded", flush=True)
     time.sleep(600)
-store.upload = upload_then_hang
+store.upload_all = upload_then_hang
 bucket_output.publish(Path(sys.argv[1]), sys.argv[2])
 """
 
@@ -191,24 +191,25 @@ def test_an_interrupted_publish_is_refused_and_cleaned_up(surgery, monkeypatch, 
     commit (the marker's deletion)."""
     local = surgery["local"]
     out, uploaded = gcs_emulator.unique_prefix("interrupted"), []
-    real_upload, real_remove = store.upload, store.remove
+    real_upload_all, real_remove = store.upload_all, store.remove
 
-    def upload(path, url):
-        if when != "before the commit" and len(uploaded) == {"before the uploads": 0, "between uploads": 1}[when]:
-            raise KeyboardInterrupt
-        uploaded.append(url)
-        real_upload(path, url)
+    def upload_all(pairs):
+        for path, url in pairs:
+            if when != "before the commit" and len(uploaded) == {"before the uploads": 0, "between uploads": 1}[when]:
+                raise KeyboardInterrupt
+            uploaded.append(url)
+            real_upload_all([(path, url)])
 
     def remove(urls):
         if any(url.endswith(f"/{bucket_output.WRITING}") for url in urls):
             raise KeyboardInterrupt
         real_remove(urls)
 
-    monkeypatch.setattr(store, "upload", upload)
+    monkeypatch.setattr(store, "upload_all", upload_all)
     monkeypatch.setattr(store, "remove", remove)
     with pytest.raises(KeyboardInterrupt):
         bucket_output.publish(local / "moe", out)
-    monkeypatch.setattr(store, "upload", real_upload)
+    monkeypatch.setattr(store, "upload_all", real_upload_all)
     monkeypatch.setattr(store, "remove", real_remove)
     if when == "before the commit":
         assert uploaded[-1].endswith(f"/{MANIFEST}") and len(uploaded) == len(local_files(local / "moe"))

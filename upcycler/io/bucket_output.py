@@ -4,7 +4,8 @@ Object stores have no rename, so the local rule (work in a hidden sibling, renam
 
 1. `OUT/.upcycler-writing` is written first: from then on OUT is an unfinished write;
 2. what was at OUT before (an earlier upcycler output being replaced, or a killed write's leftovers) is
-   deleted, then every file of the local output is uploaded, `upcycler.json` (the manifest) last;
+   deleted, then every file of the local output is uploaded (several at a time), `upcycler.json` (the
+   manifest) alone after all of them;
 3. `.upcycler-writing` is deleted: this is the commit. A write killed at any point before it leaves the
    marker, so no reader takes the output as finished (`refuse_unfinished`), and the next write to OUT
    cleans it up without `--overwrite`.
@@ -88,8 +89,9 @@ def publish(local: Path, out: str) -> list[str]:
     store.write_bytes(store.join(out, WRITING), marker.encode())
     stale = [store.join(out, name) for name in store.list_objects(out) if name != WRITING]
     store.remove(stale)
-    for name in names:
-        store.upload(local / name, store.join(out, name))
+    last = [MANIFEST] if MANIFEST in names else []
+    store.upload_all([(local / n, store.join(out, n)) for n in names if n not in last])  # side by side
+    store.upload_all([(local / n, store.join(out, n)) for n in last])
     store.remove([store.join(out, WRITING)])
     return names
 
@@ -108,6 +110,6 @@ def add_files(local: Path, out: str, *, is_marker: Callable[[str], bool]) -> lis
     there; the files `is_marker` selects go last. Returns the relative names uploaded."""
     names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
     ordered = [n for n in names if not is_marker(n)] + [n for n in names if is_marker(n)]
-    for name in ordered:
-        store.upload(local / name, store.join(out, name))
+    for group in ([n for n in ordered if not is_marker(n)], [n for n in ordered if is_marker(n)]):
+        store.upload_all([(local / n, store.join(out, n)) for n in group])
     return ordered

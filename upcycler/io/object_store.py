@@ -22,6 +22,7 @@ from upcycler.untrusted import describe
 
 SCHEMES = ("gs",)
 """The bucket schemes the tool reads and writes."""
+UPLOADS_AT_ONCE = 8  # files uploaded concurrently by `upload_all` (each a stream of its own)
 
 
 @dataclass(frozen=True)
@@ -113,10 +114,14 @@ def download(url: str, local: Path) -> None:
         filesystem().get_file(_key(url), str(local))
 
 
-def upload(local: Path, url: str) -> None:
-    """Stream the local file `local` into the object `url` (replaced)."""
-    with _errors(url, "uploading"):
-        filesystem().put_file(str(local), _key(url))
+def upload_all(pairs: list[tuple[Path, str]]) -> None:
+    """Stream each local file into its object (replaced), several at a time: a sharded checkpoint's files
+    go up side by side, not one after another. Returns once every upload has finished."""
+    if not pairs:
+        return
+    with _errors(pairs[0][1], "uploading"):
+        filesystem().put([str(local) for local, _ in pairs], [_key(url) for _, url in pairs],
+                         batch_size=UPLOADS_AT_ONCE)
 
 
 def write_bytes(url: str, data: bytes) -> None:
