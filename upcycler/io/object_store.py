@@ -22,7 +22,7 @@ from upcycler.untrusted import describe
 
 SCHEMES = ("gs",)
 """The bucket schemes the tool reads and writes."""
-UPLOADS_AT_ONCE = 8  # files uploaded concurrently by `upload_all` (each a stream of its own)
+UPLOADS_AT_ONCE = 8  # files moved concurrently by `upload_all` and `download_all` (each a stream of its own)
 
 
 @dataclass(frozen=True)
@@ -108,10 +108,14 @@ def object_info(url: str) -> StoredObject | None:
     return StoredObject(_key(url).rsplit("/", 1)[-1], int(info.get("size") or 0), str(info.get("generation", "")))
 
 
-def download(url: str, local: Path) -> None:
-    """Stream the object `url` into the local file `local` (replaced)."""
-    with _errors(url, "downloading"):
-        filesystem().get_file(_key(url), str(local))
+def download_all(pairs: list[tuple[str, Path]]) -> None:
+    """Stream each object into its local file (replaced), several at a time (`UPLOADS_AT_ONCE`): a sharded
+    checkpoint's files come down side by side. Returns once every download has finished."""
+    if not pairs:
+        return
+    with _errors(pairs[0][0], "downloading"):
+        filesystem().get([_key(url) for url, _ in pairs], [str(local) for _, local in pairs],
+                         batch_size=UPLOADS_AT_ONCE)
 
 
 def upload_all(pairs: list[tuple[Path, str]]) -> None:

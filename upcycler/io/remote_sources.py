@@ -4,8 +4,8 @@ Both become a local directory the readers stream from, so every check of a local
 digests of `upcycler.json` on every byte read, the hostile-input rules):
 
 - a bucket prefix is mirrored into the upcycler cache (`$UPCYCLER_CACHE`, else `$XDG_CACHE_HOME/upcycler`,
-  else `~/.cache/upcycler`), object by object, streamed to disk (memory stays one buffer whatever the
-  size); an object is fetched again only when its generation changed, so a second command on the same
+  else `~/.cache/upcycler`), several objects at a time, each streamed to disk (memory stays a few buffers
+  whatever the size); an object is fetched again only when its generation changed, so a second command on the same
   source reads nothing from the bucket but its listing. A prefix that holds the marker of an unfinished
   upcycler write is refused. Object names never escape the mirror directory;
 - a Hub id (`org/name`, `hf://org/name`, either with `@revision`) is fetched by `huggingface_hub` into the
@@ -88,15 +88,17 @@ def _fetch(url: str, objects: dict[str, store.StoredObject], local: Path, *, kee
     except (OSError, ValueError):
         record = {}
     local.mkdir(parents=True, exist_ok=True)
+    stale = {}  # name -> (target, partial) of the objects whose local copy is missing or out of date
     for name, obj in sorted(objects.items()):
         target = local / _safe_name(url, name)
         if record.get(name) == obj.generation and target.is_file() and target.stat().st_size == obj.size:
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(f".{target.name}.partial-{os.getpid()}")
-        store.download(store.join(url, name), partial)
+        stale[name] = (target, target.with_name(f".{target.name}.partial-{os.getpid()}"))
+    store.download_all([(store.join(url, name), partial) for name, (_, partial) in stale.items()])
+    for name, (target, partial) in stale.items():
         os.replace(partial, target)
-        record[name] = obj.generation
+        record[name] = objects[name].generation
     if not keep_others:
         for path in sorted(local.rglob("*"), reverse=True):
             name = path.relative_to(local).as_posix()
