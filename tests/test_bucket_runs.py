@@ -99,12 +99,14 @@ def inputs(ws):
     F.run_cli("prepare-data", "--tokenizer", ws["tokenizer"], *sources, "--out", f"{root}/data", "--format", "text",
               timeout=600)
     for name in F.SOURCES:
-        assert fs.cat_file(key(root) + f"/data/{name}.tokens.npy") == (ws["data"] / f"{name}.tokens.npy").read_bytes()
-        meta = json.loads(fs.cat_file(key(root) + f"/data/{name}.meta.json"))
-        assert [f["path"] for f in meta["files"]] == [f"{root}/text/{name}/{p.name}" for p in F.SOURCES[name]]
+        index = json.loads(fs.cat_file(key(root) + f"/data/{name}.index.json"))
+        assert index["shards"] == json.loads((ws["data"] / f"{name}.index.json").read_text())["shards"]
+        for shard in index["shards"]:
+            assert fs.cat_file(key(root) + f"/data/{shard['file']}") == (ws["data"] / shard["file"]).read_bytes()
+        assert [f["path"] for f in index["files"]] == [f"{root}/text/{name}/{p.name}" for p in F.SOURCES[name]]
     again = F.run_cli("prepare-data", "--tokenizer", ws["tokenizer"], *sources, "--out", f"{root}/data",
                       "--format", "text", check=False, timeout=600)
-    assert again.returncode == 2 and "json.tokens.npy': already exists" in again.stderr
+    assert again.returncode == 2 and "email.index.json': already exists" in again.stderr
     return {"init": f"{root}/dense", "data": f"{root}/data"}
 
 
@@ -257,3 +259,34 @@ def test_a_pod_host_killed_takes_the_job_down_and_the_restart_resumes(ws, inputs
     again = run_pod(tmp_path, run_dir, inputs, ws, **{"distributed.heartbeat_timeout": 5})
     assert [status for status, _ in again] == [0] * POD[0], again
     assert_identical(run_dir, *pod_run, tmp_path)
+
+
+def test_bucket_data_is_read_in_place_and_checked(ws, inputs):
+    """The sources prepared into the bucket are read where they are (ranged reads, no copy in the cache):
+    the batches equal those of the same sources on a local disk; a shard swapped in the bucket after
+    preparation is refused by name before any batch."""
+    from upcycler.errors import UpcyclerError
+    from upcycler.io.remote_sources import cache_root
+    from upcycler.train.data.config import DataConfig, Phase
+    from upcycler.train.data.mix import make_data_iterator
+    from upcycler.train.data.sources import open_source
+
+    def batches(directory) -> list[dict]:
+        config = DataConfig(dir=directory, seq_len=32, global_batch_size=8, seed=1,
+                            phases=(Phase({"json": 0.5, "email": 0.5}),))
+        iterator = make_data_iterator(config, 1, 2)
+        return [next(iterator) for _ in range(5)]
+
+    cached = sorted(cache_root().rglob("*.tokens")) if cache_root().exists() else []
+    remote, local = batches(location(inputs["data"], "data.dir")), batches(ws["data"])
+    assert all(np.array_equal(a[k], b[k]) for a, b in zip(remote, local) for k in a)
+    assert (sorted(cache_root().rglob("*.tokens")) if cache_root().exists() else []) == cached
+    fs = bucket_fs()
+    damaged = gcs_emulator.unique_prefix("damaged")
+    for name in ("json", "email"):
+        fs.put_file(str(ws["data"] / f"{name}.index.json"), key(damaged) + f"/{name}.index.json")
+    shard = json.loads((ws["data"] / "json.index.json").read_text())["shards"][0]["file"]
+    other = json.loads((ws["data"] / "email.index.json").read_text())["shards"][0]["file"]
+    fs.put_file(str(ws["data"] / other), key(damaged) + f"/{shard}")
+    with pytest.raises(UpcyclerError, match=r"json\.shards/00000\.tokens.*does not match json\.index\.json"):
+        open_source(damaged, "json")

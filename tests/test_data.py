@@ -3,9 +3,11 @@ shuffles, token-share mixing by phase, exact resume, multi-process slicing and c
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import random
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -14,11 +16,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from trainer_fixtures import as_single_file
 
 from upcycler.cli import main
 from upcycler.errors import UpcyclerError
 from upcycler.train.data.config import DataConfig, Phase
-from upcycler.train.data.format import token_dtype
+from upcycler.train.data.format import SHARD_HEADER_BYTES, token_dtype
 from upcycler.train.data.mix import MixSchedule, make_data_iterator
 from upcycler.train.data.prepare import parse_sources, prepare_sources
 from upcycler.train.data.sources import (
@@ -107,14 +110,20 @@ def test_prepare_writes_the_documents_with_eos_and_metadata(corpus: dict, prepar
     eos = tok.token_to_id("</s>")
     for name, docs in corpus["docs"].items():
         expected = [i for d in docs for i in tok.encode(d, add_special_tokens=False).ids + [eos]]
-        tokens = np.load(prepared / f"{name}.tokens.npy", mmap_mode="r")
-        meta = json.loads((prepared / f"{name}.meta.json").read_text())
-        assert tokens.dtype == np.uint16 and tokens.tolist() == expected
-        assert meta["num_tokens"] == len(expected) and meta["num_documents"] == len(docs)
-        assert meta["eos_id"] == eos and meta["vocab_size"] == tok.get_vocab_size()
-        assert meta["tokenizer"]["sha256"] == load_tokenizer(corpus["tokenizer"]).sha256
-        assert all(len(f["sha256"]) == 64 and Path(f["path"]).is_file() for f in meta["files"])
-    assert len(json.loads((prepared / "web.meta.json").read_text())["files"]) == 2
+        tokens = open_source(prepared, name).tokens
+        index = json.loads((prepared / f"{name}.index.json").read_text())
+        assert tokens.dtype == np.uint16 and tokens[:].tolist() == expected
+        assert index["num_tokens"] == len(expected) and index["num_documents"] == len(docs)
+        assert index["eos_id"] == eos and index["vocab_size"] == tok.get_vocab_size()
+        assert index["tokenizer"]["sha256"] == load_tokenizer(corpus["tokenizer"]).sha256
+        assert all(len(f["sha256"]) == 64 and Path(f["path"]).is_file() for f in index["files"])
+        assert [hashlib.sha256(Path(f["path"]).read_bytes()).hexdigest() for f in index["files"]] == [
+            f["sha256"] for f in index["files"]]
+        for shard in index["shards"]:
+            data = (prepared / shard["file"]).read_bytes()
+            assert hashlib.sha256(data[SHARD_HEADER_BYTES:]).hexdigest() == shard["sha256"]
+            assert len(data) == SHARD_HEADER_BYTES + 2 * shard["tokens"]
+    assert len(json.loads((prepared / "web.index.json").read_text())["files"]) == 2
     assert not list(prepared.glob(".*"))
     assert token_dtype(70_000) == np.uint32 and token_dtype(65_536) == np.uint16
 
@@ -294,15 +303,23 @@ def test_processes_get_disjoint_rows_of_the_same_global_batch(prepared: Path) ->
     assert whole[0]["inputs"].dtype == np.int32 and whole[0]["mask"].dtype == np.float32
 
 
-def test_truncated_tokens_are_reported(tmp_path: Path, prepared: Path) -> None:
-    for suffix in (".tokens.npy", ".meta.json"):
-        (tmp_path / f"math{suffix}").write_bytes((prepared / f"math{suffix}").read_bytes())
-    data = (tmp_path / "math.tokens.npy").read_bytes()
-    (tmp_path / "math.tokens.npy").write_bytes(data[: len(data) // 2])
-    with pytest.raises(
-        UpcyclerError, match=r"math\.meta\.json: unreadable prepared source .*re-run upcycle prepare-data"
-    ):
+def test_truncated_shards_are_reported(tmp_path: Path, prepared: Path) -> None:
+    shutil.copy(prepared / "math.index.json", tmp_path)
+    shutil.copytree(prepared / "math.shards", tmp_path / "math.shards")
+    (shard,) = (tmp_path / "math.shards").iterdir()
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(UpcyclerError, match=r"00000\.tokens: holds .* bytes, math\.index\.json says .*truncated"):
         open_source(tmp_path, "math")
+
+
+def test_single_file_sources_of_earlier_versions_give_the_same_batches(tmp_path: Path, prepared: Path) -> None:
+    single = Path(shutil.copytree(prepared, tmp_path / "single"))
+    as_single_file(single)
+    assert sorted(p.name for p in single.iterdir())[:2] == ["code.meta.json", "code.tokens.npy"]
+    config = _config(prepared, phases=(Phase({"web": 0.5, "code": 0.3, "math": 0.2}),))
+    expected = _batches(make_data_iterator(config), 12)
+    assert _same(_batches(make_data_iterator(replace(config, dir=single)), 12), expected)
 
 
 @pytest.mark.parametrize(

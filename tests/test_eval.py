@@ -226,7 +226,9 @@ def test_perplexity_equals_transformers(work, hf_model):
 
     result = _json(MODEL, "--task", "perplexity", "--data", work / "data", "--lengths", "512,1k",
                    "--prompts-per-length", "2")
-    tokens = np.load(work / "data" / "prose.tokens.npy", mmap_mode="r")
+    from upcycler.train.data.sources import open_source
+
+    tokens = open_source(work / "data", "prose").tokens
     by_length: dict[int, list[float]] = {}
     for item in result["items"]:
         window = tokens[item["start"]:item["start"] + item["length"]]

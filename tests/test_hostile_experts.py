@@ -32,7 +32,7 @@ from cli_helpers import assert_clean_failure, leftovers, run_cli, snapshot
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from trainer_fixtures import prepare_data, tiny_spec, train_tokenizer, write_model
+from trainer_fixtures import as_single_file, prepare_data, tiny_spec, train_tokenizer, write_model
 
 from upcycler.cli import main
 from upcycler.errors import UpcyclerError
@@ -101,7 +101,8 @@ def world(tmp_path_factory) -> dict[str, Path]:
     with that tokenizer (sources json and email), and every hostile variant the catalogue names."""
     root = tmp_path_factory.mktemp("hostile-experts")
     tok = train_tokenizer(root / "tok")
-    w: dict[str, Path] = {"root": root, "calib": prepare_data(root / "calib", tok)}
+    # calibration data in the single-file format of earlier versions, whose two files are easy to damage
+    w: dict[str, Path] = {"root": root, "calib": as_single_file(prepare_data(root / "calib", tok))}
     for seed, name in enumerate(("base", "json", "email")):
         w[name] = write_model(root / name, tiny_spec(), tok, seed=seed)
     variants = {"deep": {"num_layers": 3}, "wide": {"hidden_size": 64, "head_dim": 16}, "vocab": {"vocab_size": 512},

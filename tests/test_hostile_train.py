@@ -166,7 +166,7 @@ def test_an_input_that_would_be_overwritten_is_refused(ws, tmp_path):
     (tmp_path / "a.jsonl").write_bytes(GOOD_LINE)
     args, out = prepare(ws, tmp_path, f"s={tmp_path}/a.jsonl")
     run_cli(*args)
-    args, _ = prepare(ws, tmp_path, f"s={out}/s.meta.json", extra=("--overwrite",))
+    args, _ = prepare(ws, tmp_path, f"s={out}/s.index.json", extra=("--overwrite",))
     refused(*args, mentions="would be overwritten", inputs=(out,))
 
 
@@ -179,7 +179,7 @@ def test_failed_overwrite_keeps_the_prepared_sources_and_adds_nothing(ws, tmp_pa
     args, _ = prepare(ws, tmp_path, f"a={tmp_path}/in/a.jsonl", f"b={tmp_path}/in/bad.jsonl",
                       extra=("--overwrite",))
     refused(*args, mentions="bad.jsonl:2", inputs=(out, tmp_path / "in"))
-    assert sorted(p.name for p in out.iterdir()) == ["a.meta.json", "a.tokens.npy"]
+    assert sorted(p.name for p in out.iterdir()) == ["a.index.json", "a.shards"]
 
 
 def test_a_failure_in_a_later_source_leaves_no_output(ws, tmp_path):
@@ -392,18 +392,48 @@ DATA_DIRS = {
 }
 
 
+def _index(d: Path, **changes) -> None:
+    index = json.loads((d / "json.index.json").read_text())
+    index.update(changes)
+    (d / "json.index.json").write_text(json.dumps(index))
+
+
+def _shard(d: Path, source: str = "json") -> Path:
+    return d / json.loads((d / f"{source}.index.json").read_text())["shards"][0]["file"]
+
+
+SHARDED_DATA_DIRS = {
+    "index is a list": (lambda d: (d / "json.index.json").write_text("[1, 2]"), "json.index.json"),
+    "index num_tokens off by one": (
+        lambda d: _index(d, num_tokens=json.loads((d / "json.index.json").read_text())["num_tokens"] + 1),
+        "num_tokens"),
+    "shard named outside the directory": (
+        lambda d: _index(d, shards=[{**json.loads((d / "json.index.json").read_text())["shards"][0],
+                                     "file": "../json.shards/00000.tokens"}]), "not a shard"),
+    "shard truncated": (lambda d: _shard(d).write_bytes(_shard(d).read_bytes()[:1000]), "truncated"),
+    "shard swapped with another source's": (lambda d: shutil.copyfile(_shard(d, "email"), _shard(d)),
+                                            "does not match"),
+    "shard missing": (lambda d: _shard(d).unlink(), "missing"),
+    "shard is a FIFO": (lambda d: (_shard(d).unlink(), os.mkfifo(_shard(d))), "not a regular file"),
+}
+
+
 def test_hostile_data_directories_are_refused(ws, tmp_path):
+    """Damaged sharded sources, and damaged sources in the single-file format of earlier versions."""
     cases = []
-    for k, (damage, mentions) in enumerate(DATA_DIRS.values()):
+    damages = {**SHARDED_DATA_DIRS, **{f"single file: {k}": v for k, v in DATA_DIRS.items()}}
+    for k, (case, (damage, mentions)) in enumerate(damages.items()):
         data = tmp_path / f"data{k}"
         shutil.copytree(ws["data"], data)
+        if case.startswith("single file"):
+            F.as_single_file(data)
         damage(data)
         cfg = F.write_config(tmp_path / f"train{k}.yaml",
                              F.config_dict(tmp_path / f"r{k}", ws["dense"], data))
         cases.append((data, cfg, mentions))
     before = state(tmp_path, ws["dense"])
     procs = run_many([train_args(cfg) for _, cfg, _ in cases])
-    for case, (data, _, mentions), proc in zip(DATA_DIRS, cases, procs):
+    for case, (data, _, mentions), proc in zip(damages, cases, procs):
         try:
             assert_clean_failure(proc, mentions=mentions)
         except AssertionError as err:
@@ -621,8 +651,11 @@ def test_metrics_log_is_records_or_one_error(lines, final_newline):
 
 
 @pytest.fixture(scope="module")
-def prepared_source(ws) -> Path:
-    return ws["data"]
+def prepared_source(ws, tmp_path_factory) -> Path:
+    """A single-file source (the format of earlier versions), whose two files the fuzz test edits."""
+    copy = tmp_path_factory.mktemp("single") / "data"
+    shutil.copytree(ws["data"], copy)
+    return F.as_single_file(copy)
 
 
 @FUZZ

@@ -50,6 +50,32 @@ def prepare_data(out: Path, tokenizer: Path) -> Path:
     return out
 
 
+def as_single_file(directory: Path) -> Path:
+    """Rewrite every sharded source of `directory` in place in the single-file format of earlier versions
+    (`NAME.tokens.npy` + `NAME.meta.json`), which the readers still accept; returns `directory`."""
+    import shutil
+
+    from upcycler.train.data.format import (
+        INDEX_SUFFIX,
+        META_SUFFIX,
+        SHARD_HEADER_BYTES,
+        TOKENS_SUFFIX,
+        npy_header,
+    )
+
+    for index_path in sorted(directory.glob(f"*{INDEX_SUFFIX}")):
+        index = json.loads(index_path.read_text())
+        name, dtype = index["name"], np.dtype(index["dtype"])
+        payload = b"".join((directory / s["file"]).read_bytes()[SHARD_HEADER_BYTES:] for s in index["shards"])
+        (directory / f"{name}{TOKENS_SUFFIX}").write_bytes(npy_header(dtype, index["num_tokens"]) + payload)
+        meta = {k: v for k, v in index.items() if k != "shards"} | {"format_version": 1,
+                                                                    "tokens_file": f"{name}{TOKENS_SUFFIX}"}
+        (directory / f"{name}{META_SUFFIX}").write_text(json.dumps(meta, indent=2) + "\n")
+        index_path.unlink()
+        shutil.rmtree(directory / f"{name}.shards")
+    return directory
+
+
 def tiny_spec(moe: bool = False, **changes: Any):
     """A width-32 llama (or a qwen3_moe with 4 experts, top-2, the first layer dense) over VOCAB tokens."""
     from upcycler.spec import ModelSpec, MoESpec

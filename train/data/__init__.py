@@ -1,14 +1,19 @@
-"""Training data: text sources tokenised once on disk, then blended by phase into deterministic batches.
+"""Training data: sources tokenised once into sharded token files, then blended by phase into deterministic batches.
 
 The face of the package: `DataConfig`/`Phase` (the `data:` section of a training config),
 `prepare_sources`/`parse_sources`/`load_tokenizer` (what `upcycle prepare-data` runs) and
 `make_data_iterator`/`DataIterator` (what the trainer reads). Inside, one module per step:
 
-    readers.py    documents out of text, JSONL and Parquet files
-    tokenizer.py  the tokenizer file, its EOS id and its sha256
-    format.py     the prepared-data layout on disk (shared by writer and reader)
-    prepare.py    the writer: documents -> `NAME.tokens.npy` + `NAME.meta.json`
-    sources.py    the reader: one prepared source as an endless, reshuffled stream of examples
+    readers.py      documents out of text, JSONL, Parquet, Arrow (HF datasets), ArrayRecord and Megatron
+                    files, plain, gzip or zstd
+    tokenizer.py    the tokenizer file, its EOS id and its sha256
+    format.py       the prepared-data layout on disk (shared by writer and reader)
+    plan.py         the writer's units of work (one shard each), fixed by the inputs' sizes alone
+    shard_writer.py one unit: documents -> tokens -> `NAME.shards/NNNNN.tokens`, resumable
+    engine.py       the units on Apache Beam (its DirectRunner by default; any runner by option)
+    prepare.py      the writer: plan, run, then shards and `NAME.index.json` (last) into OUT
+    token_store.py  a source's token stream across its shards, local or gs://, bounded open files
+    sources.py      the reader: one prepared source as an endless, reshuffled stream of examples
     mix.py        the blend of sources, phase by phase, into global batches
     config.py     the `data:` schema
 

@@ -1,24 +1,41 @@
-"""The on-disk format of a prepared-data directory, shared by its writer (`prepare`) and reader (`sources`).
+"""The on-disk formats of a prepared-data directory, shared by its writer (`prepare`) and readers (`sources`).
 
-Per named source, a prepared directory holds:
-- `NAME.tokens.npy` (`TOKENS_SUFFIX`): a 1-D array of `token_dtype(vocab_size)` (uint16, or uint32 when
-  the vocabulary has more than 65536 entries) behind a version-1.0 `.npy` header that is always
-  `NPY_HEADER_BYTES` long (`npy_header`), so the writer can rewrite it with the final count after
-  appending and the reader can compare it byte for byte and memory-map the tokens at a fixed offset;
-- `NAME.meta.json` (`META_SUFFIX`), written last: `format_version` (`FORMAT_VERSION`), `name`,
-  `tokens_file`, `dtype` (one of `TOKEN_DTYPES`), `num_tokens`, `num_documents`, `vocab_size`, `eos_id`,
-  `tokenizer` {`file`, `sha256`}, `input` (the reading options) and `files` [{`path`, `bytes`, `sha256`}].
+**Sharded sources** (format 2, what `prepare-data` writes). Per named source:
+- `NAME.shards/NNNNN.tokens` (`shard_file`): the tokens of one unit of input (a run of small files or a
+  byte range of a large one, `plan.py`), documents in input order, each followed by the EOS id, as
+  little-endian `token_dtype(vocab_size)` after a `SHARD_HEADER_BYTES` header (`shard_header`) that
+  records the dtype, the token and document counts and the sha256 of the token bytes. A reader compares
+  the header with the one the index implies byte for byte, so a shard that was swapped, truncated,
+  extended or replaced is refused before a token of it is used.
+- `NAME.index.json` (`INDEX_SUFFIX`), written last (the commit: a source is complete exactly when its
+  index exists): `format_version` 2, `name`, `dtype`, `num_tokens`, `num_documents`, `vocab_size`,
+  `eos_id`, `tokenizer` {`file`, `sha256`}, `input` (the reading options), `files` [{`path`, `bytes`,
+  `sha256`}] and `shards` [{`file`, `tokens`, `documents`, `sha256`}] in stream order.
+
+**Single-file sources** (format 1, written by earlier versions; still read). Per named source:
+- `NAME.tokens.npy` (`TOKENS_SUFFIX`): a 1-D array of `token_dtype(vocab_size)` behind a version-1.0
+  `.npy` header that is always `NPY_HEADER_BYTES` long (`npy_header`);
+- `NAME.meta.json` (`META_SUFFIX`), written last: the fields of the index above without `shards`, plus
+  `tokens_file`.
 """
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 FORMAT_VERSION = 1
+SHARDED_FORMAT_VERSION = 2
 TOKENS_SUFFIX = ".tokens.npy"
 META_SUFFIX = ".meta.json"
+INDEX_SUFFIX = ".index.json"
+SHARDS_SUFFIX = ".shards"
 NPY_HEADER_BYTES = 128
+SHARD_HEADER_BYTES = 128
+SHARD_MAGIC = b"UPCYCLER-TOKENS\n"
 TOKEN_DTYPES = ("uint16", "uint32")
+_SHARD_FIELDS = struct.Struct("<16sIIQQ32s")  # magic, format, itemsize, tokens, documents, sha256
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -31,3 +48,15 @@ def npy_header(dtype: np.dtype, count: int) -> bytes:
     text = repr({"descr": np.dtype(dtype).str, "fortran_order": False, "shape": (count,)}).encode("latin1")
     size = NPY_HEADER_BYTES - 10
     return b"\x93NUMPY\x01\x00" + size.to_bytes(2, "little") + text + b" " * (size - len(text) - 1) + b"\n"
+
+
+def shard_file(name: str, index: int) -> str:
+    """The path of shard `index` of source `name`, relative to the prepared directory."""
+    return f"{name}{SHARDS_SUFFIX}/{index:05d}.tokens"
+
+
+def shard_header(dtype: np.dtype, tokens: int, documents: int, sha256: str) -> bytes:
+    """The `SHARD_HEADER_BYTES` header of a shard holding `tokens` ids of `dtype` whose bytes hash to `sha256`."""
+    packed = _SHARD_FIELDS.pack(SHARD_MAGIC, SHARDED_FORMAT_VERSION, np.dtype(dtype).itemsize, tokens,
+                                documents, bytes.fromhex(sha256))
+    return packed + b"\0" * (SHARD_HEADER_BYTES - len(packed))

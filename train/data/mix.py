@@ -71,14 +71,15 @@ class _PhasePlan:
         self.start = start
         self.quota = quotas(weights)
         self.pattern = interleave(self.quota)
-        one_hot = np.eye(len(weights), dtype=np.int64)[self.pattern]
-        self.prefix = np.concatenate([np.zeros((1, len(weights)), np.int64), np.cumsum(one_hot, axis=0)])
+        # where each source sits in the pattern: PATTERN_PERIOD int32s in all, whatever the source count
+        self.positions = [np.flatnonzero(self.pattern == i).astype(np.int32) for i in range(len(weights))]
         self.offset = offset
 
     def drawn(self, n: int) -> np.ndarray:
         """Examples of each source drawn before the phase's n-th example (counting all earlier phases)."""
         full, rest = divmod(n, PATTERN_PERIOD)
-        return self.offset + full * self.quota + self.prefix[rest]
+        before = np.array([np.searchsorted(p, rest) for p in self.positions], dtype=np.int64)
+        return self.offset + full * self.quota + before
 
 
 class MixSchedule:
@@ -149,8 +150,12 @@ class _Batches:
             "mask": np.empty(shape, np.float32),
             "source_id": source.astype(np.int32),
         }
-        for r, (i, j) in enumerate(zip(source, example)):
-            batch["inputs"][r], batch["targets"][r], batch["mask"][r] = self.streams[i][int(j)]
+        for i in np.unique(source):  # each source's rows read together (concurrently from a bucket)
+            rows = np.flatnonzero(source == i)
+            stream = self.streams[i]
+            pieces = stream.windows.tokens.read_spans([stream.span(int(j)) for j in example[rows]])
+            for r, piece in zip(rows, pieces):
+                batch["inputs"][r], batch["targets"][r], batch["mask"][r] = stream.windows.example(piece)
         return batch
 
 

@@ -1,41 +1,55 @@
-"""Tokenise text sources once into memory-mappable token arrays (the engine of `upcycle prepare-data`).
+"""Tokenise text sources once into sharded token files (the engine of `upcycle prepare-data`).
 
-A prepared directory holds, per named source (the layout is `upcycler.train.data.format`):
-- `NAME.tokens.npy`: every document's tokens followed by one EOS id, documents in file order, files in
-  sorted order;
-- `NAME.meta.json`: token and document counts, vocab size, EOS id, the tokenizer's sha256 and every
-  input file with its size and sha256.
-Documents are tokenised in small batches and appended to a temporary file, so memory stays bounded by
-one batch whatever the corpus size. Everything is written into a hidden staging directory and moved
-into OUT only when every source is complete (`upcycler.train.outputs`), metadata last, so a source is
-complete exactly when its metadata exists, and a failed run (a bad line, a full disk, an interrupt)
-changes nothing in OUT. An input file is never an output: one that would be overwritten is refused.
+A prepared directory holds, per named source (the layout is `upcycler.train.data.format`), the shards
+`NAME.shards/NNNNN.tokens` and the index `NAME.index.json`, written last. How it gets there:
+
+1. Everything that can be checked before tokenising is checked first (formats, existing outputs, inputs
+   that would be overwritten), so a bad argument fails in seconds, not after an hour of tokenising.
+2. The work is planned (`plan.py`): each source's files cut into units, one shard each, by size alone.
+3. The units run on Apache Beam (`engine.py`; the DirectRunner by default, `workers` processes) in a work
+   directory named after the plan's key (`OUT/.prepare-KEY/`, or under the upcycler cache for a bucket
+   OUT). A unit whose shard is already there is not tokenised again: a preparation that was killed or
+   interrupted resumes where it stopped when run again with the same inputs and options.
+4. When every unit is done, the shards are moved into OUT and each source's index is written after them,
+   so a source is complete exactly when its index exists, and a failed run (a bad line, a full disk)
+   changes nothing in OUT. A bad input removes the work directory; an interrupt keeps it for the rerun.
+
+The output is the same bytes whatever the runner and the number of workers. An input file is never an
+output: one that would be overwritten is refused.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import shutil
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Self
-
-import numpy as np
 
 from upcycler.errors import UpcyclerError
-from upcycler.io.hashing import sha256_file
 from upcycler.io.object_store import is_bucket_url
 from upcycler.io.remote_sources import mirror_glob
-from upcycler.io.staging import staged_files
+from upcycler.io.staging import make_parents
 from upcycler.locations import local_path, recorded_location
 from upcycler.train.data.config import SOURCE_NAME
-from upcycler.train.data.format import FORMAT_VERSION, META_SUFFIX, TOKENS_SUFFIX, npy_header, token_dtype
-from upcycler.train.data.readers import detect_format, expand_pattern, read_documents
+from upcycler.train.data.engine import DEFAULT_RUNNER, EngineFailure, run_units
+from upcycler.train.data.format import (
+    INDEX_SUFFIX,
+    META_SUFFIX,
+    SHARDED_FORMAT_VERSION,
+    SHARDS_SUFFIX,
+    TOKENS_SUFFIX,
+    token_dtype,
+)
+from upcycler.train.data.plan import UNIT_BYTES, Plan, Settings, make_plan
+from upcycler.train.data.readers import detect_format, expand_pattern
+from upcycler.train.data.shard_writer import ERROR_SUFFIX, PARTIAL, SHARDS, read_record, shard_paths
 from upcycler.train.data.tokenizer import TokenizerInfo
 from upcycler.untrusted import describe, shown_path
 
-_BATCH_DOCS = 256
-_BATCH_CHARS = 4 << 20
+WORK_PREFIX = ".prepare-"
 
 
 def parse_sources(specs: Iterable[str]) -> dict[str, list[Path]]:
@@ -57,10 +71,17 @@ def parse_sources(specs: Iterable[str]) -> dict[str, list[Path]]:
                 f"{shown_path(pattern)}: matches no file; fix the --source {name}=... path or glob"
             )
         known = sources.setdefault(name, [])
+        seen = set(known)
         for file in files:
-            if file not in known:
+            if file not in seen:
                 known.append(file)
+                seen.add(file)
     return sources
+
+
+def output_names(name: str) -> tuple[str, ...]:
+    """What preparing source `name` writes in OUT, and the single-file format's names it replaces."""
+    return f"{name}{INDEX_SUFFIX}", f"{name}{SHARDS_SUFFIX}", f"{name}{META_SUFFIX}", f"{name}{TOKENS_SUFFIX}"
 
 
 def prepare_sources(
@@ -72,83 +93,188 @@ def prepare_sources(
     text_field: str = "text",
     text_unit: str = "file",
     overwrite: bool = False,
+    runner: str = DEFAULT_RUNNER,
+    workers: int = 1,
+    beam_options: Sequence[str] = (),
+    unit_bytes: int = UNIT_BYTES,
+    work_dir: Path | None = None,
+    eos: str | None = None,
 ) -> list[dict]:
-    """Tokenise every source into `out_dir`; returns each source's metadata, in order.
-
-    Everything that can be checked before tokenising (formats, existing outputs) is checked first, so
-    a bad argument fails in seconds, not after an hour of tokenising.
-    """
-    formats = {name: [(f, fmt or detect_format(f)) for f in files] for name, files in sources.items()}
-    outputs = {out_dir / f"{name}{suffix}" for name in sources for suffix in (TOKENS_SUFFIX, META_SUFFIX)}
+    """Tokenise every source into `out_dir` (local; see `prepare_into_bucket` for a bucket); returns each
+    source's index, in order, with `shards_tokenised` / `shards_reused` added (not written)."""
     for name in sources:
-        existing = [
-            p for p in (out_dir / f"{name}{TOKENS_SUFFIX}", out_dir / f"{name}{META_SUFFIX}") if p.exists()
-        ]
+        existing = [out_dir / n for n in output_names(name) if os.path.lexists(out_dir / n)]
         if existing and not overwrite:
             raise UpcyclerError(
                 f"{shown_path(existing[0])}: already exists; choose another --out or pass --overwrite"
             )
-    _refuse_inputs_as_outputs(outputs, [f for files in sources.values() for f in files])
-    with staged_files(out_dir, "--out", is_marker=lambda n: n.endswith(META_SUFFIX)) as stage:
-        return [
-            _prepare_source(name, files, stage, tokenizer, text_field=text_field, text_unit=text_unit)
-            for name, files in formats.items()
-        ]
+    _refuse_inputs_as_outputs(out_dir, sources)
+    plan = _plan(tokenizer, sources, fmt, text_field, text_unit, unit_bytes, eos)
+    created = make_parents(out_dir, "--out")
+    work = work_dir or out_dir / f"{WORK_PREFIX}{plan.key}"
+    try:
+        indexes = build_shards(plan, work, runner=runner, workers=workers, beam_options=beam_options)
+        _publish_local(work, out_dir, indexes)
+    except EngineFailure:
+        raise
+    except UpcyclerError:  # a bad input: nothing of this preparation can be used again
+        shutil.rmtree(work, ignore_errors=True)
+        for directory in reversed(created):
+            with suppress(OSError):
+                directory.rmdir()
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    return indexes
 
 
-def _refuse_inputs_as_outputs(outputs: Iterable[Path], inputs: Iterable[Path]) -> None:
-    """An input that is (after resolving symlinks) one of the files about to be written is refused."""
-    written = {os.path.realpath(p): p for p in outputs}
-    for path in inputs:
-        if os.path.realpath(path) in written:
+def prepare_into_bucket(tokenizer: TokenizerInfo, sources: Mapping[str, Sequence[Path]], out: str, *,
+                        overwrite: bool = False, **options) -> list[dict]:
+    """`prepare_sources` into the bucket directory `out`: the work happens in this host's upcycler cache
+    (where a rerun resumes it), then the shards are uploaded and each source's index after them. With
+    `overwrite`, the sources' earlier indexes are removed before any upload and their stale shards after."""
+    import hashlib
+
+    from upcycler.io import bucket_output
+    from upcycler.io import object_store as store
+    from upcycler.io.remote_sources import cache_root
+
+    names = [n for name in sources for n in output_names(name)]
+    existing = store.list_objects(out)
+    taken = sorted(o for o in existing if o.split("/")[0] in names)
+    if taken and not overwrite:
+        raise UpcyclerError(f"{describe(store.join(out, taken[0]), 200)}: already exists; choose another --out or "
+                            "pass --overwrite")
+    plan = _plan(tokenizer, sources, options.pop("fmt", None), options.pop("text_field", "text"),
+                 options.pop("text_unit", "file"), options.pop("unit_bytes", UNIT_BYTES), options.pop("eos", None))
+    root = cache_root() / "prepare" / hashlib.sha256(out.encode()).hexdigest()[:16]
+    work = root / f"{WORK_PREFIX}{plan.key}"
+    try:
+        indexes = build_shards(plan, work, **options)
+    except EngineFailure:
+        raise
+    except UpcyclerError:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    commits = [o for o in taken if o.endswith((INDEX_SUFFIX, META_SUFFIX))]
+    store.remove([store.join(out, o) for o in commits])  # from here no replaced source looks complete
+    uploaded = bucket_output.add_files(work / SHARDS, out, is_marker=lambda n: n.endswith(INDEX_SUFFIX))
+    store.remove([store.join(out, o) for o in taken if o not in uploaded and o not in commits])
+    shutil.rmtree(work, ignore_errors=True)
+    return indexes
+
+
+def _plan(tokenizer: TokenizerInfo, sources: Mapping[str, Sequence[Path]], fmt: str | None, text_field: str,
+          text_unit: str, unit_bytes: int, eos: str | None) -> Plan:
+    formats = {name: [(f, fmt or detect_format(f)) for f in files] for name, files in sources.items()}
+    settings = Settings(str(tokenizer.path), tokenizer.sha256, eos, tokenizer.eos_id, tokenizer.vocab_size,
+                        text_field, text_unit)
+    return make_plan(settings, formats, unit_bytes)
+
+
+def _refuse_inputs_as_outputs(out_dir: Path, sources: Mapping[str, Sequence[Path]]) -> None:
+    """An input that is (after resolving symlinks) one of the outputs about to be written is refused."""
+    written = {os.path.realpath(out_dir / n): out_dir / n for name in sources for n in output_names(name)}
+    for path in (f for files in sources.values() for f in files):
+        real = os.path.realpath(path)
+        hit = next((shown for target, shown in written.items()
+                    if real == target or real.startswith(target + os.sep)), None)
+        if hit is not None:
             raise UpcyclerError(
-                f"{shown_path(path)}: is an input and would be overwritten by "
-                f"{shown_path(written[os.path.realpath(path)])}; choose another --out"
+                f"{shown_path(path)}: is an input and would be overwritten by {shown_path(hit)}; "
+                "choose another --out"
             )
 
 
-def _prepare_source(
-    name: str,
-    files: Sequence[tuple[Path, str]],
-    out_dir: Path,
-    tok: TokenizerInfo,
-    *,
-    text_field: str,
-    text_unit: str,
-) -> dict:
-    """Tokenise one source's files into `NAME.tokens.npy`, then write `NAME.meta.json`."""
-    dtype = token_dtype(tok.vocab_size)
-    num_docs = 0
-    with _TokenFile(out_dir / f"{name}{TOKENS_SUFFIX}", dtype) as out:
-        for path, fmt in files:
-            docs = read_documents(path, fmt, text_field=text_field, text_unit=text_unit)
-            for ids, count in _tokenised_batches(tok, docs):
-                out.append(ids)
-                num_docs += count
-        if out.count == 0:
+def build_shards(plan: Plan, work: Path, *, runner: str, workers: int, beam_options: Sequence[str]) -> list[dict]:
+    """Run the plan's units in `work` (resuming what is there) and write each source's index into
+    `work/SHARDS`; returns the indexes. Raises the first unit's error, in plan order."""
+    _remove_other_work(work)
+    work.mkdir(parents=True, exist_ok=True)
+    with _locked(work):
+        reused = {unit: read_record(work, unit) is not None for unit in plan.units}
+        for stale in work.rglob(f"*{ERROR_SUFFIX}"):
+            stale.unlink()
+        shutil.rmtree(work / PARTIAL, ignore_errors=True)
+        run_units(plan, str(work), runner=runner, workers=workers, beam_options=beam_options)
+        indexes = [_index(plan, name, work, reused) for name in plan.files]
+        for index in indexes:
+            _write_json(work / SHARDS / f"{index['name']}{INDEX_SUFFIX}", _stored(index))
+        return indexes
+
+
+def _remove_other_work(work: Path) -> None:
+    """Work directories of other plans beside `work` (inputs or options changed since) cannot resume."""
+    with suppress(OSError):
+        for entry in os.scandir(work.parent):
+            if entry.name.startswith(WORK_PREFIX) and entry.path != str(work) and entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
+@contextmanager
+def _locked(work: Path):
+    """Hold the work directory's lock: a second preparation of the same plan is refused, not interleaved."""
+    with open(work / ".lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
             raise UpcyclerError(
-                f"{shown_path(files[0][0])}: source {name!r} has no text; check --format and --text-field"
-            )
-    meta = {
-        "format_version": FORMAT_VERSION,
+                f"{shown_path(work)}: another prepare-data is preparing the same sources; wait for it"
+            ) from None
+        yield
+
+
+def _index(plan: Plan, name: str, work: Path, reused: Mapping) -> dict:
+    """Source `name`'s index from its units' records and its files' digests (errors raised in order)."""
+    shards, tokenised = [], 0
+    for unit in plan.units_of(name):
+        error_path = shard_paths(work, unit)[2]
+        if error_path.exists():
+            raise UpcyclerError(error_path.read_text())
+        record = read_record(work, unit)
+        if record is None:
+            raise UpcyclerError(f"prepare-data: the engine did not finish shard {unit.index} of {name!r}; rerun")
+        tokenised += not reused[unit]
+        if record["tokens"]:
+            shards.append(record)
+    digests = {int(k): v for unit in plan.units_of(name) for k, v in read_record(work, unit)["digests"].items()}
+    files = []
+    for number, file in enumerate(plan.files[name]):
+        if number not in digests:  # a file split over several units: hashed on its own
+            digest = work / "digests" / name / f"{number:05d}.json"
+            if digest.with_suffix(ERROR_SUFFIX).exists():
+                raise UpcyclerError(digest.with_suffix(ERROR_SUFFIX).read_text())
+            digests[number] = json.loads(digest.read_text())["sha256"]
+        files.append({"path": recorded_location(Path(file.path)), "bytes": file.size, "sha256": digests[number]})
+    num_tokens = sum(s["tokens"] for s in shards)
+    if num_tokens == 0:
+        raise UpcyclerError(
+            f"{shown_path(plan.files[name][0].path)}: source {name!r} has no text; check --format and --text-field"
+        )
+    settings = plan.settings
+    return {
+        "format_version": SHARDED_FORMAT_VERSION,
         "name": name,
-        "tokens_file": f"{name}{TOKENS_SUFFIX}",
-        "dtype": dtype.name,
-        "num_tokens": out.count,
-        "num_documents": num_docs,
-        "vocab_size": tok.vocab_size,
-        "eos_id": tok.eos_id,
-        "tokenizer": {"file": str(tok.path), "sha256": tok.sha256},
-        "input": _input_settings({fmt for _, fmt in files}, text_field, text_unit),
-        "files": [{"path": recorded_location(p), "bytes": p.stat().st_size, "sha256": sha256_file(p)}
-                  for p, _ in files],
+        "dtype": token_dtype(settings.vocab_size).name,
+        "num_tokens": num_tokens,
+        "num_documents": sum(s["documents"] for s in shards),
+        "vocab_size": settings.vocab_size,
+        "eos_id": settings.eos_id,
+        "tokenizer": {"file": settings.tokenizer_path, "sha256": settings.tokenizer_sha256},
+        "input": _input_settings({f.fmt for f in plan.files[name]}, settings.text_field, settings.text_unit),
+        "files": files,
+        "shards": [{k: s[k] for k in ("file", "tokens", "documents", "sha256")} for s in shards],
+        "shards_tokenised": tokenised,
+        "shards_reused": len(plan.units_of(name)) - tokenised,
     }
-    _write_json(out_dir / f"{name}{META_SUFFIX}", meta)
-    return meta
+
+
+def _stored(index: dict) -> dict:
+    """The index as written: without this run's counts of tokenised and reused shards."""
+    return {k: v for k, v in index.items() if not k.startswith("shards_")}
 
 
 def _input_settings(formats: set[str], text_field: str, text_unit: str) -> dict:
-    """The reading options that shaped the documents, for the metadata."""
+    """The reading options that shaped the documents, for the index."""
     settings: dict = {"formats": sorted(formats)}
     if formats - {"text"}:
         settings["text_field"] = text_field
@@ -157,71 +283,28 @@ def _input_settings(formats: set[str], text_field: str, text_unit: str) -> dict:
     return settings
 
 
-def _tokenised_batches(tok: TokenizerInfo, docs: Iterable[str]) -> Iterator[tuple[np.ndarray, int]]:
-    """Token ids of `docs`, each document followed by EOS, in bounded batches: (ids, documents in it)."""
-    batch: list[str] = []
-    chars = 0
-    for doc in docs:
-        batch.append(doc)
-        chars += len(doc)
-        if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
-            yield _encode(tok, batch)
-            batch, chars = [], 0
-    if batch:
-        yield _encode(tok, batch)
-
-
-def _encode(tok: TokenizerInfo, docs: list[str]) -> tuple[np.ndarray, int]:
-    encode = getattr(tok.tokenizer, "encode_batch_fast", tok.tokenizer.encode_batch)
-    flat: list[int] = []
-    count = 0
-    for encoding in encode(docs, add_special_tokens=False):
-        if encoding.ids:
-            flat.extend(encoding.ids)
-            flat.append(tok.eos_id)
-            count += 1
-    return np.asarray(flat, dtype=np.int64), count
-
-
-class _TokenFile:
-    """A 1-D `.npy` file built by appending; its header is rewritten with the final count on success."""
-
-    def __init__(self, path: Path, dtype: np.dtype):
-        self.path = path
-        self.dtype = dtype
-        self.count = 0
-
-    def __enter__(self) -> Self:
-        self._file = _guard(self.path, lambda: open(self.path, "wb"))  # noqa: SIM115 - closed in __exit__
-        _guard(self.path, lambda: self._file.write(npy_header(self.dtype, 0)))
-        return self
-
-    def append(self, ids: np.ndarray) -> None:
-        _guard(self.path, lambda: self._file.write(ids.astype(self.dtype).tobytes()))
-        self.count += ids.size
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        try:
-            if exc_type is None:
-                _guard(self.path, self._finish)
-        finally:
-            self._file.close()
-
-    def _finish(self) -> None:
-        self._file.seek(0)
-        self._file.write(npy_header(self.dtype, self.count))
-        self._file.flush()
-        os.fsync(self._file.fileno())
+def _publish_local(work: Path, out_dir: Path, indexes: Sequence[dict]) -> None:
+    """Move each source's shards into OUT, then its index: earlier indexes (and single-file outputs) of
+    the same names are removed first, so no source looks complete with another preparation's shards."""
+    try:
+        for index in indexes:
+            index_name, shards_name, *single = output_names(index["name"])
+            for old in (index_name, *single):
+                (out_dir / old).unlink(missing_ok=True)
+            if os.path.lexists(out_dir / shards_name):
+                shutil.rmtree(out_dir / shards_name)
+        for index in indexes:
+            os.replace(work / SHARDS / output_names(index["name"])[1], out_dir / output_names(index["name"])[1])
+        for index in indexes:
+            os.replace(work / SHARDS / output_names(index["name"])[0], out_dir / output_names(index["name"])[0])
+    except OSError as err:
+        raise UpcyclerError(f"{shown_path(out_dir)}: cannot write ({err.strerror}); free space or choose "
+                            "another --out") from None
 
 
 def _write_json(path: Path, value: dict) -> None:
-    _guard(path, lambda: path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8"))
-
-
-def _guard(path: Path, action):
-    """Run `action`, turning a failed write (a full disk, say) into one line naming the output."""
     try:
-        return action()
+        path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
     except OSError as err:
         raise UpcyclerError(
             f"{path.name}: cannot write ({err.strerror}); free disk space or choose another --out"

@@ -8,16 +8,17 @@ of L, the last example of the epoch is shorter and padded; `mask` is 0 on the pa
 The example order is reshuffled every epoch from a seed derived from (seed, source name, epoch), so the
 example at any position of the stream is a pure function of those and of the position.
 
-A prepared directory is untrusted input: the metadata is read with the bounded JSON reader and every
-field used is type- and range-checked; the token file must be a regular file starting with exactly the
-`.npy` header prepare-data writes for that dtype and count, and be exactly as long as it says. It is
-then memory-mapped read-only at a known offset (never `np.load`: no pickles, no `.npz`, no other dtypes).
+A prepared directory (local or gs://) is untrusted input: the index (or a single-file source's metadata)
+is read with the bounded JSON reader and every field used is type- and range-checked, shard names must
+be the ones prepare-data writes (nothing outside the directory), and each shard is checked against the
+index before use (`token_store`). The token stream is read by positioned reads, never `np.load`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,59 +27,118 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from upcycler.errors import UpcyclerError
+from upcycler.locations import is_remote
 from upcycler.train.data.format import (
     FORMAT_VERSION,
+    INDEX_SUFFIX,
     META_SUFFIX,
-    NPY_HEADER_BYTES,
+    SHARDED_FORMAT_VERSION,
     TOKEN_DTYPES,
     TOKENS_SUFFIX,
     npy_header,
+    shard_header,
 )
-from upcycler.untrusted import describe, integer, load_json_object, open_regular, shown_path
+from upcycler.train.data.token_store import ShardFile, TokenStream
+from upcycler.untrusted import MAX_JSON_BYTES, describe, integer, load_json_object, parse_json, shown_path
 
 if TYPE_CHECKING:
     import grain
 
 MATERIALISE_BELOW = 1 << 20
+MAX_SHARDS = 1 << 20
 _FIX = "re-run upcycle prepare-data"
+_SHARD_NAME = re.compile(r"(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*)\.shards/\d{5,9}\.tokens")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
 class TokenSource:
-    """A prepared source: its memory-mapped token stream, its metadata and the token file's path."""
+    """A prepared source: its token stream, its index (or metadata), and where that index is."""
 
     name: str
-    tokens: np.ndarray
+    tokens: TokenStream
     meta: dict
-    path: Path | None = None
+    path: str | None = None
 
     @property
     def tokenizer_sha256(self) -> str:
         return self.meta["tokenizer"]["sha256"]
 
 
-def open_source(directory: Path, name: str) -> TokenSource:
-    """Memory-map `directory/NAME.tokens.npy`, checked against `NAME.meta.json`."""
-    meta_path = directory / f"{name}{META_SUFFIX}"
-    tokens_path = directory / f"{name}{TOKENS_SUFFIX}"
-    if not os.path.lexists(meta_path):
-        found = sorted(p.name[: -len(META_SUFFIX)] for p in directory.glob(f"*{META_SUFFIX}"))
-        raise UpcyclerError(
-            f"{shown_path(meta_path)}: no prepared source {name!r} (found: {', '.join(found) or 'none'}); "
-            f"run `upcycle prepare-data --source {name}=FILES --out {shown_path(directory)}`"
-        )
-    meta = load_json_object(meta_path, fix=_FIX, what="prepared-source metadata")
-    dtype, count = _check_meta(meta, shown_path(meta_path))
-    return TokenSource(name, _map_tokens(tokens_path, meta_path, dtype, count), meta, tokens_path)
+def open_source(directory, name: str) -> TokenSource:
+    """Source `name` of the prepared `directory` (a local path or gs:// location), checked against its
+    index (`NAME.index.json`) or, for a single-file source of earlier versions, its `NAME.meta.json`."""
+    root = str(directory).rstrip("/")
+    files = _Directory(root)
+    index, meta = f"{root}/{name}{INDEX_SUFFIX}", f"{root}/{name}{META_SUFFIX}"
+    if files.exists(index):
+        found = files.json(index)
+        stream = _sharded_stream(found, root, name, shown_path(index))
+        stream.verify()
+        return TokenSource(name, stream, found, index)
+    if files.exists(meta):
+        found = files.json(meta)
+        dtype, count = _check_meta(found, shown_path(meta), FORMAT_VERSION)
+        stream = TokenStream([ShardFile(f"{root}/{name}{TOKENS_SUFFIX}", npy_header(dtype, count), count,
+                                        dtype.itemsize, meta.rsplit("/", 1)[-1])], dtype)
+        stream.verify()
+        return TokenSource(name, stream, found, f"{root}/{name}{TOKENS_SUFFIX}")
+    prepared = prepared_names(directory)
+    raise UpcyclerError(
+        f"{shown_path(index)}: no prepared source {name!r} (found: {', '.join(prepared) or 'none'}); "
+        f"run `upcycle prepare-data --source {name}=FILES --out {shown_path(root)}`"
+    )
 
 
-def _check_meta(meta: dict, where: str) -> tuple[np.dtype, int]:
+def prepared_names(directory) -> list[str]:
+    """The names of the sources prepared in `directory` (sharded, or single-file of earlier versions), sorted."""
+    suffixes = (INDEX_SUFFIX, META_SUFFIX)
+    names = _Directory(str(directory).rstrip("/")).names()
+    return sorted({n[: -len(s)] for n in names for s in suffixes if n.endswith(s) and "/" not in n})
+
+
+class _Directory:
+    """The few reads `open_source` makes of a prepared directory, local or in a bucket."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.remote = is_remote(root)
+
+    def exists(self, path: str) -> bool:
+        if self.remote:
+            from upcycler.io import object_store
+
+            return object_store.object_info(path) is not None
+        return os.path.lexists(path)
+
+    def json(self, path: str) -> dict:
+        if not self.remote:
+            return load_json_object(Path(path), fix=_FIX, what="prepared-source index")
+        from upcycler.io import object_store
+
+        info = object_store.object_info(path)
+        if info is None or info.size > MAX_JSON_BYTES:
+            raise UpcyclerError(f"{shown_path(path)}: missing or larger than {MAX_JSON_BYTES:,} bytes; {_FIX}")
+        value = parse_json(object_store.read_bytes(path), shown_path(path), _FIX)
+        if not isinstance(value, dict):
+            raise UpcyclerError(f"{shown_path(path)}: not a JSON object; {_FIX}")
+        return value
+
+    def names(self) -> list[str]:
+        if self.remote:
+            from upcycler.io import object_store
+
+            return list(object_store.list_objects(self.root))
+        return [p.name for p in Path(self.root).iterdir()] if Path(self.root).is_dir() else []
+
+
+def _check_meta(meta: dict, where: str, version_expected: int) -> tuple[np.dtype, int]:
     """The token dtype and count `meta` promises, after checking every field the pipeline uses."""
     version = meta.get("format_version")
-    if isinstance(version, bool) or version != FORMAT_VERSION:
+    if isinstance(version, bool) or version != version_expected:
         raise UpcyclerError(
             f"{where}: unreadable prepared source (format_version {describe(version)}, "
-            f"expected {FORMAT_VERSION}); {_FIX}"
+            f"expected {version_expected}); {_FIX}"
         )
     if meta.get("dtype") not in TOKEN_DTYPES:
         raise UpcyclerError(
@@ -96,29 +156,30 @@ def _check_meta(meta: dict, where: str) -> tuple[np.dtype, int]:
     return dtype, count
 
 
-def _map_tokens(path: Path, meta_path: Path, dtype: np.dtype, count: int) -> np.ndarray:
-    """The `count` tokens of `path`, memory-mapped read-only, if it is exactly what prepare-data wrote."""
-    with os.fdopen(open_regular(path, "token file"), "rb") as f:
-        try:
-            header = f.read(NPY_HEADER_BYTES)
-            size = os.fstat(f.fileno()).st_size
-        except OSError as err:
-            raise UpcyclerError(f"{shown_path(path)}: cannot read ({err.strerror}); {_FIX}") from None
-        if header != npy_header(dtype, count):
-            raise UpcyclerError(
-                f"{shown_path(path)}: does not match {meta_path.name} (not the {dtype.name} array of {count} "
-                f"tokens it describes: replaced or corrupt); {_FIX}"
-            )
-        expected = NPY_HEADER_BYTES + count * dtype.itemsize
-        if size != expected:
-            raise UpcyclerError(
-                f"{shown_path(meta_path)}: unreadable prepared source ({path.name} holds {size:,} bytes, "
-                f"expected {expected:,}: truncated or extended); {_FIX}"
-            )
-        try:
-            return np.memmap(f, dtype=dtype, mode="r", offset=NPY_HEADER_BYTES, shape=(count,))
-        except (OSError, ValueError) as err:
-            raise UpcyclerError(f"{shown_path(path)}: cannot map it ({err}); {_FIX}") from None
+def _sharded_stream(index: dict, root: str, name: str, where: str) -> TokenStream:
+    """The stream of a sharded source, each shard checked to be named and counted as its index says."""
+    dtype, count = _check_meta(index, where, SHARDED_FORMAT_VERSION)
+    shards = index.get("shards")
+    if not isinstance(shards, list) or not 0 < len(shards) <= MAX_SHARDS:
+        raise UpcyclerError(f"{where}: unreadable prepared source (no shard list); {_FIX}")
+    files = []
+    for k, shard in enumerate(shards):
+        at = f"{where}: shards[{k}]"
+        file = shard.get("file") if isinstance(shard, dict) else None
+        match = _SHARD_NAME.fullmatch(file) if isinstance(file, str) else None
+        if match is None or match["name"] != name:
+            raise UpcyclerError(f"{at}: file {describe(file)} is not a shard of {name!r}; {_FIX}")
+        tokens = integer(shard.get("tokens"), "tokens", at, low=1, high=1 << 48, fix=_FIX)
+        documents = integer(shard.get("documents"), "documents", at, low=0, high=1 << 48, fix=_FIX)
+        digest = shard.get("sha256")
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise UpcyclerError(f"{at}: sha256 {describe(digest)} is not a hex digest; {_FIX}")
+        files.append(ShardFile(f"{root}/{file}", shard_header(dtype, tokens, documents, digest), tokens,
+                               dtype.itemsize, where.rsplit("/", 1)[-1]))
+    if sum(f.tokens for f in files) != count:
+        raise UpcyclerError(f"{where}: the shards hold {sum(f.tokens for f in files):,} tokens, num_tokens says "
+                            f"{count:,}; {_FIX}")
+    return TokenStream(files, dtype)
 
 
 class Windows:
@@ -134,12 +195,21 @@ class Windows:
     def __len__(self) -> int:
         return (self.tokens.shape[0] - 1 + self.seq_len - 1) // self.seq_len
 
-    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """inputs_L and targets_L (int32) and mask_L (float32, 1 where the target is real)."""
+    def span(self, i: int) -> tuple[int, int]:
+        """The [start, stop) token range of window i (L+1 tokens, fewer for the epoch's last)."""
         if not 0 <= i < len(self):
             raise IndexError(i)
         start = i * self.seq_len
-        piece = np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int32)
+        return start, min(start + self.seq_len + 1, self.tokens.shape[0])
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """inputs_L and targets_L (int32) and mask_L (float32, 1 where the target is real)."""
+        start, stop = self.span(i)
+        return self.example(self.tokens[start:stop])
+
+    def example(self, piece: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A window's tokens (`span`) cut into inputs, targets and mask."""
+        piece = np.asarray(piece, dtype=np.int32)
         real = piece.shape[0] - 1
         inputs = np.full(self.seq_len, self.pad_id, dtype=np.int32)
         targets = np.full(self.seq_len, self.pad_id, dtype=np.int32)
@@ -210,6 +280,10 @@ class ExampleStream:
 
     def __getitem__(self, j: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.windows[self.window_index(j)]
+
+    def span(self, j: int) -> tuple[int, int]:
+        """The token range of example j of the stream (see `Windows.span`)."""
+        return self.windows.span(self.window_index(j))
 
     def _order(self, epoch: int) -> np.ndarray | grain.MapDataset:
         """Epoch `epoch`'s permutation; the previous epoch's stays cached for batches that straddle both."""

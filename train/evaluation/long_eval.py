@@ -271,16 +271,16 @@ def perplexity_items(data: Path, tokenizer_sha256: str, vocab_size: int, lengths
                      per_length: int, seed: int) -> list[Item]:
     """`per_length` windows of exactly L tokens per length, from the sources of the prepared directory
     `data` in turn (those long enough), each at a seeded random start."""
-    from upcycler.train.data.format import META_SUFFIX
-    from upcycler.train.data.sources import open_source
+    from upcycler.train.data.format import INDEX_SUFFIX
+    from upcycler.train.data.sources import open_source, prepared_names
 
     data = Path(data)
     if not data.is_dir():
         raise UpcyclerError(f"{shown_path(data)}: --data is not a directory; pass a directory written by "
                             "`upcycle prepare-data --tokenizer MODEL …`")
-    names = sorted(p.name[: -len(META_SUFFIX)] for p in data.glob(f"*{META_SUFFIX}"))
+    names = prepared_names(data)
     if not names:
-        raise UpcyclerError(f"{shown_path(data)}: no prepared source (no *{META_SUFFIX}); run `upcycle "
+        raise UpcyclerError(f"{shown_path(data)}: no prepared source (no *{INDEX_SUFFIX}); run `upcycle "
                             f"prepare-data --tokenizer MODEL --source NAME=FILES --out {shown_path(data)}`")
     sources = [open_source(data, name) for name in names]
     for source in sources:

@@ -113,7 +113,7 @@ def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_
     config = load_config(config_path, {keys[name]: value for name, value in flags.items()}, sets)
     from upcycler.train.loop.remote_inputs import localized
 
-    config = localized(config, data=not compile_only)  # gs:// inputs: this host's copies
+    config = localized(config)  # gs:// model inputs: this host's copies
     if compile_only or topology or hbm_budget or as_json or slices or save_bandwidth:
         if slices and not topology:
             raise UpcyclerError("--slices needs --topology (the slice to repeat), e.g. --topology v5e-256 --slices 2")

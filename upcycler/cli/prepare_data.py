@@ -1,10 +1,12 @@
-"""`upcycle prepare-data`: tokenise text sources once, with the checkpoint's tokenizer, for training.
+"""`upcycle prepare-data`: tokenise text sources once, with the checkpoint's tokenizer, into sharded token files.
 
 Inputs must be regular files (a FIFO or device is refused, never read); a bad JSONL line stops the run
-naming the file and line. Output appears in --out only when every source is complete; a failed run
-leaves --out as it was (see `upcycler.train.data.prepare`). Sources may be gs:// globs (each object is
-fetched into the upcycler cache) and --out a gs:// directory (prepared locally, then uploaded, each
-source's metadata last).
+naming the file and line. The work runs on Apache Beam (the DirectRunner by default; `--workers N`
+processes, or another runner with `--runner`/`--beam-option`) and resumes where it stopped when rerun.
+Output appears in --out only when every source is complete; a failed run leaves --out as it was (see
+`upcycler.train.data.prepare`). Sources may be gs:// globs (each object is fetched into the upcycler
+cache) and --out a gs:// directory (prepared in the upcycler cache, then uploaded, each source's index
+last).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import click
 
 from upcycler.cli.path_type import BUCKET_OR_LOCAL, LOCAL_PATH
+from upcycler.train.data.engine import DEFAULT_RUNNER
 from upcycler.train.data.readers import FORMATS, TEXT_UNITS
 from upcycler.untrusted import shown_path
 
@@ -55,6 +58,14 @@ from upcycler.untrusted import shown_path
     "--eos", default=None, help="EOS token or id [default: from the tokenizer's configs / special tokens]."
 )
 @click.option("--overwrite", is_flag=True, help="Replace sources already prepared in --out.")
+@click.option("--workers", type=click.IntRange(1, 4096), default=1, show_default=True,
+              help="Worker processes of the local runner (the output is the same for any number).")
+@click.option("--runner", default=DEFAULT_RUNNER, show_default=True,
+              help="The Apache Beam runner (e.g. DataflowRunner, FlinkRunner, SparkRunner).")
+@click.option("--beam-option", "beam_options", multiple=True, metavar="KEY=VALUE",
+              help="A Beam pipeline option for the runner (repeat), e.g. project=my-project.")
+@click.option("--shard-size", default="64MiB", show_default=True,
+              help="Input bytes per shard: the unit of work and of resume.")
 def command(
     tokenizer_path: Path,
     sources: tuple[str, ...],
@@ -64,48 +75,35 @@ def command(
     text_unit: str,
     eos: str | None,
     overwrite: bool,
+    workers: int,
+    runner: str,
+    beam_options: tuple[str, ...],
+    shard_size: str,
 ) -> None:
-    """Tokenise sources into OUT/NAME.tokens.npy + OUT/NAME.meta.json, each document followed by EOS.
+    """Tokenise sources into OUT/NAME.shards/ + OUT/NAME.index.json, each document followed by EOS.
 
     A malformed JSONL line is an error naming the file and line (nothing is skipped silently), and
-    nothing is written to OUT unless every source is prepared.
+    nothing is written to OUT unless every source is prepared. Rerun the same command after an
+    interruption: finished shards are kept.
     """
-    from upcycler.train.data.prepare import parse_sources, prepare_sources
+    from upcycler.train.data.prepare import parse_sources, prepare_into_bucket, prepare_sources
     from upcycler.train.data.tokenizer import load_tokenizer
+    from upcycler.units import parse_size
 
+    unit_bytes = parse_size(shard_size, "--shard-size")
     tokenizer = load_tokenizer(tokenizer_path, eos)
     files = parse_sources(sources)
-    options = {"fmt": fmt, "text_field": text_field, "text_unit": text_unit}
-    if isinstance(out_dir, str):  # a bucket: prepared in a local staging directory, then uploaded
-        metas = _prepare_into_bucket(tokenizer, files, out_dir, overwrite, options)
+    options = {"fmt": fmt, "text_field": text_field, "text_unit": text_unit, "overwrite": overwrite,
+               "runner": runner, "workers": workers, "beam_options": beam_options, "unit_bytes": unit_bytes,
+               "eos": eos}
+    if isinstance(out_dir, str):
+        indexes = prepare_into_bucket(tokenizer, files, out_dir, **options)
     else:
-        metas = prepare_sources(tokenizer, files, out_dir, overwrite=overwrite, **options)
-    for meta in metas:
-        written = f"{out_dir}/{meta['tokens_file']}"
+        indexes = prepare_sources(tokenizer, files, out_dir, **options)
+    for index in indexes:
+        written = f"{out_dir}/{index['name']}.shards/"
         click.echo(
-            f"{meta['name']}: {meta['num_documents']} documents, {meta['num_tokens']} tokens "
-            f"({meta['dtype']}) from {len(meta['files'])} files -> {shown_path(written)}"
+            f"{index['name']}: {index['num_documents']} documents, {index['num_tokens']} tokens "
+            f"({index['dtype']}) from {len(index['files'])} files in {len(index['shards'])} shards "
+            f"({index['shards_tokenised']} tokenised, {index['shards_reused']} reused) -> {shown_path(written)}"
         )
-
-
-def _prepare_into_bucket(tokenizer, files, out: str, overwrite: bool, options: dict) -> list[dict]:
-    """Prepare the sources into a local staging directory, then add them to the bucket directory `out`,
-    each source's metadata after its token file (`upcycler.io.bucket_output.add_files`)."""
-    import shutil
-    import tempfile
-
-    from upcycler.io import bucket_output
-    from upcycler.io.remote_sources import cache_root
-    from upcycler.train.data.format import META_SUFFIX, TOKENS_SUFFIX
-    from upcycler.train.data.prepare import prepare_sources
-
-    names = [f"{name}{suffix}" for name in files for suffix in (TOKENS_SUFFIX, META_SUFFIX)]
-    bucket_output.refuse_existing(out, names, overwrite=overwrite)
-    (cache_root() / "staging").mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix="prepared-", dir=cache_root() / "staging"))
-    try:
-        metas = prepare_sources(tokenizer, files, stage / "out", **options)
-        bucket_output.add_files(stage / "out", out, is_marker=lambda n: n.endswith(META_SUFFIX))
-        return metas
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)

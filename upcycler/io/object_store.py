@@ -140,6 +140,21 @@ def read_bytes(url: str) -> bytes:
         return filesystem().cat_file(_key(url))
 
 
+def read_range(url: str, start: int, stop: int) -> bytes:
+    """The bytes [start, stop) of the object `url` (one ranged GET)."""
+    return read_ranges([(url, start, stop)])[0]
+
+
+def read_ranges(requests: list[tuple[str, int, int]]) -> list[bytes]:
+    """The bytes [start, stop) of each (url, start, stop), fetched concurrently in one call: the reads a
+    training batch needs arrive together, not one round trip after another."""
+    if not requests:
+        return []
+    with _errors(requests[0][0], "reading"):
+        return filesystem().cat_ranges([_key(u) for u, _, _ in requests], [a for _, a, _ in requests],
+                                       [b for _, _, b in requests], on_error="raise")
+
+
 def remove(urls: list[str]) -> None:
     """Delete the objects `urls` (missing ones are not an error)."""
     if not urls:

@@ -235,7 +235,7 @@ def staged_files(
         raise UpcyclerError(f"{shown_path(out)}: a symlink that leads nowhere (dangling, or a loop); remove it "
                             f"or choose another {option}")
     existed = out.is_dir()
-    created = [] if existed else _make_parents(out.parent, option)
+    created = [] if existed else make_parents(out.parent, option)
     reclaim_leftovers(out)
     if existed:
         _reclaim_inside(out)
@@ -258,7 +258,7 @@ def staged_files(
         raise
 
 
-def _make_parents(directory: Path, option: str) -> list[Path]:
+def make_parents(directory: Path, option: str) -> list[Path]:
     """Create `directory` and its missing parents (like `mkdir -p`); returns those created, outermost
     first."""
     missing = []

@@ -1,0 +1,133 @@
+"""What `prepare-data` will do, decided before any token is made: its units of work and their identity.
+
+A source's files (in sorted order) are cut into **units**, one shard each: consecutive small files are
+grouped until they hold `unit_bytes` of input, and a large file that can be split by byte ranges (plain
+JSONL, line-per-document text) is cut into ranges of about `unit_bytes`, each holding the lines that start
+inside it (`readers.read_documents(byte_range=...)`). The units depend only on the files' sizes and
+`unit_bytes`, never on the engine or its number of workers, so every runner writes the same shards.
+
+The plan's `key` is a digest of everything that shapes the output (tokenizer, EOS, reading options,
+unit size, and each input's path, size and modification time): an interrupted preparation resumes in
+the work directory of the same key, and a changed input or option starts afresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from upcycler.train.data.readers import splittable
+
+UNIT_BYTES = 64 * 1024**2  # input bytes per shard: a few seconds of tokenising, tens of MB of tokens
+MAX_FILES_PER_UNIT = 4096  # so that 10,000 tiny files still make a few units, not one huge record
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One input file of a source, as it was when the plan was made."""
+
+    path: str
+    fmt: str
+    size: int
+    mtime_ns: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """All of input file `file` (`start`, `stop` None) or the lines starting in its bytes [start, stop)."""
+
+    file: int
+    start: int | None = None
+    stop: int | None = None
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Shard `index` of `source`: the documents of `pieces`, in order."""
+
+    source: str
+    index: int
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything besides the inputs that shapes the tokens: what a worker needs to tokenise a unit."""
+
+    tokenizer_path: str
+    tokenizer_sha256: str
+    eos: str | None
+    eos_id: int
+    vocab_size: int
+    text_field: str
+    text_unit: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The units of every source, the sources' files, the settings, and the plan's identity."""
+
+    settings: Settings
+    files: Mapping[str, tuple[InputFile, ...]]
+    units: tuple[Unit, ...]
+    unit_bytes: int
+
+    @property
+    def key(self) -> str:
+        """A digest of everything that shapes the output (names the resumable work directory)."""
+        described = {
+            "settings": asdict(self.settings) | {"tokenizer_path": None},
+            "unit_bytes": self.unit_bytes,
+            "files": {name: [asdict(f) for f in files] for name, files in self.files.items()},
+        }
+        return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:16]
+
+    def units_of(self, source: str) -> list[Unit]:
+        return [u for u in self.units if u.source == source]
+
+
+def make_plan(settings: Settings, sources: Mapping[str, Sequence[tuple[Path, str]]],
+              unit_bytes: int = UNIT_BYTES) -> Plan:
+    """Cut every source's files into units (see the module docstring)."""
+    files: dict[str, tuple[InputFile, ...]] = {}
+    units: list[Unit] = []
+    for name, inputs in sources.items():
+        described = []
+        for path, fmt in inputs:
+            stat = os.stat(path)
+            described.append(InputFile(str(path), fmt, stat.st_size, stat.st_mtime_ns))
+        files[name] = tuple(described)
+        units.extend(_units(name, described, settings.text_unit, unit_bytes))
+    return Plan(settings, files, tuple(units), unit_bytes)
+
+
+def _units(source: str, files: Sequence[InputFile], text_unit: str, unit_bytes: int) -> list[Unit]:
+    units: list[Unit] = []
+    group: list[Piece] = []
+    held = 0
+
+    def flush() -> None:
+        nonlocal group, held
+        if group:
+            units.append(Unit(source, len(units), tuple(group)))
+            group, held = [], 0
+
+    for number, file in enumerate(files):
+        if file.size > unit_bytes and splittable(Path(file.path), file.fmt, text_unit):
+            flush()
+            count = -(-file.size // unit_bytes)
+            cuts = [file.size * k // count for k in range(count + 1)]
+            for start, stop in itertools.pairwise(cuts):
+                units.append(Unit(source, len(units), (Piece(number, start, stop),)))
+            continue
+        group.append(Piece(number))
+        held += file.size
+        if held >= unit_bytes or len(group) >= MAX_FILES_PER_UNIT:
+            flush()
+    flush()
+    return units
