@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from upcycler.errors import UpcyclerError
-from upcycler.train.data import readers
+from upcycler.train.data import decompression, text_readers
 from upcycler.train.data.readers import (
     FORMATS,
     detect_format,
@@ -248,15 +248,15 @@ _MIB = 1 << 20
 
 
 def test_zstd_bomb_is_refused_at_the_real_limit(tmp_path: Path) -> None:
-    bomb = _compressed_blanks(tmp_path / "bomb.jsonl.zst", readers.BOMB_FLOOR_BYTES + 8 * _MIB)
-    assert bomb.stat().st_size * readers.MAX_EXPANSION < readers.BOMB_FLOOR_BYTES
+    bomb = _compressed_blanks(tmp_path / "bomb.jsonl.zst", decompression.BOMB_FLOOR_BYTES + 8 * _MIB)
+    assert bomb.stat().st_size * decompression.MAX_EXPANSION < decompression.BOMB_FLOOR_BYTES
     _refused(lambda: _read(bomb), bomb, r"decompresses to more than 1000x its size \(a compression bomb\?\)")
 
 
 @pytest.mark.parametrize("name", ["bomb.jsonl.gz", "bomb.txt.zst", "bomb.txt.gz"])
 def test_compression_bombs_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    monkeypatch.setattr(readers, "BOMB_FLOOR_BYTES", 4 * _MIB)  # deflate tops out near 1000x: a smaller
-    monkeypatch.setattr(readers, "MAX_EXPANSION", 100)  # bomb with a lower ratio keeps the test fast
+    monkeypatch.setattr(decompression, "BOMB_FLOOR_BYTES", 4 * _MIB)  # deflate tops out near 1000x: a smaller
+    monkeypatch.setattr(decompression, "MAX_EXPANSION", 100)  # bomb with a lower ratio keeps the test fast
     bomb = _compressed_blanks(tmp_path / name, 32 * _MIB)
     for unit in ("line", "paragraph", "file"):
         _refused(lambda unit=unit: _read(bomb, text_unit=unit), bomb, "more than 100x its size")
@@ -276,8 +276,8 @@ def _peak_bytes(call: Callable[[], object]) -> int:
 def test_an_endless_line_is_refused_without_reading_it_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(readers, "MAX_DOCUMENT_BYTES", 4096)
-    monkeypatch.setattr(readers, "MAX_LINE_BYTES", 4096)
+    monkeypatch.setattr(text_readers, "MAX_DOCUMENT_BYTES", 4096)
+    monkeypatch.setattr(text_readers, "MAX_LINE_BYTES", 4096)
     huge = tmp_path / "huge.txt"
     with open(huge, "wb") as f:
         f.write(b"x")
@@ -299,8 +299,8 @@ def test_an_endless_line_is_refused_without_reading_it_whole(
 def test_lines_longer_than_a_read_chunk_are_gathered_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(readers, "MAX_DOCUMENT_BYTES", 3 * _MIB)
-    monkeypatch.setattr(readers, "MAX_LINE_BYTES", 3 * _MIB)
+    monkeypatch.setattr(text_readers, "MAX_DOCUMENT_BYTES", 3 * _MIB)
+    monkeypatch.setattr(text_readers, "MAX_LINE_BYTES", 3 * _MIB)
     long = "ü" * (_MIB + 7)  # 2 MiB of UTF-8, more than one read chunk
     lines = [json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in ["a", long, "b"]]
     (tmp_path / "l.jsonl").write_text("".join(lines))

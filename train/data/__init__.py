@@ -5,7 +5,12 @@ The face of the package: `DataConfig`/`Phase` (the `data:` section of a training
 `make_data_iterator`/`DataIterator` (what the trainer reads). Inside, one module per step:
 
     readers.py      documents out of text, JSONL, Parquet, Arrow (HF datasets), ArrayRecord and Megatron
-                    files, plain, gzip or zstd
+                    files, plain, gzip or zstd: the face (formats, file patterns, dispatch) over
+      text_readers.py      plain text and JSON Lines (lines, byte ranges, paragraphs)
+      columnar_readers.py  Parquet, Arrow and the `Dataset.save_to_disk` directory
+      record_readers.py    ArrayRecord and Megatron indexed datasets
+      decompression.py     gzip/zstd decompressed on the fly, with the compression-bomb guard
+      source_files.py      what the readers share: `Document`, opening and mapping a source file
     tokenizer.py    the tokenizer file, its EOS id and its sha256
     format.py       the prepared-data layout on disk (shared by writer and reader)
     plan.py         the writer's units of work (one shard each), fixed by the inputs' sizes alone
