@@ -301,3 +301,20 @@ def test_sixty_four_sources_on_a_256_host_pod_cost_no_more_memory_threads_or_fil
         assert many["fds"] - few["fds"] <= figures["max_open_files"], figures
     index = json.loads((tmp_path / "out" / "s00.index.json").read_text())
     assert len(index["shards"]) >= 3  # 192 shards in all: more than the open-file bound
+
+
+def test_stale_work_of_another_plan_is_removed_and_a_held_one_is_left(corpus: dict, tmp_path: Path) -> None:
+    """A killed preparation's work directory whose inputs have changed since cannot resume: the next
+    preparation into the same OUT removes it, unless another preparation holds it right now."""
+    import fcntl
+
+    out = tmp_path / "out"
+    stale, held = out / ".prepare-0000000000000000", out / ".prepare-1111111111111111"
+    for work in (stale, held):
+        (work / "shards").mkdir(parents=True)
+    with open(held / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _prepare(corpus, out)
+        assert not stale.exists() and held.is_dir()
+    assert sorted(p.name for p in out.iterdir()) == [held.name, "code.index.json", "code.shards",
+                                                      "web.index.json", "web.shards"]

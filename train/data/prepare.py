@@ -97,7 +97,6 @@ def prepare_sources(
     workers: int = 1,
     beam_options: Sequence[str] = (),
     unit_bytes: int = UNIT_BYTES,
-    work_dir: Path | None = None,
     eos: str | None = None,
 ) -> list[dict]:
     """Tokenise every source into `out_dir` (local; see `prepare_into_bucket` for a bucket); returns each
@@ -111,7 +110,7 @@ def prepare_sources(
     _refuse_inputs_as_outputs(out_dir, sources)
     plan = _plan(tokenizer, sources, fmt, text_field, text_unit, unit_bytes, eos)
     created = make_parents(out_dir, "--out")
-    work = work_dir or out_dir / f"{WORK_PREFIX}{plan.key}"
+    work = out_dir / f"{WORK_PREFIX}{plan.key}"
     try:
         indexes = build_shards(plan, work, runner=runner, workers=workers, beam_options=beam_options)
         _publish_local(work, out_dir, indexes)
@@ -203,11 +202,13 @@ def build_shards(plan: Plan, work: Path, *, runner: str, workers: int, beam_opti
 
 
 def _remove_other_work(work: Path) -> None:
-    """Work directories of other plans beside `work` (inputs or options changed since) cannot resume."""
+    """Work directories of other plans beside `work` (inputs or options changed since) cannot resume: they
+    are removed, unless another preparation holds one (other sources prepared into the same OUT at once)."""
     with suppress(OSError):
         for entry in os.scandir(work.parent):
             if entry.name.startswith(WORK_PREFIX) and entry.path != str(work) and entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path, ignore_errors=True)
+                with suppress(UpcyclerError), _locked(Path(entry.path)):
+                    shutil.rmtree(entry.path, ignore_errors=True)
 
 
 @contextmanager
