@@ -2,34 +2,40 @@
 
 The corpus is real text (standard-library modules as JSONL documents, plain and compressed) cut into
 small shards (`--shard-size`) so that one JSONL file is split by byte ranges and small files are grouped:
-the properties do not depend on size, only on there being several units of each kind.
+the properties do not depend on size, only on there being several units of each kind. A held-out split
+(`--heldout`) is read back document by document and checked against the rule of `format.held_out`,
+recomputed here from the documents' tokens.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import itertools
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_helpers import run_cli, snapshot
+from cli_helpers import assert_clean_failure, run_cli, snapshot
 from tokenizers import Tokenizer
 
 from upcycler.train.data.plan import Settings, make_plan
 from upcycler.train.data.readers import detect_format
-from upcycler.train.data.sources import open_source
+from upcycler.train.data.sources import open_source, prepared_names
 
 TOKENIZER = Path(__file__).resolve().parents[1] / "upcycler" / "data" / "demo" / "tokenizer.json"
 STDLIB = Path(os.__file__).parent
 SHARD_SIZE = "24KB"
+FRACTION = 0.2
 
 
 def _documents(pattern: str, limit: int) -> list[str]:
@@ -318,3 +324,162 @@ def test_stale_work_of_another_plan_is_removed_and_a_held_one_is_left(corpus: di
         assert not stale.exists() and held.is_dir()
     assert sorted(p.name for p in out.iterdir()) == [held.name, "code.index.json", "code.shards",
                                                       "web.index.json", "web.shards"]
+
+
+def _documents_of(directory, name: str) -> list[tuple[int, ...]]:
+    """The documents of a prepared source, read back through `open_source`: its stream cut after each EOS
+    (no document of this corpus holds EOS inside it)."""
+    source = open_source(directory, name)
+    tokens = source.tokens[:]
+    docs = [tuple(d.tolist()) for d in np.split(tokens, np.flatnonzero(tokens == source.meta["eos_id"]) + 1)[:-1]]
+    assert len(docs) == source.meta["num_documents"] and sum(map(len, docs)) == tokens.size
+    return docs
+
+
+def _held(doc: tuple[int, ...], fraction: float = FRACTION) -> bool:
+    """The split's rule, written out: the first 8 bytes of the sha256 of the document's ids without its EOS
+    (little-endian uint32), as a little-endian integer, below fraction * 2**64."""
+    digest = hashlib.sha256(np.asarray(doc[:-1], dtype="<u4").tobytes()).digest()
+    return int.from_bytes(digest[:8], "little") < fraction * 2**64
+
+
+@pytest.fixture(scope="module")
+def split(corpus: dict, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("split") / "out"
+    _prepare(corpus, out, "--heldout", str(FRACTION))
+    return out
+
+
+def test_a_heldout_split_holds_out_the_documents_the_hash_picks(corpus: dict, one_worker: Path, split: Path) -> None:
+    """NAME.heldout holds exactly the documents whose hash is below the fraction and NAME the others, each
+    in input order, so together they are the unsplit source's documents (as multisets); about FRACTION of
+    the documents are held out; both indexes say which side they are and of what fraction."""
+    assert prepared_names(split) == ["code", "code.heldout", "web", "web.heldout"]
+    for name in ("web", "code"):
+        whole = _documents_of(one_worker, name)
+        train, held = _documents_of(split, name), _documents_of(split, f"{name}.heldout")
+        assert Counter(train) + Counter(held) == Counter(whole)
+        assert train == [d for d in whole if not _held(d)] and held == [d for d in whole if _held(d)]
+        spread = math.sqrt(len(whole) * FRACTION * (1 - FRACTION))
+        assert abs(len(held) - len(whole) * FRACTION) < 4 * spread, (name, len(held), len(whole))
+        unsplit = json.loads((one_worker / f"{name}.index.json").read_text())
+        for side, source in (("train", name), ("heldout", f"{name}.heldout")):
+            index = json.loads((split / f"{source}.index.json").read_text())
+            assert (index["name"], index["split"], index["heldout_fraction"]) == (source, side, FRACTION)
+            assert index["files"] == unsplit["files"] and index["input"] == unsplit["input"]
+    assert "split" not in unsplit and "heldout_fraction" not in unsplit
+
+
+def test_two_workers_and_another_unit_cut_hold_out_the_same_documents(corpus: dict, split: Path,
+                                                                      tmp_path: Path) -> None:
+    """The split depends on the documents alone: 2 workers on units of another --shard-size (more, other
+    shards) hold out the same documents as 1 worker."""
+    _prepare(corpus, tmp_path / "out", "--heldout", str(FRACTION), "--shard-size", "10KB", "--workers", "2")
+    for name in ("web", "web.heldout", "code", "code.heldout"):
+        assert _documents_of(tmp_path / "out", name) == _documents_of(split, name)
+    shards = {d: len(json.loads((d / "web.index.json").read_text())["shards"]) for d in (split, tmp_path / "out")}
+    assert shards[tmp_path / "out"] > shards[split]
+
+
+def test_a_duplicate_falls_on_the_side_of_its_original_in_any_format(tmp_path: Path) -> None:
+    """The same documents twice in one source (another file, reversed) and once as Megatron ids in a
+    source of their own: each document is on the same side everywhere, so nothing held out is trained on."""
+    from data_formats import write_megatron
+
+    docs = _documents("json/*.py", 150)
+    tok = Tokenizer.from_file(str(TOKENIZER))
+    _write_jsonl(tmp_path / "a.jsonl", docs)
+    _write_jsonl(tmp_path / "b.jsonl", docs[::-1])
+    write_megatron(tmp_path / "meg", [e.ids for e in tok.encode_batch(docs, add_special_tokens=False)])
+    run_cli("prepare-data", "--tokenizer", TOKENIZER, "--source", f"text={tmp_path}/a.jsonl", "--source",
+            f"text={tmp_path}/b.jsonl", "--source", f"ids={tmp_path}/meg.bin", "--out", tmp_path / "out",
+            "--heldout", "0.3")
+    train, held = _documents_of(tmp_path / "out", "text"), _documents_of(tmp_path / "out", "text.heldout")
+    assert not set(train) & set(held) and len(held) > 10
+    assert _documents_of(tmp_path / "out", "ids.heldout") == held[: len(held) // 2]
+    assert _documents_of(tmp_path / "out", "ids") == train[: len(train) // 2]
+
+
+def test_heldout_zero_writes_what_no_split_writes(corpus: dict, one_worker: Path, tmp_path: Path) -> None:
+    _prepare(corpus, tmp_path / "out", "--heldout", "0")
+    assert snapshot(tmp_path / "out") == snapshot(one_worker)
+
+
+def test_an_interrupted_split_resumes_both_sides(corpus: dict, split: Path, tmp_path: Path, monkeypatch) -> None:
+    """Stopped after every unit is done but before publishing, a rerun tokenises nothing and publishes
+    both sides byte-identical to an uninterrupted run; another fraction is another plan."""
+    from upcycler.train.data import prepare
+    from upcycler.train.data.engine import EngineFailure
+    from upcycler.train.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(TOKENIZER)
+    files = prepare.parse_sources(corpus["sources"][1::2])
+
+    def interrupted(*_):
+        raise EngineFailure("interrupted")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(prepare, "_publish_local", interrupted)
+        with pytest.raises(EngineFailure):
+            prepare.prepare_sources(tokenizer, files, tmp_path, unit_bytes=24_000, heldout_fraction=FRACTION)
+    indexes = prepare.prepare_sources(tokenizer, files, tmp_path, unit_bytes=24_000, heldout_fraction=FRACTION)
+    assert [i["name"] for i in indexes] == ["web", "web.heldout", "code", "code.heldout"]
+    assert all(i["shards_tokenised"] == 0 and i["shards_reused"] > 0 for i in indexes)
+    assert snapshot(tmp_path) == snapshot(split)
+    keys = {f: prepare._plan(tokenizer, files, None, "text", "file", 24_000, None, f).key for f in (0, 0.1, FRACTION)}
+    assert len(set(keys.values())) == 3
+
+
+@pytest.mark.parametrize("fraction", ["1", "-0.1", "nan", "inf", "2"])
+def test_a_fraction_outside_zero_to_one_is_refused_in_one_line(corpus: dict, tmp_path: Path, fraction: str) -> None:
+    assert_clean_failure(_prepare(corpus, tmp_path / "out", "--heldout", fraction, check=False), mentions="--heldout")
+    assert not list(tmp_path.iterdir())
+
+
+def _refused(tmp_path: Path, cases: dict[tuple[str, ...], str]) -> None:
+    """Each case (arguments -> what its one error line mentions) fails cleanly, leaving only `tmp_path/in`."""
+    def attempt(item):
+        k, argv = item
+        return run_cli("prepare-data", "--tokenizer", TOKENIZER, *argv, "--out", tmp_path / f"out{k}", check=False)
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        procs = list(pool.map(attempt, enumerate(cases)))
+    for proc, mentions in zip(procs, cases.values()):
+        assert_clean_failure(proc, mentions=mentions)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+
+
+def test_a_source_too_small_for_its_split_is_refused_naming_it(tmp_path: Path) -> None:
+    """Neither side of a split may be empty: the one line names the source and the way out, and nothing is
+    written (no output, no work directory)."""
+    (tmp_path / "in").mkdir()
+    _write_jsonl(tmp_path / "in" / "tiny.jsonl", ["a document", "another document"])
+    tiny = ("--source", f"tiny={tmp_path}/in/tiny.jsonl")
+    _refused(tmp_path, {(*tiny, "--heldout", "0.01"): "'tiny' falls in its --heldout 0.01 split; pass a larger --heldout",
+                        (*tiny, "--heldout", "0.999999"): "'tiny' fall in its --heldout 0.999999 split"})
+
+
+def test_a_clashing_name_or_a_bad_line_of_a_split_is_refused_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "in").mkdir()
+    _write_jsonl(tmp_path / "in" / "a.jsonl", ["a document", "another document"])
+    (tmp_path / "in" / "bad.jsonl").write_text('{"text": "fine"}\n{"text": \n')
+    _refused(tmp_path, {
+        ("--source", f"web={tmp_path}/in/a.jsonl", "--source", f"web.heldout={tmp_path}/in/a.jsonl",
+         "--heldout", "0.5"): "--source web.heldout",
+        ("--source", f"bad={tmp_path}/in/bad.jsonl", "--heldout", "0.5"): "bad.jsonl",
+    })
+
+
+def test_a_split_into_a_bucket_is_the_local_split(corpus: dict, split: Path) -> None:
+    import gcs_emulator
+
+    from upcycler.io import object_store
+
+    if not gcs_emulator.is_running():
+        pytest.skip("the run's storage emulator is not set")
+    out = f"{gcs_emulator.unique_prefix('heldout')}/data"
+    _prepare(corpus, out, "--heldout", str(FRACTION))
+    uploaded = {name: object_store.read_bytes(object_store.join(out, name)) for name in object_store.list_objects(out)}
+    assert uploaded == snapshot(split)
+    for name in ("web.heldout", "code.heldout"):
+        assert _documents_of(out, name) == _documents_of(split, name)

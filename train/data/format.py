@@ -12,6 +12,14 @@
   `eos_id`, `tokenizer` {`file`, `sha256`}, `input` (the reading options), `files` [{`path`, `bytes`,
   `sha256`}] and `shards` [{`file`, `tokens`, `documents`, `sha256`}] in stream order.
 
+**Held-out split** (`prepare-data --heldout FRACTION`, FRACTION in (0, 1)). Source NAME is written as two
+sharded sources: `NAME.heldout` (`heldout_name`) holds the documents that `held_out` picks and NAME the
+rest, in input order. Both indexes add `split` ("train" or "heldout") and `heldout_fraction`; without a
+split neither field is written. A document is held out when the first 8 bytes of the sha256 of its token
+ids (without the EOS that ends it, as little-endian uint32), read as a little-endian integer h, satisfy
+h < FRACTION * 2**64: a property of the document's content alone, so a duplicate falls on the side of its
+original, and the split is the same for any runner, worker count, unit cut, input format and source.
+
 **Single-file sources** (format 1, written by earlier versions; still read). Per named source:
 - `NAME.tokens.npy` (`TOKENS_SUFFIX`): a 1-D array of `token_dtype(vocab_size)` behind a version-1.0
   `.npy` header that is always `NPY_HEADER_BYTES` long (`npy_header`);
@@ -21,6 +29,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import math
 import struct
 
 import numpy as np
@@ -31,6 +41,7 @@ TOKENS_SUFFIX = ".tokens.npy"
 META_SUFFIX = ".meta.json"
 INDEX_SUFFIX = ".index.json"
 SHARDS_SUFFIX = ".shards"
+HELDOUT_SUFFIX = ".heldout"
 NPY_HEADER_BYTES = 128
 SHARD_HEADER_BYTES = 128
 SHARD_MAGIC = b"UPCYCLER-TOKENS\n"
@@ -60,3 +71,19 @@ def shard_header(dtype: np.dtype, tokens: int, documents: int, sha256: str) -> b
     packed = _SHARD_FIELDS.pack(SHARD_MAGIC, SHARDED_FORMAT_VERSION, np.dtype(dtype).itemsize, tokens,
                                 documents, bytes.fromhex(sha256))
     return packed + b"\0" * (SHARD_HEADER_BYTES - len(packed))
+
+
+def heldout_name(name: str) -> str:
+    """The name of source `name`'s held-out split."""
+    return f"{name}{HELDOUT_SUFFIX}"
+
+
+def held_out(ids: np.ndarray, ends: np.ndarray, fraction: float) -> np.ndarray:
+    """Which of the documents `ids[ends[k-1]:ends[k]]` (each ending with its EOS) the split of `fraction`
+    holds out (see the module docstring): a bool per document."""
+    threshold = math.ceil(fraction * 2**64)  # exact: h / 2**64 < fraction  <=>  h < ceil(fraction * 2**64)
+    words = np.asarray(ids).astype("<u4")
+    starts = np.concatenate(([0], ends[:-1]))
+    return np.fromiter((int.from_bytes(hashlib.sha256(words[start:end - 1]).digest()[:8], "little") < threshold
+                        for start, end in zip(starts.tolist(), np.asarray(ends).tolist())),
+                       dtype=bool, count=len(ends))

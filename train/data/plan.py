@@ -7,8 +7,9 @@ inside it (`readers.read_documents(byte_range=...)`). The units depend only on t
 `unit_bytes`, never on the engine or its number of workers, so every runner writes the same shards.
 
 The plan's `key` is a digest of everything that shapes the output (tokenizer, EOS, reading options,
-unit size, and each input's path, size and modification time): an interrupted preparation resumes in
-the work directory of the same key, and a changed input or option starts afresh.
+held-out fraction, unit size, and each input's path, size and modification time): an interrupted
+preparation resumes in the work directory of the same key, and a changed input or option starts afresh.
+A fraction of 0 (no split) leaves the key as it was before splits existed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from upcycler.errors import UpcyclerError
 from upcycler.train.data.readers import splittable
+from upcycler.untrusted import real
 
 UNIT_BYTES = 64 * 1024**2  # input bytes per shard: a few seconds of tokenising, tens of MB of tokens
 MAX_FILES_PER_UNIT = 4096  # so that 10,000 tiny files still make a few units, not one huge record
@@ -66,6 +69,16 @@ class Settings:
     vocab_size: int
     text_field: str
     text_unit: str
+    heldout_fraction: float = 0.0  # the share of documents written to NAME.heldout (`format.held_out`)
+
+
+def check_heldout_fraction(value: object) -> float:
+    """`value` as a held-out fraction: a finite number with 0 <= value < 1, else one error line."""
+    fix = "pass a fraction such as 0.01 (0 for no held-out split)"
+    fraction = real(value, "the held-out fraction", "--heldout", fix=fix)
+    if not 0 <= fraction < 1:
+        raise UpcyclerError(f"--heldout: the held-out fraction must be at least 0 and below 1, not {fraction:g}; {fix}")
+    return fraction
 
 
 @dataclass(frozen=True)
@@ -80,8 +93,11 @@ class Plan:
     @property
     def key(self) -> str:
         """A digest of everything that shapes the output (names the resumable work directory)."""
+        settings = asdict(self.settings) | {"tokenizer_path": None}
+        if not settings["heldout_fraction"]:
+            del settings["heldout_fraction"]  # the key of a preparation without a split is unchanged
         described = {
-            "settings": asdict(self.settings) | {"tokenizer_path": None},
+            "settings": settings,
             "unit_bytes": self.unit_bytes,
             "files": {name: [asdict(f) for f in files] for name, files in self.files.items()},
         }

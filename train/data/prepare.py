@@ -16,6 +16,12 @@ A prepared directory holds, per named source (the layout is `upcycler.train.data
 
 The output is the same bytes whatever the runner and the number of workers. An input file is never an
 output: one that would be overwritten is refused.
+
+With a held-out fraction (`--heldout`), every source NAME is also written as `NAME.heldout`, the documents
+`format.held_out` picks (NAME keeps the rest); both indexes record `split` and `heldout_fraction`. A source
+whose split would leave either side without a document is refused like a bad input (one line naming the
+source and a fraction that would do), nothing written: an empty `NAME.heldout` could not be read, and a
+source this small is better evaluated on a larger fraction or data of its own.
 """
 
 from __future__ import annotations
@@ -41,9 +47,10 @@ from upcycler.train.data.format import (
     SHARDED_FORMAT_VERSION,
     SHARDS_SUFFIX,
     TOKENS_SUFFIX,
+    heldout_name,
     token_dtype,
 )
-from upcycler.train.data.plan import UNIT_BYTES, Plan, Settings, make_plan
+from upcycler.train.data.plan import UNIT_BYTES, Plan, Settings, check_heldout_fraction, make_plan
 from upcycler.train.data.readers import detect_format, expand_pattern
 from upcycler.train.data.shard_writer import ERROR_SUFFIX, PARTIAL, SHARDS, read_record, shard_paths
 from upcycler.train.data.tokenizer import TokenizerInfo
@@ -84,6 +91,21 @@ def output_names(name: str) -> tuple[str, ...]:
     return f"{name}{INDEX_SUFFIX}", f"{name}{SHARDS_SUFFIX}", f"{name}{META_SUFFIX}", f"{name}{TOKENS_SUFFIX}"
 
 
+def written_sources(sources: Iterable[str], heldout_fraction: float) -> list[str]:
+    """The sources a preparation writes: each of `sources`, followed by its `NAME.heldout` when there is
+    a held-out split. A source that is also another's held-out split is refused."""
+    if not heldout_fraction:
+        return list(sources)
+    names = list(sources)
+    for name in names:
+        if heldout_name(name) in names:
+            raise UpcyclerError(
+                f"--source {heldout_name(name)}: --heldout writes the held-out split of --source {name} under "
+                "that name; rename this source"
+            )
+    return [n for name in names for n in (name, heldout_name(name))]
+
+
 def prepare_sources(
     tokenizer: TokenizerInfo,
     sources: Mapping[str, Sequence[Path]],
@@ -98,17 +120,21 @@ def prepare_sources(
     beam_options: Sequence[str] = (),
     unit_bytes: int = UNIT_BYTES,
     eos: str | None = None,
+    heldout_fraction: float = 0.0,
 ) -> list[dict]:
     """Tokenise every source into `out_dir` (local; see `prepare_into_bucket` for a bucket); returns each
-    source's index, in order, with `shards_tokenised` / `shards_reused` added (not written)."""
-    for name in sources:
+    written source's index, in order (with a held-out split, NAME's then NAME.heldout's), with
+    `shards_tokenised` / `shards_reused` added (not written)."""
+    heldout_fraction = check_heldout_fraction(heldout_fraction)
+    written = written_sources(sources, heldout_fraction)
+    for name in written:
         existing = [out_dir / n for n in output_names(name) if os.path.lexists(out_dir / n)]
         if existing and not overwrite:
             raise UpcyclerError(
                 f"{shown_path(existing[0])}: already exists; choose another --out or pass --overwrite"
             )
-    _refuse_inputs_as_outputs(out_dir, sources)
-    plan = _plan(tokenizer, sources, fmt, text_field, text_unit, unit_bytes, eos)
+    _refuse_inputs_as_outputs(out_dir, sources, written)
+    plan = _plan(tokenizer, sources, fmt, text_field, text_unit, unit_bytes, eos, heldout_fraction)
     created = make_parents(out_dir, "--out")
     work = out_dir / f"{WORK_PREFIX}{plan.key}"
     try:
@@ -137,14 +163,16 @@ def prepare_into_bucket(tokenizer: TokenizerInfo, sources: Mapping[str, Sequence
     from upcycler.io import object_store as store
     from upcycler.io.remote_sources import cache_root
 
-    names = [n for name in sources for n in output_names(name)]
+    heldout_fraction = check_heldout_fraction(options.pop("heldout_fraction", 0.0))
+    names = [n for name in written_sources(sources, heldout_fraction) for n in output_names(name)]
     existing = store.list_objects(out)
     taken = sorted(o for o in existing if o.split("/")[0] in names)
     if taken and not overwrite:
         raise UpcyclerError(f"{describe(store.join(out, taken[0]), 200)}: already exists; choose another --out or "
                             "pass --overwrite")
     plan = _plan(tokenizer, sources, options.pop("fmt", None), options.pop("text_field", "text"),
-                 options.pop("text_unit", "file"), options.pop("unit_bytes", UNIT_BYTES), options.pop("eos", None))
+                 options.pop("text_unit", "file"), options.pop("unit_bytes", UNIT_BYTES), options.pop("eos", None),
+                 heldout_fraction)
     root = cache_root() / "prepare" / hashlib.sha256(out.encode()).hexdigest()[:16]
     work = root / f"{WORK_PREFIX}{plan.key}"
     try:
@@ -163,16 +191,16 @@ def prepare_into_bucket(tokenizer: TokenizerInfo, sources: Mapping[str, Sequence
 
 
 def _plan(tokenizer: TokenizerInfo, sources: Mapping[str, Sequence[Path]], fmt: str | None, text_field: str,
-          text_unit: str, unit_bytes: int, eos: str | None) -> Plan:
+          text_unit: str, unit_bytes: int, eos: str | None, heldout_fraction: float) -> Plan:
     formats = {name: [(f, fmt or detect_format(f)) for f in files] for name, files in sources.items()}
     settings = Settings(str(tokenizer.path), tokenizer.sha256, eos, tokenizer.eos_id, tokenizer.vocab_size,
-                        text_field, text_unit)
+                        text_field, text_unit, heldout_fraction)
     return make_plan(settings, formats, unit_bytes)
 
 
-def _refuse_inputs_as_outputs(out_dir: Path, sources: Mapping[str, Sequence[Path]]) -> None:
-    """An input that is (after resolving symlinks) one of the outputs about to be written is refused."""
-    written = {os.path.realpath(out_dir / n): out_dir / n for name in sources for n in output_names(name)}
+def _refuse_inputs_as_outputs(out_dir: Path, sources: Mapping[str, Sequence[Path]], names: Iterable[str]) -> None:
+    """An input that is (after resolving symlinks) one of the outputs of sources `names` is refused."""
+    written = {os.path.realpath(out_dir / n): out_dir / n for name in names for n in output_names(name)}
     for path in (f for files in sources.values() for f in files):
         real = os.path.realpath(path)
         hit = next((shown for target, shown in written.items()
@@ -195,7 +223,7 @@ def build_shards(plan: Plan, work: Path, *, runner: str, workers: int, beam_opti
             stale.unlink()
         shutil.rmtree(work / PARTIAL, ignore_errors=True)
         run_units(plan, str(work), runner=runner, workers=workers, beam_options=beam_options)
-        indexes = [_index(plan, name, work, reused) for name in plan.files]
+        indexes = [index for name in plan.files for index in _indexes(plan, name, work, reused)]
         for index in indexes:
             _write_json(work / SHARDS / f"{index['name']}{INDEX_SUFFIX}", _stored(index))
         return indexes
@@ -224,9 +252,28 @@ def _locked(work: Path):
         yield
 
 
-def _index(plan: Plan, name: str, work: Path, reused: Mapping) -> dict:
-    """Source `name`'s index from its units' records and its files' digests (errors raised in order)."""
-    shards, tokenised = [], 0
+def _indexes(plan: Plan, name: str, work: Path, reused: Mapping) -> list[dict]:
+    """Source `name`'s index and, with a held-out split, `NAME.heldout`'s after it, from the units' records
+    and the files' digests (errors raised in order)."""
+    records = _records(plan, name, work)
+    files = _files(plan, name, work, records)
+    tokenised = sum(not reused[unit] for unit in plan.units_of(name))
+    fraction = plan.settings.heldout_fraction
+    sides = {name: records} if not fraction else {name: records, heldout_name(name): [r["heldout"] for r in records]}
+    _check_sides(plan, name, sides)
+    formats = {f.fmt for f in plan.files[name]}
+    indexes = []
+    for source, shards in sides.items():
+        index = _index(plan.settings, source, [s for s in shards if s["tokens"]], formats, files)
+        if fraction:
+            index |= {"split": "train" if source == name else "heldout", "heldout_fraction": fraction}
+        indexes.append(index | {"shards_tokenised": tokenised, "shards_reused": len(records) - tokenised})
+    return indexes
+
+
+def _records(plan: Plan, name: str, work: Path) -> list[dict]:
+    """The records of source `name`'s units, in order; a unit's recorded error is raised."""
+    records = []
     for unit in plan.units_of(name):
         error_path = shard_paths(work, unit)[2]
         if error_path.exists():
@@ -234,10 +281,13 @@ def _index(plan: Plan, name: str, work: Path, reused: Mapping) -> dict:
         record = read_record(work, unit)
         if record is None:
             raise UpcyclerError(f"prepare-data: the engine did not finish shard {unit.index} of {name!r}; rerun")
-        tokenised += not reused[unit]
-        if record["tokens"]:
-            shards.append(record)
-    digests = {int(k): v for unit in plan.units_of(name) for k, v in read_record(work, unit)["digests"].items()}
+        records.append(record)
+    return records
+
+
+def _files(plan: Plan, name: str, work: Path, records: Sequence[dict]) -> list[dict]:
+    """The index's `files` of source `name`: each input's recorded path, size and sha256."""
+    digests = {int(k): v for record in records for k, v in record["digests"].items()}
     files = []
     for number, file in enumerate(plan.files[name]):
         if number not in digests:  # a file split over several units: hashed on its own
@@ -246,26 +296,42 @@ def _index(plan: Plan, name: str, work: Path, reused: Mapping) -> dict:
                 raise UpcyclerError(digest.with_suffix(ERROR_SUFFIX).read_text())
             digests[number] = json.loads(digest.read_text())["sha256"]
         files.append({"path": recorded_location(Path(file.path)), "bytes": file.size, "sha256": digests[number]})
-    num_tokens = sum(s["tokens"] for s in shards)
-    if num_tokens == 0:
+    return files
+
+
+def _check_sides(plan: Plan, name: str, sides: Mapping[str, Sequence[dict]]) -> None:
+    """Refuse a source without text, and a held-out split that leaves either side without a document."""
+    where = shown_path(plan.files[name][0].path)
+    tokens = {source: sum(r["tokens"] for r in records) for source, records in sides.items()}
+    if not sum(tokens.values()):
+        raise UpcyclerError(f"{where}: source {name!r} has no text; check --format and --text-field")
+    fraction = plan.settings.heldout_fraction
+    documents = sum(r["documents"] for records in sides.values() for r in records)
+    if not tokens[name]:
+        raise UpcyclerError(f"{where}: all {documents:,} documents of source {name!r} fall in its --heldout "
+                            f"{fraction:g} split, none is left to train on; pass a smaller --heldout")
+    if fraction and not tokens[heldout_name(name)]:
         raise UpcyclerError(
-            f"{shown_path(plan.files[name][0].path)}: source {name!r} has no text; check --format and --text-field"
+            f"{where}: none of the {documents:,} documents of source {name!r} falls in its --heldout {fraction:g} "
+            f"split; pass a larger --heldout (about {min(0.5, 3 / documents):.2g} holds out a few of them)"
         )
-    settings = plan.settings
+
+
+def _index(settings: Settings, source: str, shards: Sequence[dict], formats: set[str], files: list[dict]) -> dict:
+    """The index of `source` (a source, or a held-out split) made of `shards` (its non-empty ones), read
+    from `files` in `formats`."""
     return {
         "format_version": SHARDED_FORMAT_VERSION,
-        "name": name,
+        "name": source,
         "dtype": token_dtype(settings.vocab_size).name,
-        "num_tokens": num_tokens,
+        "num_tokens": sum(s["tokens"] for s in shards),
         "num_documents": sum(s["documents"] for s in shards),
         "vocab_size": settings.vocab_size,
         "eos_id": settings.eos_id,
         "tokenizer": {"file": settings.tokenizer_path, "sha256": settings.tokenizer_sha256},
-        "input": _input_settings({f.fmt for f in plan.files[name]}, settings.text_field, settings.text_unit),
+        "input": _input_settings(formats, settings.text_field, settings.text_unit),
         "files": files,
         "shards": [{k: s[k] for k in ("file", "tokens", "documents", "sha256")} for s in shards],
-        "shards_tokenised": tokenised,
-        "shards_reused": len(plan.units_of(name)) - tokenised,
     }
 
 

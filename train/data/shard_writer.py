@@ -9,7 +9,10 @@ arrive wrapped in its own tracebacks): the unit writes the one-line message besi
 
 What this module preserves: the tokens of a unit are exactly each document's `tokenizers` encoding
 (without special tokens) followed by the EOS id; a pre-tokenised document (Megatron, ArrayRecord of ids,
-an integer column) is taken as it is, with EOS appended unless it already ends with EOS.
+an integer column) is taken as it is, with EOS appended unless it already ends with EOS. With a held-out
+split (`Settings.heldout_fraction`), each document goes whole, in input order, either to the unit's shard
+or to its shard of `NAME.heldout` (`format.held_out` decides, from the document's tokens alone); a
+held-out shard that receives no document is not kept.
 """
 
 from __future__ import annotations
@@ -18,13 +21,22 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.hashing import sha256_file
-from upcycler.train.data.format import SHARD_HEADER_BYTES, shard_file, shard_header, token_dtype
+from upcycler.train.data.format import (
+    SHARD_HEADER_BYTES,
+    held_out,
+    heldout_name,
+    shard_file,
+    shard_header,
+    token_dtype,
+)
 from upcycler.train.data.plan import InputFile, Settings, Unit
 from upcycler.train.data.readers import read_documents
 from upcycler.untrusted import shown_path
@@ -53,14 +65,14 @@ def read_record(work: Path, unit: Unit) -> dict | None:
 
 def write_shard(unit: Unit, files: Mapping[int, InputFile], settings: Settings, work: str) -> dict:
     """Tokenise `unit` into its shard in `work` unless it is there already; returns its record
-    (`file`, `tokens`, `documents`, `sha256`, `digests`: the sha256 of each whole input file it read, by
-    file number, and `tokenised`: whether this call did the work). `files` holds the unit's inputs by
-    number."""
-    shard, record_path, error_path = shard_paths(Path(work), unit)
+    (`file`, `tokens`, `documents`, `sha256`; with a held-out split, `heldout`: the same four of the
+    unit's `NAME.heldout` shard; `digests`: the sha256 of each whole input file it read, by file number;
+    and `tokenised`: whether this call did the work). `files` holds the unit's inputs by number."""
+    _, record_path, error_path = shard_paths(Path(work), unit)
     if record_path.exists():
         return json.loads(record_path.read_text()) | {"tokenised": False}
     try:
-        record = _tokenise(unit, files, settings, shard, Path(work))
+        record = _tokenise(unit, files, settings, Path(work))
     except UpcyclerError as err:
         return _failed(error_path, str(err))
     except OSError as err:  # the inputs' read errors are UpcyclerErrors already: this is the shard's write
@@ -70,36 +82,77 @@ def write_shard(unit: Unit, files: Mapping[int, InputFile], settings: Settings, 
     return record | {"tokenised": True}
 
 
-def _tokenise(unit: Unit, files: Mapping[int, InputFile], settings: Settings, shard: Path, work: Path) -> dict:
+def _tokenise(unit: Unit, files: Mapping[int, InputFile], settings: Settings, work: Path) -> dict:
     tokenizer = _tokenizer(settings)
     dtype = token_dtype(settings.vocab_size)
-    digest = hashlib.sha256()
-    tokens = documents = 0
-    shard.parent.mkdir(parents=True, exist_ok=True)
-    partial = work / PARTIAL / f"{unit.source}-{shard.name}.{os.getpid()}"  # never among the shards
-    partial.parent.mkdir(parents=True, exist_ok=True)
-    with open(partial, "wb") as out:
-        out.write(b"\0" * SHARD_HEADER_BYTES)
+    fraction = settings.heldout_fraction
+    with ExitStack() as stack:
+        kept = stack.enter_context(_Shard(work, unit.source, unit.index, dtype))
+        held = stack.enter_context(_Shard(work, heldout_name(unit.source), unit.index, dtype)) if fraction else None
         for piece in unit.pieces:
             file = files[piece.file]
             path = Path(file.path)
             byte_range = None if piece.start is None else (piece.start, piece.stop)
             docs = read_documents(path, file.fmt, text_field=settings.text_field,
                                   text_unit=settings.text_unit, byte_range=byte_range)
-            for ids, count in _token_batches(tokenizer, settings, path, docs):
-                data = ids.astype(dtype).tobytes()
-                out.write(data)
-                digest.update(data)
-                tokens += ids.size
-                documents += count
-        out.seek(0)
-        out.write(shard_header(dtype, tokens, documents, digest.hexdigest()))
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(partial, shard)
+            for ids, ends in _token_batches(tokenizer, settings, path, docs):
+                if held is None:
+                    kept.add(ids, len(ends))
+                    continue
+                chosen = held_out(ids, ends, fraction)
+                tokens = np.repeat(chosen, np.diff(ends, prepend=0))
+                kept.add(ids[~tokens], int((~chosen).sum()))
+                held.add(ids[tokens], int(chosen.sum()))
+        record = kept.commit(keep_empty=True)
+        if held is not None:
+            record["heldout"] = held.commit(keep_empty=False)
     digests = {p.file: sha256_file(Path(files[p.file].path)) for p in unit.pieces if p.start is None}
-    return {"file": shard_file(unit.source, unit.index), "tokens": tokens, "documents": documents,
-            "sha256": digest.hexdigest(), "digests": digests}
+    return record | {"digests": digests}
+
+
+class _Shard:
+    """One shard being written: a partial file outside the shards, its digest and counts, renamed into
+    place (`commit`) only when whole. Leaving the `with` block closes the partial file."""
+
+    def __init__(self, work: Path, source: str, index: int, dtype: np.dtype):
+        self.file = shard_file(source, index)
+        self.path = work / SHARDS / self.file
+        self.partial = work / PARTIAL / f"{source}-{self.path.name}.{os.getpid()}"  # never among the shards
+        self.dtype = dtype
+        self.digest = hashlib.sha256()
+        self.tokens = self.documents = 0
+
+    def __enter__(self) -> Self:
+        self.partial.parent.mkdir(parents=True, exist_ok=True)
+        self.out = open(self.partial, "wb")  # closed by __exit__
+        self.out.write(b"\0" * SHARD_HEADER_BYTES)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.out.close()
+
+    def add(self, ids: np.ndarray, documents: int) -> None:
+        data = ids.astype(self.dtype).tobytes()
+        self.out.write(data)
+        self.digest.update(data)
+        self.tokens += ids.size
+        self.documents += documents
+
+    def commit(self, *, keep_empty: bool) -> dict:
+        """Write the header and move the shard into place (an empty one is dropped unless `keep_empty`);
+        returns its record (`file`, `tokens`, `documents`, `sha256`)."""
+        self.out.seek(0)
+        self.out.write(shard_header(self.dtype, self.tokens, self.documents, self.digest.hexdigest()))
+        self.out.flush()
+        os.fsync(self.out.fileno())
+        self.out.close()
+        if self.tokens or keep_empty:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(self.partial, self.path)
+        else:
+            self.partial.unlink()
+        return {"file": self.file, "tokens": self.tokens, "documents": self.documents,
+                "sha256": self.digest.hexdigest()}
 
 
 def _tokenizer(settings: Settings):
@@ -116,8 +169,9 @@ def _tokenizer(settings: Settings):
 
 
 def _token_batches(tokenizer, settings: Settings, path: Path,
-                   docs: Iterable[str | np.ndarray]) -> Iterator[tuple[np.ndarray, int]]:
-    """Token ids of `docs`, each document followed by EOS, in bounded batches: (ids, documents in it)."""
+                   docs: Iterable[str | np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Token ids of `docs`, each document followed by EOS, in bounded batches: (ids, the end offset of each
+    document in them)."""
     batch: list[str] = []
     chars = 0
     for doc in docs:
@@ -131,21 +185,23 @@ def _token_batches(tokenizer, settings: Settings, path: Path,
         if batch:
             yield _encode(tokenizer, settings.eos_id, batch)
             batch, chars = [], 0
-        yield _adopt(doc, settings, path), 1
+        ids = _adopt(doc, settings, path)
+        yield ids, np.array([ids.size], dtype=np.int64)
     if batch:
         yield _encode(tokenizer, settings.eos_id, batch)
 
 
-def _encode(tokenizer, eos_id: int, docs: list[str]) -> tuple[np.ndarray, int]:
+def _encode(tokenizer, eos_id: int, docs: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The ids of the non-empty encodings of `docs`, each followed by EOS, and each one's end offset."""
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
     flat: list[int] = []
-    count = 0
+    ends: list[int] = []
     for encoding in encode(docs, add_special_tokens=False):
         if encoding.ids:
             flat.extend(encoding.ids)
             flat.append(eos_id)
-            count += 1
-    return np.asarray(flat, dtype=np.int64), count
+            ends.append(len(flat))
+    return np.asarray(flat, dtype=np.int64), np.asarray(ends, dtype=np.int64)
 
 
 def _adopt(ids: np.ndarray, settings: Settings, path: Path) -> np.ndarray:

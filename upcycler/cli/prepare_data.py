@@ -7,6 +7,10 @@ Output appears in --out only when every source is complete; a failed run leaves 
 `upcycler.train.data.prepare`). Sources may be gs:// globs (each object is fetched into the upcycler
 cache) and --out a gs:// directory (prepared in the upcycler cache, then uploaded, each source's index
 last).
+
+`--heldout FRACTION` also writes each source NAME's held-out split as the source `NAME.heldout`, chosen
+by a hash of each document's tokens (see `upcycler.train.data.format`); a source too small to give both
+sides a document is refused, naming the source and a fraction that would do.
 """
 
 from __future__ import annotations
@@ -66,6 +70,10 @@ from upcycler.untrusted import shown_path
               help="A Beam pipeline option for the runner (repeat), e.g. project=my-project.")
 @click.option("--shard-size", default="64MiB", show_default=True,
               help="Input bytes per shard: the unit of work and of resume.")
+@click.option("--heldout", "heldout_fraction", type=float, default=0.0, show_default=True, metavar="FRACTION",
+              help="Hold out this fraction (0 <= FRACTION < 1) of each source's documents, picked by a hash of "
+                   "each document's tokens, as the source NAME.heldout for evaluation; NAME keeps the rest. A "
+                   "source that would leave either side without a document is refused. 0: no split.")
 def command(
     tokenizer_path: Path,
     sources: tuple[str, ...],
@@ -79,23 +87,27 @@ def command(
     runner: str,
     beam_options: tuple[str, ...],
     shard_size: str,
+    heldout_fraction: float,
 ) -> None:
-    """Tokenise sources into OUT/NAME.shards/ + OUT/NAME.index.json, each document followed by EOS.
+    """Tokenise sources into OUT/NAME.shards/ + OUT/NAME.index.json, each document followed by EOS
+    (with --heldout, also OUT/NAME.heldout.shards/ + OUT/NAME.heldout.index.json).
 
     A malformed JSONL line is an error naming the file and line (nothing is skipped silently), and
     nothing is written to OUT unless every source is prepared. Rerun the same command after an
     interruption: finished shards are kept.
     """
+    from upcycler.train.data.plan import check_heldout_fraction
     from upcycler.train.data.prepare import parse_sources, prepare_into_bucket, prepare_sources
     from upcycler.train.data.tokenizer import load_tokenizer
     from upcycler.units import parse_size
 
     unit_bytes = parse_size(shard_size, "--shard-size")
+    check_heldout_fraction(heldout_fraction)  # before any input is fetched or read
     tokenizer = load_tokenizer(tokenizer_path, eos)
     files = parse_sources(sources)
     options = {"fmt": fmt, "text_field": text_field, "text_unit": text_unit, "overwrite": overwrite,
                "runner": runner, "workers": workers, "beam_options": beam_options, "unit_bytes": unit_bytes,
-               "eos": eos}
+               "eos": eos, "heldout_fraction": heldout_fraction}
     if isinstance(out_dir, str):
         indexes = prepare_into_bucket(tokenizer, files, out_dir, **options)
     else:
