@@ -1,4 +1,5 @@
-"""`upcycle eval MODEL [--vs OTHER] --task needle|perplexity|prompts [FILE]`: long-context checks.
+"""`upcycle eval MODEL [--vs OTHER] --task needle|perplexity|prompts [FILE]`: long-context checks;
+`upcycle eval MODEL --task lm-eval:TASKS [--include DIR]`: lm-evaluation-harness tasks.
 
 Runs prompts of the requested lengths through the JAX model one at a time (`upcycler.train.evaluation.prefill`,
 fp32, dense or FlexPrefill attention) and prints a table by length: passkey retrieval accuracy (and by
@@ -6,6 +7,9 @@ needle depth), perplexity (and the NLL of the first and last tenth of the window
 answers of the user's own prompts. `--vs OTHER` runs the same prompts on a second model with the same
 tokenizer and adds the last-token KL(MODEL‖OTHER) and top-1 agreement. The tasks and their scoring live
 in `upcycler.train.evaluation.long_eval`, the result, table and plot in `upcycler.train.evaluation.long_eval_report`.
+`--task lm-eval:TASK1,TASK2` runs lm-evaluation-harness tasks (built-in, or YAML in an `--include`
+directory) on the same fp32 JAX model (`upcycler.train.evaluation.harness`, imported only then: the
+harness is the optional `eval` extra) and prints each task's metrics with their stderr.
 
 Every option and file is checked before any weight is read; bad input is one `error:` line, exit 2.
 """
@@ -41,12 +45,32 @@ def _prefill_options(fn):
     return fn
 
 
+class _TaskChoice(click.Choice):
+    """One of the long-context tasks, or `lm-eval:TASK1,TASK2` (checked by the lm-eval branch)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and value.startswith(LM_EVAL):
+            return value
+        return super().convert(value, param, ctx)
+
+
+LM_EVAL = "lm-eval:"
+MISSING_HARNESS = "--task lm-eval: needs lm-evaluation-harness; pip install 'upcycler[eval]'"
+_LM_EVAL_ONLY = ("include", "num_fewshot", "limit", "batch_size", "samples")
+# what the long-context tasks read and lm-eval does not, with the flag that names it
+_LONG_CONTEXT_ONLY = {"lengths": "--lengths", "attention": "--attention", "vs_attention": "--vs-attention",
+                      "per_length": "--prompts-per-length", "seed": "--seed", "data": "--data", "plot": "--plot",
+                      **{o.name: o.flag for o in _PREFILL}}
+MAX_BATCH = 4096
+
+
 @click.command("eval")
 @click.argument("model", type=SOURCE)
 @click.argument("file", required=False, type=LOCAL_PATH)
-@click.option("--task", type=click.Choice(TASKS), required=True,
-              help="needle (passkey retrieval in corpus text), perplexity (windows of --data) or prompts "
-                   "(FILE: JSONL lines {\"prompt\": …, \"answer\": … (optional)}).")
+@click.option("--task", type=_TaskChoice(TASKS), required=True, metavar="[needle|perplexity|prompts|lm-eval:TASKS]",
+              help="needle (passkey retrieval in corpus text), perplexity (windows of --data), prompts "
+                   "(FILE: JSONL lines {\"prompt\": …, \"answer\": … (optional)}), or lm-eval:TASK1,TASK2 "
+                   "(lm-evaluation-harness tasks; needs `pip install 'upcycler[eval]'`).")
 @click.option("--vs", "other", type=SOURCE, default=None,
               help="A second model with the same tokenizer (e.g. the dense parent), run on the same prompts.")
 @click.option("--lengths", default=None, metavar="4k,8k,…",
@@ -65,16 +89,36 @@ def _prefill_options(fn):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (for scripts).")
 @click.option("--plot", type=LOCAL_PATH, default=None,
               help="Write a PNG of accuracy (needle) or NLL (perplexity) by length and depth.")
+@click.option("--include", type=LOCAL_PATH, default=None, metavar="DIR",
+              help="lm-eval: a directory of task YAML files (the harness's include_path), searched first.")
+@click.option("--num-fewshot", type=int, default=None, metavar="N",
+              help="lm-eval: few-shot examples per prompt [default: each task's own, else 0].")
+@click.option("--limit", type=float, default=None, metavar="N",
+              help="lm-eval: at most this many documents per task (below 1: this fraction of them).")
+@click.option("--batch-size", type=int, default=8, show_default=True, metavar="N",
+              help="lm-eval: requests per forward pass (padded to power-of-two lengths).")
+@click.option("--samples", type=LOCAL_PATH, default=None, metavar="FILE",
+              help="lm-eval: write every document's responses and metrics as JSON lines.")
 @_prefill_options
 def command(model: Path, file: Path | None, task: str, other: Path | None, lengths: str | None,
             attention: str, vs_attention: str | None, per_length: int, seed: int, data: Path | None, as_json: bool, plot: Path | None,
-            **prefill: Any) -> None:
-    """Long-context checks of MODEL (and of --vs OTHER on the same prompts), on CPU or one accelerator."""
+            include: Path | None, num_fewshot: int | None, limit: float | None, batch_size: int,
+            samples: Path | None, **prefill: Any) -> None:
+    """Long-context checks of MODEL (and of --vs OTHER on the same prompts), on CPU or one accelerator;
+    or lm-evaluation-harness tasks (--task lm-eval:TASKS)."""
     from upcycler.train.evaluation import long_eval as le
     from upcycler.train.evaluation import long_eval_report as report
 
     given = _given(click.get_current_context())
-    _check_paths({"MODEL": model, "--vs": other, "FILE": file, "--data": data, "--plot": plot})
+    _check_paths({"MODEL": model, "--vs": other, "FILE": file, "--data": data, "--plot": plot,
+                  "--include": include, "--samples": samples})
+    if task.startswith(LM_EVAL):
+        _lm_eval(model, task, given, file, include, num_fewshot, limit, batch_size, samples, as_json)
+        return
+    for name in _LM_EVAL_ONLY:
+        if name in given:
+            flag = "--" + name.replace("_", "-")
+            raise UpcyclerError(f"{flag}: only --task lm-eval:TASKS reads it; drop it for --task {task}")
     cfg = _model_config(attention, prefill)
     if vs_attention is not None and other is None:
         other = model
@@ -134,6 +178,91 @@ def command(model: Path, file: Path | None, task: str, other: Path | None, lengt
     _emit(json.dumps(_finite(result), indent=2, ensure_ascii=False) if as_json else report.format_table(result))
     if written is not None:
         click.echo(f"plot: {shown_path(written)}", err=as_json)
+
+
+def _lm_eval(model: Path, task: str, given: set[str], file: Path | None, include: Path | None,
+             num_fewshot: int | None, limit: float | None, batch_size: int, samples: Path | None,
+             as_json: bool) -> None:
+    """`--task lm-eval:TASKS`: the harness's tasks on MODEL, every input checked before a weight is read
+    (the command line's before the harness is imported)."""
+    if file is not None:
+        raise UpcyclerError(f"{shown_path(file)}: FILE is for --task prompts; drop it for --task lm-eval")
+    if "other" in given:
+        raise UpcyclerError("--vs: --task lm-eval scores one model; run `upcycle eval` on each (with --samples "
+                            "to compare document by document) or drop --vs")
+    for name, flag in _LONG_CONTEXT_ONLY.items():
+        if name in given:
+            raise UpcyclerError(f"{flag}: the long-context tasks read it, not --task lm-eval (the harness's "
+                                f"tasks bring their own prompts); drop {flag}")
+    names = _harness_tasks(task)
+    if include is not None and not include.is_dir():
+        state = "is not a directory" if include.exists() else "does not exist"
+        raise UpcyclerError(f"{shown_path(include)}: --include {state}; pass the directory that holds the "
+                            "tasks' YAML files")
+    if num_fewshot is not None:
+        integer(num_fewshot, "the few-shot examples", "--num-fewshot", low=0, high=MAX_PROMPTS,
+                fix="pass e.g. 0 or 5")
+    integer(batch_size, "the batch size", "--batch-size", high=MAX_BATCH, fix="pass e.g. 8")
+    if limit is not None and not (math.isfinite(limit) and limit > 0 and (limit < 1 or limit.is_integer())):
+        raise UpcyclerError(f"--limit: {limit:g} is not a document count (a whole number) or a fraction "
+                            "below 1; pass e.g. --limit 100 or --limit 0.1")
+    if samples is not None:
+        _check_samples_path(samples, model)
+    try:
+        from upcycler.train.evaluation import harness
+    except ImportError as err:
+        if (err.name or "").partition(".")[0] != "lm_eval":
+            raise
+        raise UpcyclerError(MISSING_HARNESS) from None
+    progress = sys.stderr.isatty()
+    harness.quiet_harness(progress)
+    lm = harness.JaxLM(model, batch_size=batch_size, progress=progress)
+    manager = harness.task_manager(names, include)
+    loaded = harness.load_tasks(manager, names)
+    limit = int(limit) if limit is not None and limit >= 1 else limit  # a count, or a fraction of the documents
+    results = harness.evaluate_tasks(lm, loaded, num_fewshot=num_fewshot, limit=limit,
+                                     log_samples=samples is not None)
+    from importlib.metadata import version
+
+    header = {"task": "lm-eval", "model_path": str(model), "lm_eval_version": version("lm_eval"),
+              "include": None if include is None else str(include), "num_fewshot": num_fewshot, "limit": limit,
+              "batch_size": batch_size}
+    result = harness.summarize(results, header)
+    if samples is not None:
+        try:
+            samples.write_text("".join(line + "\n" for line in harness.sample_lines(results)), encoding="utf-8")
+        except OSError as err:
+            raise UpcyclerError(f"{shown_path(samples)}: cannot write --samples ({err.strerror}); choose "
+                                "another path") from None
+    _emit(json.dumps(_finite(result), indent=2, ensure_ascii=False) if as_json else harness.format_table(result))
+    if samples is not None:
+        click.echo(f"samples: {shown_path(samples)}", err=as_json)
+
+
+def _harness_tasks(task: str) -> list[str]:
+    """`lm-eval:arc_easy,hellaswag` -> ["arc_easy", "hellaswag"] (order kept, repeats dropped)."""
+    names: list[str] = []
+    for part in task[len(LM_EVAL):].split(","):
+        name = part.strip()
+        if not name:
+            raise UpcyclerError(f"--task {escape(task)[:80]}: names an empty task; pass harness task names "
+                                "after the colon, e.g. --task lm-eval:arc_easy,hellaswag")
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def _check_samples_path(path: Path, model: Path) -> None:
+    """Refuse a --samples that cannot be written, is a directory or lands inside MODEL."""
+    if path.is_dir():
+        raise UpcyclerError(f"{shown_path(path)}: --samples is a directory; pass a file name such as samples.jsonl")
+    if not path.parent.is_dir():
+        raise UpcyclerError(f"{shown_path(path.parent)}: no such directory for --samples; create it or choose "
+                            "another path")
+    if path.exists() and not path.is_symlink() and not path.is_file():
+        raise UpcyclerError(f"{shown_path(path)}: --samples exists and is not a regular file; choose another path")
+    if Path(model).resolve() in (path.parent.resolve() / path.name).parents:
+        raise UpcyclerError(f"{shown_path(path)}: --samples would write inside MODEL; choose a path outside it")
 
 
 def _model_config(attention: str, prefill: dict[str, Any]) -> ModelConfig:
