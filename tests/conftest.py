@@ -8,8 +8,8 @@ programs give identical executables: it saves compile time and changes no result
 
 Remote locations: the process that starts the run starts one loopback Cloud Storage emulator
 (`gcs_emulator.py`) and points `STORAGE_EMULATOR_HOST` at it, and points `HF_ENDPOINT` at a closed
-loopback port unless a test names its own Hub server: no gs:// URL and no Hub id of any test, forgotten
-or not, can reach the network.
+loopback port unless a test names its own Hub server, and W&B runs offline: no gs:// URL, no Hub id and
+no W&B run of any test, forgotten or not, can reach the network.
 
 Fixtures: `tiny_dir` (tiny Hugging Face models per family, built once per argument set), `ws` (the
 trainer's workspace: tokenizer, prepared data, tiny dense and MoE checkpoints, built once) and `cache`
@@ -43,6 +43,7 @@ if not IS_WORKER:
     os.environ["UPCYCLER_CACHE"] = tempfile.mkdtemp(prefix="upcycler-tests-cache-")  # bucket mirrors, staging
 os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens, refused at once
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("WANDB_MODE", "offline")  # a run with the wandb writer never reaches W&B's servers
 
 import trainer_fixtures  # after the cache is set: it imports JAX
 from tiny_models import make_tiny
@@ -53,7 +54,7 @@ from tiny_models import make_tiny
 LONGEST_FIRST = ("test_long_prefill_real.py", "test_trainer_distributed.py", "test_real_model.py",
                  "test_memory_options.py", "test_bias_balancing.py", "test_expert_parallel.py",
                  "test_bucket_runs.py", "test_compile_only.py", "test_training_guards.py", "test_notebooks.py",
-                 "test_remote_locations.py", "test_launch_recipes.py")
+                 "test_remote_locations.py", "test_launch_recipes.py", "test_observability.py", "test_lm_eval.py")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from upcycler.train.aot.hardware import Chip, GiB, chip_for, chips, for_devices
+from upcycler.hardware import Chip, GiB, chip_for, chips, for_devices
 from upcycler.train.aot.roofline import estimate
 
 SLICES = {"v4-8": "TPU v4", "v5e-4": "TPU v5e", "v5p-8": "TPU v5p", "v6e-4": "TPU v6e"}

@@ -27,7 +27,8 @@ PACKAGES = {"upcycler": ROOT / "upcycler", "upcycler.train": ROOT / "train",
             "upcycler.transforms": ROOT / "transforms"}
 LAYERS = [
     ("core", ("upcycler.spec", "upcycler.layout", "upcycler.tensors", "upcycler.errors", "upcycler.untrusted",
-              "upcycler.locations", "upcycler.bucket_client", "upcycler.units", "upcycler.schema")),
+              "upcycler.locations", "upcycler.bucket_client", "upcycler.units", "upcycler.schema",
+              "upcycler.hardware")),
     ("adapters", ("upcycler.families", "upcycler.io")),
     ("operations", ("upcycler.transforms", "upcycler.merge", "upcycler.summary", "upcycler.hub",
                     "upcycler.model_card")),

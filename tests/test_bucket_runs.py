@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,11 +42,12 @@ from xla_flags import with_devices
 from upcycler.locations import location
 from upcycler.train.config import TrainConfig
 from upcycler.train.loop.trainer import train
-from upcycler.train.reporting.metrics import read_metrics
+from upcycler.train.reporting.metrics import TIMING_FIELDS, read_metrics
+from upcycler.train.reporting.writers import local_mirror
 
 pytestmark = pytest.mark.skipif(not gcs_emulator.is_running(), reason="the run's storage emulator is not set")
 STEPS = 6
-TIMING = ("step_time", "tokens_per_s", "mfu")
+TIMING = TIMING_FIELDS
 POD = (4, {"data": 2, "fsdp": 4, "expert": 1})  # processes × 2 devices each, and the mesh over them
 SMALL_POD = (2, {"data": 2, "fsdp": 2, "expert": 1})  # what an elastic resume continues on
 
@@ -141,6 +143,14 @@ def test_a_bucket_run_is_the_local_run(ws, inputs, local_run, tmp_path, monkeypa
     config = bucket_fs().cat_file(key(run_dir) + "/config.yaml").decode()
     assert f"init: {inputs['init']}" in config and f"dir: {inputs['data']}" in config
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg", "downloaded"]  # no local gs: directory
+    # the TensorBoard event files were uploaded beside them and hold the run's losses
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    bucket_fs().get(key(run_dir) + "/tensorboard/", str(tmp_path / "tb"), recursive=True)
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    logged = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert logged == [(r["step"], pytest.approx(r["loss"], rel=1e-6)) for r in local_run[0]]
     refused = F.run_cli("report", run_dir, check=False, timeout=300)
     assert refused.returncode == 2 and "a run_dir in a bucket needs --out" in refused.stderr
     pngs = F.run_cli("report", run_dir, "--out", tmp_path / "report", timeout=300).stdout.split()
@@ -163,9 +173,14 @@ def test_an_uncommitted_step_in_a_bucket_is_redone_on_restart(ws, inputs, local_
     path = bucket_config(tmp_path / "cfg", run_dir, inputs, ws)
     F.run_cli("continued-pretrain", "--config", path, "--steps", "4", timeout=600)
     bucket_fs().rm_file(key(run_dir) + "/4/commit_success.txt")
+    shutil.rmtree(local_mirror(location(run_dir, "run_dir")))  # the restart runs on another host
     out = F.run_cli("continued-pretrain", "--config", path, timeout=600).stdout
     assert f"finished at step {STEPS}" in out
     assert_identical(run_dir, *local_run, tmp_path)
+    # Orbax removes a bucket run_dir's unmarked directories when a run starts: TensorBoard's survived,
+    # with the event files of both attempts
+    events = bucket_fs().glob(key(run_dir) + "/tensorboard/events.out.tfevents.*")
+    assert len(events) == 2, events
 
 
 def start_host(host: Path, config: Path, process: int, processes: int, port: int) -> subprocess.Popen:

@@ -24,6 +24,11 @@ def test_demo_runs_end_to_end(tmp_path):
     metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "loss" in m][:4] == [0, 1, 2, 3]
     assert list((out / "run" / "report").glob("*.png"))
+    # held-out loss of every source after the last step, and the same run in TensorBoard
+    assert {k for k in metrics[-1] if k.startswith("eval/loss/")} == {
+        f"eval/loss/{n}.heldout" for n in ("code", "prose", "math")}
+    assert (out / "run" / "report" / "heldout.png").exists()
+    assert list((out / "run" / "tensorboard").glob("events.out.tfevents.*"))
     lineage = [step["step"] for step in json.loads((out / "final-hf" / "upcycler.json").read_text())["lineage"]]
     assert "merge" in lineage
     # run again over it with --overwrite: every step replaces its output and the training starts afresh

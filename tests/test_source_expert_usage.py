@@ -24,7 +24,7 @@ from upcycler.train.loop.train_step import TrainState, make_train_step
 from upcycler.train.loop.trainer import train
 from upcycler.train.model import hidden_states
 from upcycler.train.model.params import init_params
-from upcycler.train.reporting.metrics import read_metrics, step_record
+from upcycler.train.reporting.metrics import ExpertWindow, read_metrics, step_record
 from upcycler.train.reporting.report import make_report, usage_layers
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -89,8 +89,10 @@ def test_step_counts_match_routing_computed_in_numpy():
     assert counts.sum() == 2 * 2 * real_tokens  # 2 layers × top-2 copies of every real token
     assert counts[:, 2].sum() == 0 and counts[:, 0].sum() > 0 and counts[:, 1].sum() > 0
 
+    window = ExpertWindow(spec, 0.1, ("a", "b", "c"))
+    window.add(raw)
     record = step_record(0, raw, sources=("a", "b", "c"), step_time=1.0, batch_tokens=B * L,
-                         flops_per_step=1.0, peak_flops=None, num_devices=1, with_load=True)
+                         flops_per_step=1.0, peak_flops=None, num_devices=1, window=window.take())
     assert record["sources"] == ["a", "b", "c"]
     shares = record["expert_load_by_source"]
     assert [layer[2] for layer in shares] == [None, None]  # no token of source c: a null row
@@ -99,8 +101,8 @@ def test_step_counts_match_routing_computed_in_numpy():
             assert sum(layer[s]) == pytest.approx(1.0, abs=1e-5)
             np.testing.assert_allclose(layer[s], expected[m, s] / expected[m, s].sum(), atol=1e-6)
     without = step_record(1, raw, sources=("a", "b", "c"), step_time=1.0, batch_tokens=B * L,
-                          flops_per_step=1.0, peak_flops=None, num_devices=1, with_load=False)
-    assert "expert_load_by_source" not in without and "sources" not in without
+                          flops_per_step=1.0, peak_flops=None, num_devices=1, window=window.take())
+    assert "expert_load_by_source" not in without and "sources" not in without  # the window was emptied
 
 
 # --- training runs --------------------------------------------------------------------------------------
@@ -121,7 +123,7 @@ def _start(path, devices: int):
 
 @pytest.fixture(scope="module")
 def runs(ws, cache, tmp_path_factory):
-    """The tiny MoE trained 6 steps (expert load on steps 0, 2, 4) on one device, on 8 fake devices
+    """The tiny MoE trained 6 steps (expert load of the windows [0, 2), [2, 4), [4, 6) on steps 1, 3, 5) on one device, on 8 fake devices
     (fsdp=4 × expert=2, a subprocess running meanwhile), and stopped at step 4 then resumed to 6."""
     root = tmp_path_factory.mktemp("usage")
     eight = F.config_dict(root / "eight", ws["moe"], ws["data"], mesh={"data": 1, "fsdp": 4, "expert": 2},
@@ -139,13 +141,13 @@ def runs(ws, cache, tmp_path_factory):
 
 def test_logged_shares_are_per_source_and_add_up_to_the_expert_load(runs):
     records = [r for r in F.metrics(runs["one"]) if "expert_load" in r]
-    assert [r["step"] for r in records] == [0, 2, 4]
+    assert [r["step"] for r in records] == [1, 3, 5]  # each over the window of 2 steps that ends there
     assert all("expert_load_by_source" not in r for r in F.metrics(runs["one"]) if "expert_load" not in r)
     # each step's tokens per source, from the data pipeline itself (the same batches as the run)
     data = make_data_iterator(TrainConfig.from_dict(runs["config"]).data, 0, 1)
     try:
         assert data.source_names == SOURCES
-        batches = [next(data) for _ in range(5)]
+        batches = [next(data) for _ in range(6)]
     finally:
         data.close()
     for r in records:
@@ -153,8 +155,9 @@ def test_logged_shares_are_per_source_and_add_up_to_the_expert_load(runs):
         shares = np.asarray(r["expert_load_by_source"], np.float64)  # both sources have tokens every step
         assert shares.shape == (2, 2, 4)
         np.testing.assert_allclose(shares.sum(axis=2), 1.0, atol=1e-5)
-        batch = batches[r["step"]]
-        tokens = np.array([batch["mask"][batch["source_id"] == s].sum() for s in range(2)], np.float64)
+        window = batches[r["step"] - 1: r["step"] + 1]
+        tokens = np.array([sum(b["mask"][b["source_id"] == s].sum() for b in window) for s in range(2)],
+                          np.float64)
         assert tokens.min() > 0
         # copies per expert = Σ_s share · copies of s; as a share of all copies it is the expert load
         combined = (shares * tokens[None, :, None]).sum(axis=1) / tokens.sum()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 import signal
 import subprocess
@@ -9,11 +10,13 @@ import sys
 import time
 
 import numpy as np
+import pytest
 import trainer_fixtures as F
 
 from upcycler.train.config import TrainConfig
 from upcycler.train.loop.checkpointing import committed_steps
 from upcycler.train.loop.trainer import train
+from upcycler.train.reporting.metrics import TIMING_FIELDS
 
 STEPS, EVERY = 120, 10
 
@@ -56,6 +59,8 @@ def test_run_killed_at_a_random_step_resumes_bit_identically(ws, cache, tmp_path
     proc.communicate()
     killed_at = max(committed_steps(run_dir))
     assert logged < STEPS - 1 and killed_at < STEPS, f"the run was not interrupted (kill at step {kill_at})"
+    text = (run_dir / "metrics.jsonl").read_text()
+    before = [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]  # not a line the kill tore
     resumed = F.run_cli("continued-pretrain", "--config", path)  # the same command: --resume auto continues
     assert f"finished at step {STEPS}" in resumed.stdout
 
@@ -63,12 +68,20 @@ def test_run_killed_at_a_random_step_resumes_bit_identically(ws, cache, tmp_path
     final = F.step_params(run_dir / str(STEPS))
     different = [name for name in reference if not np.array_equal(reference[name], final[name])]
     assert not different, f"killed after step {logged} (checkpoint {killed_at}): {different[:5]} differ"
-    strip = ("step_time", "tokens_per_s", "mfu")
+    strip = TIMING_FIELDS
     ref_log = [
         {k: v for k, v in r.items() if k not in strip} for r in F.metrics(tmp_path / "reference" / "run")
     ]
     run_log = [{k: v for k, v in r.items() if k not in strip} for r in F.metrics(run_dir)]
     assert run_log == ref_log
+    # goodput across the restart: the steps computed after checkpoint `killed_at` and thrown away are
+    # wasted progress; the time from the killed run's last record to the restart is recovery
+    after = F.metrics(run_dir)
+    thrown = [r for r in before if r["step"] >= killed_at]
+    clock = after[-1]["clock"]
+    assert clock["wasted_progress"] == pytest.approx(sum(r["step_time"] for r in thrown), abs=1e-4)
+    assert 0 < clock["recovery"] < after[killed_at]["clock"]["wall"] - before[-1]["clock"]["wall"]
+    assert after[killed_at - 1]["clock"] == next(r for r in before if r["step"] == killed_at - 1)["clock"]
 
 
 def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(ws, cache, tmp_path):

@@ -25,6 +25,7 @@ from upcycler.train.config import TrainConfig
 from upcycler.train.loop.trainer import train
 from upcycler.train.model import ModelConfig, forward_jit
 from upcycler.train.model.params import from_tensors
+from upcycler.train.reporting.metrics import TIMING_FIELDS
 
 
 def run(ws, root, model="dense", **changes):
@@ -113,7 +114,7 @@ def test_spike_rewind_continues_from_the_average_and_resumes_bit_identically(ws,
 
     # stopped just before the spike is seen (the guard's window comes back from the checkpoint) and
     # after the rewind, then resumed: bit for bit the same run
-    strip = ("step_time", "tokens_per_s", "mfu")
+    strip = TIMING_FIELDS
     for stop_at in (SPIKE_AT, SPIKE_AT + 2):
         split = tmp_path / f"split{stop_at}"
         train(TrainConfig.from_dict(spike_config(split, ws, "rewind", steps=stop_at)))

@@ -44,7 +44,16 @@ Schema (every section but `model` and `data` is optional; defaults shown):
     mesh: {data: 1, fsdp: -1, expert: 1}   # -1: all remaining devices
     distributed: {coordinator: null, num_processes: null, process_id: null, heartbeat_timeout: 100}
     checkpoint: {every: 100, keep: 3, async: true, hf_every: 0, hf_dtype: bfloat16}
-    metrics: {peak_flops: null, expert_load_every: 1, progress: true, dead_below: 0.1, stop_on_collapse: false}
+    metrics:
+      writers: [jsonl, tensorboard]    # + wandb; jsonl is always written (report and resume read it)
+      wandb: {project: upcycler, entity: null, name: null, mode: null}   # mode: online | offline | disabled
+      peak_flops: null                 # MFU's per-device peak; default: the chip table, or measured on a CPU
+      expert_load_every: 100           # expert load, usage by source and health: window sums, this often
+      progress: true
+      dead_below: 0.1
+      stop_on_collapse: false
+    eval: null                         # {every: 100, batches: 4, sources: [web.heldout, …], dir: null}
+    profile: null                      # {start_step: 10, steps: 3}: RUN_DIR/tensorboard/plugins/profile/
 
 Each option is declared once, as a field below (type, default, choices, range, help); the YAML reader
 (`upcycler.schema.from_mapping`) and the `continued-pretrain` flags are derived from those fields.
@@ -265,17 +274,62 @@ class CheckpointConfig:
     hf_dtype: str = field("bfloat16", choices=HF_DTYPES, help="dtype of the Hugging Face exports.")
 
 
+WRITERS = ("jsonl", "tensorboard", "wandb")  # `upcycler.train.reporting.writers`
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """`metrics.wandb`: the Weights & Biases run the `wandb` writer logs to."""
+
+    project: str = field("upcycler", help="W&B project.")
+    entity: str | None = field(None, help="W&B entity (team or user); default: the logged-in user's.")
+    name: str | None = field(None, help="Run name shown in W&B; default: the run_dir's last part.")
+    mode: str | None = field(None, choices=WANDB_MODES,
+                             help="online | offline (a local run directory, `wandb sync` later) | disabled; "
+                                  "default: WANDB_MODE, else online.")
+
+
 @dataclass(frozen=True)
 class MetricsConfig:
+    writers: tuple[str, ...] = field(("jsonl", "tensorboard"),
+                                     help="Where each step's record goes: jsonl (RUN_DIR/metrics.jsonl, always; "
+                                          "what report and resume read), tensorboard (RUN_DIR/tensorboard), "
+                                          "wandb (metrics.wandb).")
+    wandb: WandbConfig = field(WandbConfig(), help="The W&B run of the wandb writer.")
     peak_flops: float | None = field(None, range=Range(0, None, lo_open=True),
-                                     help="Per-device peak FLOP/s; MFU is reported only when set.")
-    expert_load_every: int = field(1, range=_STEPS, help="Log the expert load every this many steps.")
+                                     help="Per-device peak FLOP/s that MFU is measured against; default: the "
+                                          "chip's published bf16 peak, or on a CPU a float32 matmul measured at start.")
+    expert_load_every: int = field(100, range=_STEPS,
+                                   help="Write the expert load, usage by source and health every this many steps, "
+                                        "each summed over the steps since the previous write.")
     progress: bool = field(True, help="Show a progress bar.")
     dead_below: float = field(0.1, range=Range(0, 1),
                               help="An expert is dead when it received less than this fraction of its fair share "
                                    "of token copies over the last expert_load_every steps.")
     stop_on_collapse: bool = field(False, help="Stop the run when an MoE layer has collapsed (at least half its "
                                                "routed experts dead), naming the layer and the last checkpoint.")
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """`eval`: held-out loss per source during training (`upcycler.train.loop.heldout_eval`)."""
+
+    every: int = field(100, range=_STEPS, help="Evaluate after every this many steps (and after the last).")
+    batches: int = field(4, range=Range(1, 1 << 16),
+                         help="Global batches (data.global_batch_size × data.seq_len) read from each source.")
+    sources: tuple[str, ...] | None = field(
+        None, help="Prepared sources to evaluate on; default: NAME.heldout for every training source NAME that "
+                   "has one (`upcycle prepare-data --heldout`).")
+    dir: Location | None = field(None, help="Where those sources are prepared; default: data.dir.")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """`profile`: a `jax.profiler` trace of a few steps, for TensorBoard's profile tab (XProf)."""
+
+    start_step: int = field(range=Range(0, MAX_STEP), help="First step traced.")
+    steps: int = field(3, range=Range(1, 1000), help="How many steps are traced.")
 
 
 @dataclass(frozen=True)
@@ -291,6 +345,8 @@ class TrainConfig:
     distributed: DistributedConfig = DistributedConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     metrics: MetricsConfig = MetricsConfig()
+    eval: EvalConfig | None = field(None, help="Held-out evaluation during training (off when absent).")
+    profile: ProfileConfig | None = field(None, help="Trace some steps with jax.profiler (off when absent).")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML-able data that `from_dict` turns back into an equal config."""
@@ -366,6 +422,7 @@ def check(config: TrainConfig, origin: str = "config") -> None:
             f"is {config.checkpoint.keep}; lower loss.spike.average or raise checkpoint.keep"
         )
     _check_exports(config.checkpoint, config.steps, origin)
+    _check_observability(config, origin)
     _check_trainable(config.optimizer.trainable, origin)
     _check_distributed(config.distributed, origin)
 
@@ -378,6 +435,32 @@ def _check_exports(c: CheckpointConfig, steps: int, origin: str) -> None:
             f"checkpoint.every {c.every} and step {steps}, none divisible by {c.hf_every}); set it to a "
             f"multiple of {c.every} up to {steps}, or a divisor of {steps}, or 0 for no export"
         )
+
+
+def _check_observability(config: TrainConfig, origin: str) -> None:
+    """Known writers, each once, jsonl among them; a profile window inside the run."""
+    writers = config.metrics.writers
+    for w in writers:
+        if w not in WRITERS:
+            raise UpcyclerError(f"{origin}: metrics.writers names {describe(w)}; use some of {', '.join(WRITERS)}")
+    if len(set(writers)) != len(writers):
+        raise UpcyclerError(f"{origin}: metrics.writers names a writer twice; list each once")
+    if "jsonl" not in writers:
+        raise UpcyclerError(f"{origin}: metrics.writers must include jsonl (metrics.jsonl is what `upcycle report` "
+                            "and a resume read); add it")
+    if config.profile is not None and config.profile.start_step >= config.steps:
+        raise UpcyclerError(f"{origin}: profile.start_step {config.profile.start_step} is not a step of this run "
+                            f"(steps: {config.steps}); pick a step below {config.steps}")
+    if config.eval is not None and config.eval.sources is not None:
+        from upcycler.train.data.config import SOURCE_NAME
+
+        if not config.eval.sources:
+            raise UpcyclerError(f"{origin}: eval.sources is empty; name prepared sources or drop it for the "
+                                "default (NAME.heldout of every training source)")
+        for name in config.eval.sources:
+            if not SOURCE_NAME.fullmatch(name):
+                raise UpcyclerError(f"{origin}: eval.sources names {describe(name)}, not a prepared source's "
+                                    "name; fix the config")
 
 
 def _check_trainable(trainable: str, origin: str) -> None:

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from upcycler import hardware
 from upcycler.errors import UpcyclerError
 from upcycler.io import detect_format, read_checkpoint
 from upcycler.io.hf_read import read_spec
 from upcycler.spec import ModelSpec
-from upcycler.train.aot import hardware, report
+from upcycler.train.aot import report
 from upcycler.train.aot.topology import parse_slice, tpu_devices
 from upcycler.train.config import TrainConfig
 from upcycler.train.loop.preflight import check_spec_options

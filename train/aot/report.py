@@ -21,9 +21,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from upcycler.hardware import Chip
 from upcycler.spec import ModelSpec
 from upcycler.train.aot import collectives, roofline, save_time
-from upcycler.train.aot.hardware import Chip
 from upcycler.train.config import LossConfig, ModelConfig, TrainConfig
 from upcycler.train.reporting.metrics import flops_per_token, matmul_params
 from upcycler.units import human_count

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from upcycler.train.aot.hardware import Chip
+from upcycler.hardware import Chip
 
 TERMS = ("compute", "memory", "communication")
 

@@ -172,6 +172,7 @@ class DataIterator(grain.DatasetIterator):
         self.source_names = tuple(s.name for s in sources)
         self.vocab_size = int(sources[0].meta["vocab_size"])
         self.eos_id = int(sources[0].meta["eos_id"])
+        self.tokenizer_sha256 = sources[0].tokenizer_sha256
         self.schedule = batches.schedule
         self._dataset = grain.MapDataset.source(batches)
         self._identity = {

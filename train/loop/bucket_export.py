@@ -18,7 +18,7 @@ from pathlib import Path
 from upcycler.io import object_store
 from upcycler.io.bucket_output import check_output, publish
 from upcycler.io.manifest import MANIFEST
-from upcycler.io.orbax_layout import PARAMS, STEP_HF, STEP_TOKENIZER_FILES
+from upcycler.io.orbax_layout import PARAMS, STEP_HF, STEP_SIDE_FILES
 from upcycler.io.remote_sources import cache_root, mirror
 from upcycler.locations import remember_origin
 
@@ -28,7 +28,7 @@ def export_step(step_dir: Path, dtype: str, *, convert: Callable[..., Path]) -> 
     export, `checkpointing.export_hf(local_step, dtype, out=…)`); returns the export's location."""
     url = str(step_dir)
     local = mirror(f"{url}/{PARAMS}").parent
-    for name in (MANIFEST, *STEP_TOKENIZER_FILES):
+    for name in (MANIFEST, *STEP_SIDE_FILES):
         if object_store.object_info(f"{url}/{name}") is not None:
             mirror(f"{url}/{name}")
     remember_origin(local, url)

@@ -10,8 +10,10 @@ Layout of `RUN_DIR/<step>/`:
     meta/            step, tokens_seen, lr (of the last step trained), ModelSpec, lineage, and the
                      loss-spike guard's record of rewinds (JSON)
     upcycler.json    the model manifest (spec + lineage, as `upcycler.io.orbax_write` writes it), added once
-                     the step is committed, with the tokenizer files beside it, so `read_checkpoint` and
-                     `upcycle convert RUN_DIR/<step> OUT --to hf` work on the step directory
+                     the step is committed, with the side files beside it (tokenizer, chat template,
+                     generation config: `upcycler.io.SIDE_FILES`, from the tokenizer's directory, else the
+                     init's), so `read_checkpoint`, `upcycle convert RUN_DIR/<step> OUT --to hf` and the
+                     hf/ export (which a harness or a server loads) carry them
     hf/              with `checkpoint.hf_every`: the step as a Hugging Face checkpoint (`checkpoint.hf_dtype`)
 
 A step directory appears only when Orbax has committed every item (a run killed mid-save leaves a
@@ -38,14 +40,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.manifest import MANIFEST, write_manifest
-from upcycler.io.orbax_layout import COMMIT_FILE, PARAMS, STEP_HF, STEP_TOKENIZER_FILES
+from upcycler.io.orbax_layout import COMMIT_FILE, PARAMS, STEP_HF, STEP_SIDE_FILES
 from upcycler.locations import is_remote
 from upcycler.spec import ModelSpec
 from upcycler.train.loop.preflight import committed_steps
 from upcycler.train.model.params import ParamInfo, Params, declare_tree
 
 ITEMS = ("params", "ema", "opt_state", "data", "meta")
-HF_DIR, TOKENIZER_FILES = STEP_HF, STEP_TOKENIZER_FILES  # the step layout's (`upcycler.io.orbax_layout`)
+HF_DIR, SIDE_FILES = STEP_HF, STEP_SIDE_FILES  # the step layout's (`upcycler.io.orbax_layout`)
 
 
 # --- trainer tree <-> canonical tree --------------------------------------------------------------------
@@ -96,14 +98,14 @@ class RunCheckpoints:
         keep: int,
         async_save: bool = True,
         lineage: Sequence[Mapping[str, Any]] = (),
-        tokenizer: Path | None = None,
+        side_dirs: Sequence[Path] = (),
         hf_every: int = 0,
         hf_dtype: str = "bfloat16",
     ):
         self.run_dir = run_dir if is_remote(run_dir) else Path(run_dir).absolute()
         self.spec = spec
         self.lineage = [dict(x) for x in lineage]
-        self.tokenizer = tokenizer
+        self.side_dirs = [Path(d) for d in side_dirs]
         self.hf_every, self.hf_dtype = hf_every, hf_dtype
         self._async = async_save
         self._export_error: BaseException | None = None
@@ -247,11 +249,10 @@ class RunCheckpoints:
 
     def _add_manifest(self, step_dir: Path) -> None:
         meta = json.loads(_meta_file(step_dir).read_text(encoding="utf-8"))
-        if self.tokenizer is not None:
-            for name in TOKENIZER_FILES:
-                src = self.tokenizer.parent / name
-                if src.is_file():
-                    (step_dir / name).write_bytes(src.read_bytes())  # a local or a bucket step alike
+        for name in SIDE_FILES:  # each from the first of side_dirs that has it
+            src = next((d / name for d in self.side_dirs if (d / name).is_file()), None)
+            if src is not None:
+                (step_dir / name).write_bytes(src.read_bytes())  # a local or a bucket step alike
         # no `files` or `tensors` digests: hashing every parameter byte at every checkpoint would cost more
         # than the save, and `read_checkpoint` does not need them
         write_manifest(step_dir, ModelSpec.from_json(json.dumps(meta["spec"])), meta["lineage"])

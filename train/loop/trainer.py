@@ -16,7 +16,10 @@ Guarantees:
 - SIGTERM on any process stops every process after one same step (JAX's preemption sync point when there
   are several: the step after the furthest any process had reached), saves that step and returns
   `RunResult(preempted=True)` (the CLI then exits with `PREEMPTED_EXIT_STATUS`);
-- with several processes, run_dir must be one directory they all see (`run_dir.refuse_unshared`).
+- with several processes, run_dir must be one directory they all see (`run_dir.refuse_unshared`);
+- what is watched during the run (metrics.jsonl and the `metrics.writers`, goodput, MFU, held-out
+  evaluation, a profile) never changes what is trained: the losses and parameters are the same bit for
+  bit with any of them on or off.
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ from upcycler.train.config import TrainConfig
 from upcycler.train.data.mix import DataIterator, make_data_iterator
 from upcycler.train.loop import mesh as mesh_lib
 from upcycler.train.loop.checkpointing import RunCheckpoints
+from upcycler.train.loop.heldout_eval import HeldoutEval
 from upcycler.train.loop.preflight import RunInputs, check_spec_options, prepare
+from upcycler.train.loop.profiling import ProfileWindow
 from upcycler.train.loop.remote_inputs import localized
 from upcycler.train.loop.run_dir import make_run_dir
 from upcycler.train.loop.train_step import (
@@ -52,6 +57,7 @@ from upcycler.train.loop.train_step import (
     state_layout,
 )
 from upcycler.train.model.params import from_tensors
+from upcycler.train.reporting.goodput import RunClock, goodput
 from upcycler.train.reporting.metrics import (
     ExpertWindow,
     MetricsLog,
@@ -59,6 +65,8 @@ from upcycler.train.reporting.metrics import (
     flops_per_token,
     step_record,
 )
+from upcycler.train.reporting.peak import peak_per_device
+from upcycler.train.reporting.writers import Writer, open_writers
 from upcycler.train.techniques import expert_health
 from upcycler.train.techniques.spike_guard import SpikeGuard
 
@@ -76,19 +84,26 @@ def train(config: TrainConfig, *, resume: bool = False, checked: RunInputs | Non
     """Run (or resume) continued pretraining to `config.steps`; see the module docstring for guarantees.
 
     `checked` is the result of `prepare(config, resume)` when the caller already ran it."""
-    mesh_lib.init_distributed(config.distributed)
-    config = localized(config)
-    checked = checked or prepare(config, resume)
-    mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, checked.spec,
-                               microbatches=config.data.microbatches,
-                               seq_len=config.data.seq_len, moe_chunks=config.model.moe_chunks)
-    check_spec_options(config, checked.spec)  # MoE options on a dense model: before the run directory
+    clock = RunClock()
+    with clock.timed("initialization"):
+        mesh_lib.init_distributed(config.distributed)
+        config = localized(config)
+        checked = checked or prepare(config, resume)
+        mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, checked.spec,
+                                   microbatches=config.data.microbatches,
+                                   seq_len=config.data.seq_len, moe_chunks=config.model.moe_chunks)
+        check_spec_options(config, checked.spec)  # MoE options on a dense model: before the run directory
     data = make_data_iterator(config.data, jax.process_index(), jax.process_count())
     run = None
     try:
+        heldout = None
+        if config.eval is not None:  # its sources are checked before the run directory is made
+            heldout = HeldoutEval(config, checked.spec, data.tokenizer_sha256, jax.process_index(),
+                                  jax.process_count())
         make_run_dir(config)
-        run = _Run(config, checked, mesh, data)
-        state = run.resumed_state() if resume else run.initial_state()
+        run = _Run(config, checked, mesh, data, clock, heldout)
+        with clock.timed("checkpoint_restore" if resume else "training_prep"):
+            state = run.resumed_state() if resume else run.initial_state()
         return run.loop(state)
     finally:
         if run is not None:
@@ -99,8 +114,10 @@ def train(config: TrainConfig, *, resume: bool = False, checked: RunInputs | Non
 class _Run:
     """The pieces of one run: mesh, shardings, optimiser, data, checkpoints, compiled step."""
 
-    def __init__(self, config: TrainConfig, checked: RunInputs, mesh: Mesh, data: DataIterator):
+    def __init__(self, config: TrainConfig, checked: RunInputs, mesh: Mesh, data: DataIterator,
+                 clock: RunClock, heldout: HeldoutEval | None):
         self.config, self.checked, self.mesh, self.data = config, checked, mesh, data
+        self.clock, self.heldout = clock, heldout
         self.spec = spec = checked.spec
         self.model_cfg = config.model.run_config()
         self.layout = state_layout(spec, config.optimizer, mesh, checked.lineage)
@@ -112,12 +129,14 @@ class _Run:
             keep=config.checkpoint.keep,
             async_save=config.checkpoint.async_save,
             lineage=checked.lineage,
-            tokenizer=checked.tokenizer,
+            side_dirs=(checked.tokenizer.parent, checked.init),  # the tokenizer's files first, then the init's
             hf_every=config.checkpoint.hf_every,
             hf_dtype=config.checkpoint.hf_dtype,
         )
         self.rewinds: list[dict[str, Any]] = []
         self.guard = SpikeGuard(config.loss.spike) if config.loss.spike else None
+        self.experts = ExpertWindow(spec, config.metrics.dead_below, data.source_names)
+        self.last_lr = 0.0
 
     def initial_state(self) -> TrainState:
         """Step 0: the init checkpoint's tensors as float32, each device reading only its shards.
@@ -149,11 +168,12 @@ class _Run:
         # the steps before this run's (a merge it started from, say), as the checkpoint recorded them
         self.ckpts.lineage = [dict(x) for x in saved.meta["lineage"][:-1]]
         self.data.set_state(saved.data)
+        self.experts.restore(saved.meta.get("expert_window", {}), str(self.ckpts.step_dir(step)))
         return TrainState(jnp.asarray(step, jnp.int32), saved.params, saved.opt_state, saved.ema)
 
     def loop(self, state: TrainState) -> RunResult:
         """Train from `state` to `config.steps`, logging every step and checkpointing as configured."""
-        config, primary = self.config, jax.process_index() == 0
+        config, primary, clock = self.config, jax.process_index() == 0, self.clock
         start = step = int(state.step)
         sources = self.data.source_names
         step_fn = make_train_step(
@@ -162,29 +182,45 @@ class _Run:
         )
         batch_tokens = config.data.global_batch_size * config.data.seq_len
         flops = flops_per_token(self.spec, config.data.seq_len) * batch_tokens
-        guard = self.guard
-        log = MetricsLog(config.run_dir, enabled=primary, start_step=start)
-        experts = ExpertWindow(self.spec, config.metrics.dead_below)
+        guard, experts = self.guard, self.experts
+        with clock.timed("initialization"):
+            peak = peak_per_device(config.metrics.peak_flops, jax.devices())
+        log = _Sinks(MetricsLog(config.run_dir, enabled=primary, start_step=start))
+        clock.resume(log.log.kept and log.log.kept.get("clock"), log.log.last and log.log.last.get("clock"))
         progress = Progress(enabled=primary and config.metrics.progress, start=start, total=config.steps)
-        progress.note(f"{mesh_lib.describe(self.mesh)}; starting at step {start}")
+        progress.note(f"{mesh_lib.describe(self.mesh)}; starting at step {start}; {peak.describe()}")
         stop = _PreemptionNotice()
+        profile = ProfileWindow(config.profile, config.run_dir)
         last = self.ckpts.step_dir(start) if start else None
         compiled = None
         try:
+            if primary:
+                log.writers = open_writers(config.metrics, config.run_dir, start_step=start,
+                                           moe_layers=self.moe_layers, config=config.to_dict())
             while step < config.steps:
-                batch = global_batch(next(self.data), self.mesh)
+                profile.before(step)
+                t_data = time.perf_counter()
+                with clock.timed("data_loading"):
+                    batch = global_batch(next(self.data), self.mesh)
+                data_wait = time.perf_counter() - t_data
                 if compiled is None:
-                    compiled = compile_step(step_fn, self.state_shardings, self.mesh, state, batch)
+                    with clock.timed("program_startup"):
+                        compiled = compile_step(step_fn, self.state_shardings, self.mesh, state, batch)
+                        if self.heldout is not None:
+                            self.heldout.compile(state.params, self.mesh, self.state_shardings.params)
                 t0 = time.perf_counter()
                 state, raw = compiled(state, batch)
                 raw = jax.device_get(raw)
                 elapsed = time.perf_counter() - t0
+                clock.add("productive", elapsed)
+                self.last_lr = float(raw["lr"])  # the schedule's value at this step, for the checkpoint's meta
+                profile.after(step)
                 spike = guard is not None and guard.is_spike(float(raw["loss"]))
                 if not spike:
                     _check_finite(raw, step, last)
-                every = config.metrics.expert_load_every
                 experts.add(raw)
-                health = experts.take() if (step + 1) % every == 0 else None  # windows start at multiples
+                window_ends = (step + 1) % config.metrics.expert_load_every == 0 or step + 1 == config.steps
+                window = experts.take() if window_ends else None  # windows start at multiples
                 record = step_record(
                     step,
                     raw,
@@ -192,24 +228,31 @@ class _Run:
                     step_time=elapsed,
                     batch_tokens=batch_tokens,
                     flops_per_step=flops,
-                    peak_flops=config.metrics.peak_flops,
+                    peak_flops=peak.flops,
                     num_devices=jax.device_count(),
-                    with_load=step % every == 0,
-                    health=health,
+                    window=window,
                 )
+                record["data_wait"] = data_wait
                 if spike:
+                    _stamp(record, clock)
                     state, last = self._spike(guard, record, step, log, progress)  # saves step + 1
                     step += 1
                     if stop.agreed(step):
                         return RunResult(step, last, preempted=True)
                     continue
+                if self.heldout is not None and self.heldout.due(step):
+                    with clock.timed("eval"):
+                        record.update(self.heldout.run(state.params, self.mesh))
+                _stamp(record, clock)
                 log.write(record)
+                health = (window or {}).get("expert_health")
                 progress.update(record, expert_health.summary(health, self.moe_layers) if health else "")
                 if health and config.metrics.stop_on_collapse:
                     _check_collapse(health, self.spec, self.moe_layers, step, last)
                 step += 1
                 preempted = stop.agreed(step)
-                saved = self._maybe_checkpoint(state, step, preempted, progress)
+                with clock.timed("checkpoint_save"):
+                    saved = self._maybe_checkpoint(state, step, preempted, progress)
                 if saved is not None:
                     log.saved()
                     last = saved
@@ -218,6 +261,7 @@ class _Run:
             return RunResult(step, last)
         finally:
             stop.restore()
+            profile.stop()
             progress.close()
             log.close()
 
@@ -238,8 +282,9 @@ class _Run:
         config = self.config
         tokens = step * config.data.global_batch_size * config.data.seq_len
         lineage = _lineage_step(config, step, self.rewinds)
-        meta = {"tokens_seen": tokens, "lr": float(self.schedule(max(step - 1, 0))), "rewinds": self.rewinds,
-                "spike_window": list(self.guard.recent) if self.guard is not None else []}
+        meta = {"tokens_seen": tokens, "lr": self.last_lr, "rewinds": self.rewinds,
+                "spike_window": list(self.guard.recent) if self.guard is not None else [],
+                "expert_window": self.experts.state()}
         self.ckpts.save(step, state.params, state.opt_state, self.data.get_state(), lineage, ema=state.ema,
                         extra_meta=meta)
         saved = self.ckpts.step_dir(step)
@@ -250,7 +295,7 @@ class _Run:
     def moe_layers(self) -> list[int]:
         return expert_health.moe_layer_numbers(self.spec)
 
-    def _spike(self, guard: SpikeGuard, record: dict[str, Any], step: int, log: MetricsLog,
+    def _spike(self, guard: SpikeGuard, record: dict[str, Any], step: int, log: _Sinks,
                progress: Progress) -> tuple[TrainState, Path]:
         """Handle the spike the guard saw at `step` (its state is never saved): stop, or rewind and save.
 
@@ -282,6 +327,36 @@ class _Run:
         saved = self._save(state, step + 1, progress)
         log.saved()
         return state, saved
+
+
+class _Sinks:
+    """Where each record goes: metrics.jsonl (`MetricsLog`, the source of truth) and the other
+    `metrics.writers` (opened once the loop starts; primary process only)."""
+
+    def __init__(self, log: MetricsLog):
+        self.log = log
+        self.writers: list[Writer] = []
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.log.write(record)
+        for writer in self.writers:
+            writer.write(record)
+
+    def saved(self) -> None:
+        self.log.saved()
+        for writer in self.writers:
+            writer.saved()
+
+    def close(self) -> None:
+        self.log.close()
+        for writer in self.writers:
+            writer.close()
+
+
+def _stamp(record: dict[str, Any], clock: RunClock) -> None:
+    """Add the run's clock so far and its goodput to `record`, just before it is written."""
+    record["clock"] = clock.snapshot()
+    record["goodput"] = goodput(record["clock"])
 
 
 def _check_finite(raw: dict[str, Any], step: int, last: Path | None) -> None:

@@ -10,23 +10,32 @@
     grad_norm       global L2 norm of the gradients before clipping
     lr              learning rate used by this step
     tokens          real target tokens in the batch
-    step_time, tokens_per_s   wall time of the step and B·L / step_time
-    mfu             model FLOPs utilisation against `metrics.peak_flops` per device (only when set)
-    expert_load     per MoE layer, the fraction of token copies each expert received (every
-                    `metrics.expert_load_every` steps); sums to 1 per layer
+    step_time, tokens_per_s   wall time of the compiled step and B·L / step_time
+    mfu             model FLOPs utilisation against the per-device peak of `upcycler.train.reporting.peak`
+    data_wait       seconds the loop waited for this step's batch
+    clock, goodput  where the run's wall time went so far, across restarts (`upcycler.train.reporting.goodput`)
+    eval/loss/<source>, eval/ppl/<source>
+                    held-out loss and perplexity after this step, on the steps `eval.every` picks
+                    (`upcycler.train.loop.heldout_eval`)
+    expert_load     per MoE layer, the fraction of token copies each expert received over the window of
+                    `metrics.expert_load_every` steps that ends here; sums to 1 per layer
     expert_load_by_source, sources
-                    on expert_load's lines and, like it, of that one step: per MoE layer, per data source,
+                    on expert_load's lines and over the same window: per MoE layer, per data source,
                     the fraction of that source's token copies each expert received ([layers][sources]
-                    [experts]; each row sums to 1, or is null when the step had no token of that source),
+                    [experts]; each row sums to 1, or is null when the window had no token of that source),
                     and `sources`, the data sources' names in the order of the rows
-    expert_health   per MoE layer over a window of `metrics.expert_load_every` steps, on the window's
-                    last step (windows start at multiples of it, so a run resumed from a checkpoint at
-                    such a step logs what it would have uninterrupted): load_min, load_max, load_cv,
-                    dead, overload, entropy, bias_norm (`upcycler.train.techniques.expert_health`)
+    expert_health   per MoE layer over the same window: load_min, load_max, load_cv, dead, overload,
+                    entropy, bias_norm (`upcycler.train.techniques.expert_health`)
+
+The windows start at multiples of `metrics.expert_load_every` and end on the step before the next one
+(or at the run's last step); a checkpoint saves the open window's sums, so a resumed run logs exactly
+what it would have uninterrupted. Nothing is sampled: every step's counts are in its window.
     spike           on a step the loss-spike guard caught: {action, median, averaged} (`spike_guard`)
 
 A resumed run first drops the lines of steps at or after its start step (they were not checkpointed), so
-the log always describes one uninterrupted trajectory. A value that is not finite is written as null.
+the log always describes one uninterrupted trajectory; it reads the log backwards from its end, only as
+far as the last line it keeps (a resume costs the same after 10 or 100,000 steps). A value that is not
+finite is written as null.
 
 Reading (`read_metrics`, for `upcycle report` and resuming) treats the log as untrusted: every line goes
 through the bounded JSON parser and `parse_metrics_line` checks each known field's type (numbers are
@@ -45,8 +54,9 @@ import io
 import json
 import math
 import os
+import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
@@ -57,13 +67,17 @@ from upcycler.layout import declare_params
 from upcycler.locations import is_remote
 from upcycler.spec import ModelSpec
 from upcycler.train.reporting import metrics_objects
+from upcycler.train.reporting.goodput import CATEGORIES
 from upcycler.train.techniques.expert_health import MAX_MAGNITUDE, check_logged_health, layer_health
 from upcycler.untrusted import MAX_JSON_BYTES, describe, integer, open_regular, parse_json, real, shown_path
 
 METRICS_FILE = "metrics.jsonl"
 NUMBER_FIELDS = (
-    "loss", "lb_loss", "z_loss", "total_loss", "grad_norm", "lr", "tokens", "step_time", "tokens_per_s", "mfu"
+    "loss", "lb_loss", "z_loss", "total_loss", "grad_norm", "lr", "tokens", "step_time", "tokens_per_s", "mfu",
+    "data_wait", "goodput",
 )
+TIMING_FIELDS = ("step_time", "tokens_per_s", "mfu", "data_wait", "goodput", "clock")  # differ run to run
+NUMBER_PREFIXES = ("loss/", "eval/loss/", "eval/ppl/")
 _FIX = "fix or delete that line"
 MAX_STEP = 2**53  # steps are plotted as floats: every step up to here is exact
 MAX_NAME = 255  # a data source's name is a file-name stem
@@ -92,21 +106,27 @@ def flops_per_token(spec: ModelSpec, seq_len: int) -> float:
 class MetricsLog:
     """Appends one JSON line per step to RUN_DIR/metrics.jsonl (a no-op on non-primary processes); in a
     bucket run_dir, keeps the lines since the last checkpoint and writes them as one object when the
-    trainer says a checkpoint was saved (`saved`) and at `close` (`metrics_objects`)."""
+    trainer says a checkpoint was saved (`saved`) and at `close` (`metrics_objects`).
+
+    Opening it drops the records at or after `start_step`; `kept` and `last` are then the last record
+    kept and the last record there was (each None when there is none), for the goodput clock."""
 
     def __init__(self, run_dir: Path, *, enabled: bool, start_step: int):
         self.run_dir = run_dir
         self.path = run_dir / METRICS_FILE
         self.enabled = enabled
+        self.kept: dict[str, Any] | None = None
+        self.last: dict[str, Any] | None = None
         self._file: TextIO | None = None
         self._pending: tuple[list[int], list[str]] | None = None  # bucket run_dir: (steps, lines) not written
         if enabled and is_remote(run_dir):
+            self.kept, self.last = _parsed(metrics_objects.tail(run_dir, start_step), run_dir)
             metrics_objects.truncate_from(run_dir, start_step)
             self._pending = ([], [])
         elif enabled:
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                _truncate_from(self.path, start_step)
+                self.kept, self.last = _truncate_from(self.path, start_step)
                 self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (open for the run)
             except OSError as err:
                 raise UpcyclerError(
@@ -145,11 +165,10 @@ def step_record(
     flops_per_step: float,
     peak_flops: float | None,
     num_devices: int,
-    with_load: bool,
-    health: Mapping[str, Any] | None = None,
+    window: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The JSON record of one step from the train step's (host) metric arrays (and the expert health of
-    the window that ends here, when given)."""
+    """The JSON record of one step from the train step's (host) metric arrays, with the expert window that
+    ends here (`ExpertWindow.take`), when given."""
     rec: dict[str, Any] = {"step": step, "loss": float(raw["loss"])}
     src_loss, src_tokens = np.asarray(raw["source_loss"]), np.asarray(raw["source_tokens"])
     for name, loss_sum, count in zip(sources, src_loss, src_tokens):
@@ -168,16 +187,15 @@ def step_record(
     )
     if peak_flops:
         rec["mfu"] = flops_per_step / step_time / (peak_flops * num_devices)
-    if with_load and "expert_counts" in raw:
-        counts = np.asarray(raw["expert_counts"], dtype=np.float64)
-        totals = np.maximum(counts.sum(axis=1, keepdims=True), 1.0)
-        rec["expert_load"] = np.round(counts / totals, 6).tolist()
-    if with_load and "expert_counts_by_source" in raw:
-        rec["expert_load_by_source"] = source_shares(raw["expert_counts_by_source"])
-        rec["sources"] = list(sources)
-    if health is not None:
-        rec["expert_health"] = dict(health)
+    if window:
+        rec.update(window)
     return rec
+
+
+def load_shares(counts_ME: Any) -> list[list[float]]:
+    """`expert_load` from counts [M, E]: each layer's row divided by its sum, rounded to 6 decimals."""
+    counts = np.asarray(counts_ME, dtype=np.float64)
+    return np.round(counts / np.maximum(counts.sum(axis=1, keepdims=True), 1.0), 6).tolist()
 
 
 def source_shares(counts_MSE: Any) -> list[list[list[float] | None]]:
@@ -191,13 +209,17 @@ def source_shares(counts_MSE: Any) -> list[list[list[float] | None]]:
 
 
 class ExpertWindow:
-    """Token copies per expert, router entropy and selection bias over the steps since the last health
-    record; `take` turns them into `expert_health` statistics and starts a new window."""
+    """Token copies per expert (in all and per data source), router entropy and selection bias over the
+    steps since the window opened; `take` turns them into the record's `expert_load`,
+    `expert_load_by_source` and `expert_health` and opens a new window. `state` / `restore` carry an open
+    window through a checkpoint (integers and float sums, exact in JSON)."""
 
-    def __init__(self, spec: ModelSpec, dead_below: float):
+    def __init__(self, spec: ModelSpec, dead_below: float, sources: Sequence[str] = ()):
         self.top_k = spec.moe.top_k if spec.moe is not None else 1  # unused for a dense model: no counts
         self.dead_below = dead_below
+        self.sources = list(sources)
         self._counts: np.ndarray | None = None
+        self._by_source: np.ndarray | None = None
         self._entropy: np.ndarray | None = None
         self._steps = 0
         self._bias: np.ndarray | None = None
@@ -210,18 +232,55 @@ class ExpertWindow:
         entropy = np.asarray(raw["router_entropy"], np.float64)
         self._counts = counts if self._counts is None else self._counts + counts
         self._entropy = entropy if self._entropy is None else self._entropy + entropy
+        if "expert_counts_by_source" in raw:
+            by_source = np.asarray(raw["expert_counts_by_source"], np.int64)
+            self._by_source = by_source if self._by_source is None else self._by_source + by_source
         self._steps += 1
         if "selection_bias" in raw:
             self._bias = np.asarray(raw["selection_bias"], np.float64)
 
-    def take(self) -> dict[str, list] | None:
-        """The window's health statistics (None before any MoE step), and an empty window."""
+    def take(self) -> dict[str, Any] | None:
+        """The window's record fields (None before any MoE step), and an empty window."""
         if self._counts is None:
             return None
-        health = layer_health(self._counts, self.top_k, self.dead_below, self._entropy / self._steps, self._bias)
-        self._counts = self._entropy = None
+        out: dict[str, Any] = {"expert_load": load_shares(self._counts)}
+        if self._by_source is not None:
+            out.update(expert_load_by_source=source_shares(self._by_source), sources=list(self.sources))
+        out["expert_health"] = layer_health(self._counts, self.top_k, self.dead_below,
+                                            self._entropy / self._steps, self._bias)
+        self._counts = self._by_source = self._entropy = None
         self._steps = 0
-        return health
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """The open window as plain JSON data (empty when nothing was added)."""
+        if self._counts is None:
+            return {}
+        state = {"steps": self._steps, "counts": self._counts.tolist(), "entropy": self._entropy.tolist()}
+        if self._by_source is not None:
+            state["by_source"] = self._by_source.tolist()
+        if self._bias is not None:
+            state["bias"] = self._bias.tolist()
+        return state
+
+    def restore(self, state: Mapping[str, Any], where: str) -> None:
+        """Reopen a window saved by `state` (a checkpoint's meta, checked: `UpcyclerError` naming `where`)."""
+        if not state:
+            return
+        try:
+            steps = int(state["steps"])
+            counts = np.asarray(state["counts"], np.int64)
+            entropy = np.asarray(state["entropy"], np.float64)
+            by_source = np.asarray(state["by_source"], np.int64) if "by_source" in state else None
+            bias = np.asarray(state["bias"], np.float64) if "bias" in state else None
+        except (KeyError, TypeError, ValueError, OverflowError):
+            steps, counts = 0, np.zeros(0)
+        if (steps < 1 or counts.ndim != 2 or (counts < 0).any() or entropy.shape != counts.shape[:1]
+                or not np.isfinite(entropy).all()
+                or (by_source is not None and by_source.shape != (counts.shape[0], len(self.sources), counts.shape[1]))):
+            raise UpcyclerError(f"{where}: meta expert_window is not an open window of this model's expert "
+                                "counts; the checkpoint is damaged; resume from an earlier step")
+        self._steps, self._counts, self._entropy, self._by_source, self._bias = steps, counts, entropy, by_source, bias
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -321,8 +380,9 @@ def _read_line(f: Any, path: Path, lineno: int) -> bytearray:
 def parse_metrics_line(line: str | bytes, where: str) -> dict[str, Any] | None:
     """The record of one metrics.jsonl line (None for a blank line), or `UpcyclerError` naming `where`.
 
-    `step` is a non-negative integer; the fields of `NUMBER_FIELDS` and `loss/<source>` are finite
-    numbers or null; `expert_load` is a non-empty rectangle of finite numbers (layers × experts);
+    `step` is a non-negative integer; the fields of `NUMBER_FIELDS`, `loss/<source>` and
+    `eval/{loss,ppl}/<source>` are finite numbers or null; `clock` maps every goodput category, `total`
+    and `wall` to a finite non-negative number; `expert_load` is a non-empty rectangle of finite numbers (layers × experts);
     `expert_load_by_source` is a non-empty block layers × sources × experts of numbers in [0, 1], a whole
     source row possibly null, with `sources` beside it naming each source once (and the
     layers and experts of `expert_load` when the line has both)."""
@@ -335,10 +395,13 @@ def parse_metrics_line(line: str | bytes, where: str) -> dict[str, Any] | None:
         raise UpcyclerError(f"{where}: no step; {_FIX}")
     integer(record["step"], "step", where, low=0, high=MAX_STEP, fix=_FIX)
     for key, value in record.items():
-        if key.startswith("loss/"):
-            _check_name(key[5:], "the source of a loss/<source> field", where)
-        if (key in NUMBER_FIELDS or key.startswith("loss/")) and value is not None:
+        prefix = next((p for p in NUMBER_PREFIXES if key.startswith(p)), None)
+        if prefix is not None:
+            _check_name(key[len(prefix):], f"the source of a {prefix}<source> field", where)
+        if (key in NUMBER_FIELDS or prefix is not None) and value is not None:
             real(value, key, where, low=-MAX_MAGNITUDE, high=MAX_MAGNITUDE, fix=_FIX)
+    if "clock" in record:
+        _check_clock(record["clock"], where)
     if "expert_load" in record:
         _check_load(record["expert_load"], where)
     if "sources" in record:
@@ -348,6 +411,15 @@ def parse_metrics_line(line: str | bytes, where: str) -> dict[str, Any] | None:
     if "expert_health" in record:
         check_logged_health(record["expert_health"], where, fix=_FIX)
     return record
+
+
+def _check_clock(clock: Any, where: str) -> None:
+    """`clock` as `parse_metrics_line` documents it, or `UpcyclerError` naming `where`."""
+    keys = (*CATEGORIES, "total", "wall")
+    if not isinstance(clock, dict) or any(k not in clock for k in keys):
+        raise UpcyclerError(f"{where}: clock must map {', '.join(keys)} to seconds, not {describe(clock)}; {_FIX}")
+    for key in keys:
+        real(clock[key], f"clock.{key}", where, low=0.0, high=MAX_MAGNITUDE, fix=_FIX)
 
 
 def _check_load(load: Any, where: str) -> None:
@@ -420,17 +492,84 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def _truncate_from(path: Path, start_step: int) -> None:
-    """Keep only the complete records of steps before `start_step` (the file is replaced atomically)."""
+_STEP_PREFIX = re.compile(rb'^\{"step": (\d+)[,}]')
+_TAIL_BLOCK = 1 << 20
+
+
+def _truncate_from(path: Path, start_step: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """Keep only the complete records of steps before `start_step`; returns (the last record kept, the
+    last complete record there was), each None when there is none (and both None for step 0: a new run).
+
+    The log is read backwards from its end, as far as the last line kept, and cut there in place. A log
+    whose lines do not all start as the trainer writes them (`{"step": N`) is read whole and rewritten
+    atomically with its checked records instead."""
     if not os.path.lexists(path):
-        return
-    kept = [r for r in read_metrics(path.parent) if r["step"] < start_step] if start_step > 0 else []
+        return None, None
+    os.close(open_regular(path, "metrics log"))  # a regular file, or one clear line
+    last: dict[str, Any] | None = None
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if start_step == 0:
+            f.truncate(0)
+            return None, None
+        for offset, line in _lines_backwards(f, size, path):
+            if not line.endswith(b"\n"):
+                continue  # only the last line can lack its line break: torn by a run killed mid-write
+            match = _STEP_PREFIX.match(line)
+            if match is None:
+                if not line.strip():
+                    continue
+                break
+            step = int(match.group(1))
+            record = None
+            if last is None or step < start_step:
+                record = parse_metrics_line(line, f"{shown_path(path)}: the line at byte {offset}")
+            if last is None:
+                last = record
+            if step < start_step:
+                f.truncate(offset + len(line))
+                return record, last
+        else:
+            f.truncate(0)
+            return None, last
+    kept = [r for r in read_metrics(path.parent) if r["step"] < start_step]
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    return (kept[-1] if kept else None), last
+
+
+def _lines_backwards(f: BinaryIO, size: int, path: Path) -> Iterator[tuple[int, bytes]]:
+    """(offset, line with its line break if it has one) of every line of `f`, last first, read in blocks
+    from the end; a line longer than `MAX_JSON_BYTES` is refused."""
+    pos, tail, tail_ends = size, b"", False  # tail: the earliest, maybe partial, line read so far
+    while pos > 0:
+        n = min(_TAIL_BLOCK, pos)
+        pos -= n
+        f.seek(pos)
+        pieces = (f.read(n) + tail).split(b"\n")
+        offset, found = pos + len(pieces[0]) + 1, []
+        for k, piece in enumerate(pieces[1:], start=1):
+            ends = k < len(pieces) - 1 or tail_ends
+            if piece or ends:
+                found.append((offset, piece + b"\n" if ends else piece))
+            offset += len(piece) + 1
+        yield from reversed(found)
+        tail, tail_ends = pieces[0], len(pieces) > 1 or tail_ends
+        if len(tail) > MAX_JSON_BYTES:
+            raise UpcyclerError(f"{shown_path(path)}: a line longer than {MAX_JSON_BYTES:,} bytes; not a metrics "
+                                f"log the trainer wrote; {_FIX}")
+    if tail or tail_ends:
+        yield 0, tail + b"\n" if tail_ends else tail
+
+
+def _parsed(lines: tuple[bytes | None, bytes | None], run_dir: Path) -> tuple[dict | None, dict | None]:
+    """The records of (kept, last) lines of a bucket run_dir's metrics objects."""
+    where = f"{shown_path(run_dir)}/{metrics_objects.PREFIX}*.jsonl"
+    return tuple(None if line is None else parse_metrics_line(line, where) for line in lines)  # type: ignore[return-value]
 
 
 class Progress:
@@ -452,6 +591,8 @@ class Progress:
         summary = f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s"
         if "mfu" in record:
             summary += f" mfu {100 * record['mfu']:.1f}%"
+        if "goodput" in record:
+            summary += f" goodput {100 * record['goodput']:.0f}%"
         if experts:
             summary += f" {experts}"
         if self._bar is not None:

@@ -56,6 +56,23 @@ def truncate_from(run_dir: Path, start_step: int) -> None:
             path.unlink()
 
 
+def tail(run_dir: Path, start_step: int) -> tuple[bytes | None, bytes | None]:
+    """(the last line of a step before `start_step`, the last line of all), each None when there is
+    none; reads at most the two objects that hold them."""
+    intervals = _intervals(run_dir)
+    if not intervals or start_step == 0:
+        return None, None
+    last_lines = intervals[-1][2].read_bytes().splitlines(keepends=True)
+    kept = None
+    for first, _, path in reversed(intervals):
+        if first < start_step:
+            lines = last_lines if path == intervals[-1][2] else path.read_bytes().splitlines(keepends=True)
+            kept = next((line for line in reversed(lines) if _step_of(line.decode("utf-8", "replace"))
+                         in range(start_step)), None)
+            break
+    return kept, (last_lines[-1] if last_lines else None)
+
+
 def read_all(run_dir: Path) -> bytes | None:
     """The concatenated bytes of every metrics object in step order, or None when there is none."""
     intervals = _intervals(run_dir)

@@ -14,6 +14,10 @@
                              router as initialised; the only one when it is the only one), one colour
                              bar for all panels; a run with more than 12 MoE layers shows 12 evenly
                              spaced ones, first and last included, and says so in the title
+    heldout.png              when records carry `eval/loss/<source>`: the held-out loss of each source
+                             after the evaluated steps (`upcycler.train.loop.heldout_eval`)
+    goodput.png              when records carry `clock`: where the run's wall time went so far, as shares
+                             stacked per category (`upcycler.train.reporting.goodput`), goodput on top
     expert_health.png        when records carry `expert_health` (`upcycler.train.techniques.expert_health`): one panel
                              per logged statistic (load_cv, dead, overload, entropy, bias_norm) over the
                              steps, a thin line per MoE layer (coloured by depth, viridis: first layer
@@ -45,6 +49,7 @@ import numpy as np
 from upcycler.errors import UpcyclerError
 from upcycler.io.staging import staged_files
 from upcycler.locations import is_remote
+from upcycler.train.reporting.goodput import CATEGORIES
 from upcycler.train.reporting.metrics import METRICS_FILE, read_metrics
 from upcycler.train.techniques.expert_health import HEALTH_KEYS, check_logged_health
 from upcycler.untrusted import shown_path
@@ -78,6 +83,10 @@ def make_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     out = Path(out) if out is not None else run_dir / "report"
     with staged_files(out, "--out") as stage:
         names = [_loss(records, stage / "loss.png"), _training(records, stage / "training.png")]
+        if any(k.startswith("eval/loss/") for r in records for k in r):
+            names.append(_heldout(records, stage / "heldout.png"))
+        if any("clock" in r for r in records):
+            names.append(_goodput(records, stage / "goodput.png"))
         names += _expert_load(records, stage)
         if usage is not None:
             names.append(_expert_usage_by_source(usage, stage / "expert_usage_by_source.png"))
@@ -93,9 +102,10 @@ def _check_size(records: Sequence[dict[str, Any]], log: str) -> None:
     names: set[str] = set()
     for r in records:
         where = f"{log}: step {r['step']}"
-        names.update(k[5:] for k in r if k.startswith("loss/"))
+        names.update(k for k in r if k.startswith(("loss/", "eval/loss/")))
         if len(names) > MAX_SOURCES:
-            raise UpcyclerError(f"{where}: more than {MAX_SOURCES:,} data sources have a loss/<source>; {fix}")
+            raise UpcyclerError(f"{where}: more than {MAX_SOURCES:,} data sources have a loss/<source> or "
+                                f"eval/loss/<source>; {fix}")
         load = r.get("expert_load")
         if load is not None and (len(load) > MAX_LAYERS or len(load[0]) > MAX_EXPERTS):
             raise UpcyclerError(f"{where}: expert_load covers {len(load):,} layers × {len(load[0]):,} experts, "
@@ -182,6 +192,34 @@ def _training(records: Sequence[dict[str, Any]], path: Path) -> str:
         twin.plot(s, 100 * mfu, color="tab:red", lw=0.8, ls="--")
         twin.set_ylabel("MFU (%)", color="tab:red")
     axes[2].set_ylabel("tokens/s")
+    return _save(fig, path)
+
+
+def _heldout(records: Sequence[dict[str, Any]], path: Path) -> str:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in sorted({k for r in records for k in r if k.startswith("eval/loss/")}):
+        s, v = _series(records, key)
+        ax.plot(s, v, marker="o", ms=3, lw=1.0, label=key[len("eval/loss/"):].replace("$", r"\$"))
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="held-out loss per source")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _goodput(records: Sequence[dict[str, Any]], path: Path) -> str:
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in records if "clock" in r]
+    steps = np.asarray([r["step"] for r in timed])
+    totals = np.asarray([max(r["clock"]["total"], 1e-12) for r in timed])
+    shares = [np.asarray([r["clock"][c] for r in timed]) / totals for c in CATEGORIES]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.stackplot(steps, shares, labels=CATEGORIES, alpha=0.85)
+    ax.set(xlabel="step", ylabel="share of the run's wall time so far", ylim=(0, 1),
+           title=f"goodput {100 * shares[0][-1]:.1f}% of {totals[-1] / 3600:.2f} h")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     return _save(fig, path)
 
 

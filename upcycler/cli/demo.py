@@ -41,6 +41,9 @@ def _run(args: list[str]) -> None:
             raise UpcyclerError(f"demo step `upcycle {args[0]}` failed (exit {stop.code}); see above") from None
 
 
+DEMO_SOURCES = ("code", "prose", "math")  # the bundled corpus: NAME.train.jsonl and NAME.heldout.jsonl each
+
+
 def _train_config(out: Path, init: Path, steps: int, run_dir: Path) -> Path:
     switch = max(1, steps // 2)
     config = {
@@ -64,6 +67,8 @@ def _train_config(out: Path, init: Path, steps: int, run_dir: Path) -> Path:
         ]},
         "loss": {"lb_coef": 0.01, "z_coef": 0.001},
         "checkpoint": {"every": max(1, steps // 4), "keep": 4},
+        "metrics": {"writers": ["jsonl", "tensorboard"], "expert_load_every": max(1, steps // 10)},
+        "eval": {"every": max(1, steps // 4), "batches": 1, "sources": [f"{n}.heldout" for n in DEMO_SOURCES]},
     }
     path = out / "train.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -114,7 +119,8 @@ def command(out: Path, steps: int, overwrite: bool) -> None:
     _run(["verify", str(parent), str(moe), "--tolerance", "1e-4"])
     corpus = assets / "corpus"
     _run(["prepare-data", "--tokenizer", str(parent / "tokenizer.json"), "--out", str(out / "data"),
-          *[a for name in ("code", "prose", "math") for a in ("--source", f"{name}={corpus / f'{name}.train.jsonl'}")],
+          *[a for name in DEMO_SOURCES for split, source in (("train", name), ("heldout", f"{name}.heldout"))
+            for a in ("--source", f"{source}={corpus / f'{name}.{split}.jsonl'}")],
           *force])
     config = _train_config(out, moe, steps, run_dir)
     if overwrite and run_dir.exists():
@@ -125,6 +131,7 @@ def command(out: Path, steps: int, overwrite: bool) -> None:
     _generate(hf, "def main(")
     _run(["report", str(run_dir)])
     click.secho(f"\ndemo finished in {time.time() - started:.0f}s; everything is in {out}/", bold=True)
+    click.echo(f"  watch it: tensorboard --logdir {run_dir / 'tensorboard'}")
     for name, what in ((moe, "the upcycled MoE (HF)"), (run_dir, "training run: checkpoints, metrics.jsonl, plots"),
                        (merged, "EMA of the last checkpoints (Orbax)"), (hf, "final model (HF, loads in transformers)")):
         click.echo(f"  {name}  {what}")

@@ -16,11 +16,13 @@ hold a second tree of the same shape, `ema/`, the moving average of the weights.
 
 from __future__ import annotations
 
+from upcycler.io.checkpoint import SIDE_FILES
+
 PARAMS = "params"
 EMA = "ema"  # training steps with `optimizer.ema`: the weights' moving average, a tree like params/
 WEIGHTS = {"params": PARAMS, "ema": EMA}  # what `read_checkpoint(..., weights=)` may read
 TREE = "state"  # the v1 layout keeps the pytree of a checkpoint in this subdirectory
 STEP_HF = "hf"  # a training step's Hugging Face export (`checkpoint.hf_every`), beside params/
-STEP_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+STEP_SIDE_FILES = SIDE_FILES  # what a training step carries beside its arrays: tokenizer, chat template, generation config
 COMMIT_FILE = "commit_success.txt"  # in a bucket, Orbax writes a step in place and this file last
 CHUNK_BYTES = 64 * 1024**2  # Orbax chunk size; routed experts are additionally chunked one expert per chunk

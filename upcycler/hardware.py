@@ -1,5 +1,6 @@
-"""The accelerator chips the compile-only report knows: published peak figures per chip, and the HBM the
-TPU compiler actually lets one program use.
+"""The accelerator chips upcycler knows: published peak figures per chip, and the HBM the TPU compiler
+actually lets one program use. The compile-only report (`upcycler.train.aot`) sizes steps with them and
+the trainer measures MFU against them (`upcycler.train.reporting.peak`).
 
 Every figure is per chip, as its vendor publishes it (`source`). `usable_hbm_bytes` is what matters for
 "does the step fit": a TPU compile that needs more fails with RESOURCE_EXHAUSTED, "... exceeds available
@@ -128,6 +129,17 @@ CHIPS: tuple[Chip, ...] = (
         ici_bandwidth=900 * GB,  # NVLink, bidirectional total
         source="https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM: bf16 1979 TFLOPS with sparsity, "
         "989 dense; 80 GB; 3.35 TB/s; NVLink 900 GB/s)",
+    ),
+    Chip(
+        name="H200 SXM",
+        device_kinds=("NVIDIA H200",),
+        peak_bf16_flops=989 * TFLOPS,  # the H100's tensor cores; 1979 is the figure with 2:4 sparsity
+        hbm_bytes=141 * GB,
+        usable_hbm_bytes=None,
+        hbm_bandwidth=4800 * GB,
+        ici_bandwidth=900 * GB,  # NVLink, bidirectional total
+        source="https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM: bf16 1979 TFLOPS with sparsity, "
+        "989 dense; 141 GB HBM3e; 4.8 TB/s; NVLink 900 GB/s)",
     ),
     Chip(
         name="A100 SXM 80GB",
