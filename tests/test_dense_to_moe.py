@@ -33,6 +33,10 @@ CASES = {
     "glm4_moe-shared": ("llama", {"num_hidden_layers": 3},
                         {"experts": 8, "topk": 4, "granularity": 4, "shared_experts": 2, "dense_layers": 1,
                          "target": "glm4_moe", "routed_scaling_factor": 2.5}, "glm4_moe"),
+    # a tied parent: GLM-4-MoE's serving implementations never tie, so the head is written out
+    "glm4_moe-tied": ("llama", {"num_hidden_layers": 3, "tie_word_embeddings": True},
+                      {"experts": 8, "topk": 2, "granularity": 2, "shared_experts": 1, "target": "glm4_moe"},
+                      "glm4_moe"),
     # any expert width: overlapping windows (F = 112, 8 experts of width 16 = F/7 per virtual group)
     "mixtral-overlap": ("llama", {"intermediate_size": 112}, {"experts": 64, "topk": 8, "expert_width": 16},
                         "mixtral"),
@@ -212,6 +216,18 @@ def test_qwen2_moe_shared_expert_and_dense_layer(upcycled):
                           dense["model.layers.1.mlp.down_proj.weight"][:, :32] * 2)
     # routed expert e holds shard 1 + e mod 3, scaled by R = 3
     assert np.array_equal(moe[p + "experts.4.up_proj.weight"], dense["model.layers.1.mlp.up_proj.weight"][64:96])
+
+
+def test_a_tied_parent_is_written_to_glm4_moe_with_its_head_as_a_copy(upcycled):
+    """vLLM's Glm4MoeForCausalLM always builds its own lm_head: a tied parent's output carries the head as
+    a copy of the embedding and says it is untied; transformers computes the same logits
+    (`test_function_preserved`) and the manifest records the untied spec."""
+    src, out, _ = upcycled("glm4_moe-tied")
+    assert config(src)["tie_word_embeddings"] is True and config(out)["tie_word_embeddings"] is False
+    moe = stored(out)
+    assert np.array_equal(moe["lm_head.weight"], moe["model.embed_tokens.weight"])
+    assert np.array_equal(moe["lm_head.weight"], stored(src)["model.embed_tokens.weight"])
+    assert json.loads((out / "upcycler.json").read_text())["spec"]["tie_embeddings"] is False
 
 
 def test_glm4_moe_ungated_shared_experts(upcycled):

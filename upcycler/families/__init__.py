@@ -101,6 +101,8 @@ def conform_spec(spec: ModelSpec, family: Family) -> ModelSpec:
         spec = spec.replace(qkv_bias=True)
     if family.neutral_router_bias and spec.moe is not None and not spec.moe.router_bias:
         spec = spec.replace(moe=dataclasses.replace(spec.moe, router_bias=True))
+    if not family.ties_embeddings and spec.tie_embeddings:
+        spec = spec.replace(tie_embeddings=False)
     return spec.replace(family=family.name)
 
 
@@ -108,10 +110,14 @@ def conform(spec: ModelSpec, tensors: TensorMap, family: Family) -> tuple[ModelS
     """Fit (spec, tensors) to `family`, adding only tensors that leave the function unchanged.
 
     Zero q/k/v biases for families with `neutral_qkv_bias` (transformers v4 always builds them for
-    Qwen2-style attention) and a zero selection bias for `neutral_router_bias` (sigmoid routers). Anything
-    the family cannot hold exactly is refused with the reasons.
+    Qwen2-style attention), a zero selection bias for `neutral_router_bias` (sigmoid routers), and for a
+    family whose serving implementations never tie (`ties_embeddings` False) the tied embedding also as
+    `lm_head` (the same lazy tensor: streamed from the source, no copy in memory). Anything the family
+    cannot hold exactly is refused with the reasons.
     """
     added: dict = {}
+    if spec.tie_embeddings and not family.ties_embeddings and "lm_head" not in tensors:
+        added["lm_head"] = tensors["embed"]
     spec = conform_spec(spec, family)
     reasons = family.cannot_hold(spec)
     if reasons:

@@ -81,7 +81,8 @@ class Family:
     Everything a transform or the registry needs to know about a family is a field here, so adding a
     family never changes a transform: `default_router`, `shared_experts`, `routed_scaling` and
     `auto_rank` say how `dense-to-moe` builds an MoE for it; `neutral_qkv_bias` and `neutral_router_bias`
-    name the function-neutral zero tensors `conform` adds when writing it.
+    name the function-neutral zero tensors `conform` adds when writing it, and `ties_embeddings` whether a
+    tied output head is written as a copy instead.
     """
 
     name: str
@@ -101,6 +102,10 @@ class Family:
     auto_rank: int | None = None  # MoE families: place in `--target auto` (lowest first; None: never)
     neutral_qkv_bias: bool = False  # always stores q/k/v biases: zeros are added to a model without any
     neutral_router_bias: bool = False  # sigmoid router with a selection bias: zeros are added when missing
+    # whether the serving engines' implementations honour tie_word_embeddings; False: a tied model is
+    # written with an explicit lm_head (a copy of the embedding) and tie_word_embeddings false (vLLM's
+    # Glm4MoeForCausalLM always builds its own lm_head)
+    ties_embeddings: bool = True
 
     def read_config(self, cfg: dict[str, Any]) -> ModelSpec:
         """The spec a config.json of this family describes (its fields checked; see the module doc)."""

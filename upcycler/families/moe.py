@@ -235,4 +235,5 @@ QWEN2_MOE = Family(name="qwen2_moe", architecture="Qwen2MoeForCausalLM", model_t
 GLM4_MOE = Family(name="glm4_moe", architecture="Glm4MoeForCausalLM", model_type="glm4_moe",
                   config_reader=_read_glm4_moe, config_writer=_write_glm4_moe, moe_names=_GLM_NAMES,
                   limits=_glm4_moe_limits, is_moe=True, sliding_window=False, default_router="sigmoid",
-                  shared_experts="count", routed_scaling=True, auto_rank=3, neutral_router_bias=True)
+                  shared_experts="count", routed_scaling=True, auto_rank=3, neutral_router_bias=True,
+                  ties_embeddings=False)
