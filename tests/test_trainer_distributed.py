@@ -174,7 +174,7 @@ EP_RUNS = {  # name: (moe_dispatch, comm_dtype, relative tolerance on every step
 def ep_config(tmp_path, ws, name: str, dispatch: str, comm_dtype: str, steps: int = EP_STEPS, **changes):
     cfg = F.config_dict(tmp_path / name, ws["moe"], ws["data"], steps=steps, mesh=EP_MESH,
                         **{"model.moe_dispatch": dispatch, "model.comm_dtype": comm_dtype,
-                           "checkpoint.every": 10, **changes})
+                           "checkpoint.every": 10, "metrics.expert_load_every": 1, **changes})
     return F.write_config(tmp_path / f"{name}.yaml", cfg)
 
 
