@@ -62,3 +62,15 @@ def snapshot(directory: Path) -> dict[str, bytes]:
 def leftovers(parent: Path, name: str) -> list[str]:
     """Entries in `parent` that look like an output named `name` or its temporary directory."""
     return [p.name for p in parent.iterdir() if p.name == name or p.name.startswith(f".{name}.")]
+
+
+def prepare_demo_corpus(tokenizer: Path, out: Path) -> Path:
+    """`upcycle prepare-data` of the bundled demo corpus with `tokenizer` (tokenizer.json) into `out`: every
+    source NAME with its held-out split as NAME.heldout (the demo's own layout)."""
+    from upcycler.cli.demo import DEMO_SOURCES, demo_assets
+
+    corpus = demo_assets() / "corpus"
+    run_cli("prepare-data", "--tokenizer", tokenizer, "--out", out,
+            *[a for name in DEMO_SOURCES for split, source in (("train", name), ("heldout", f"{name}.heldout"))
+              for a in ("--source", f"{source}={corpus / f'{name}.{split}.jsonl'}")])
+    return out

@@ -18,6 +18,9 @@ from transform_helpers import (
     stored,
 )
 
+from upcycler.cli.demo import demo_assets
+from upcycler.io import read_checkpoint
+from upcycler.spec import MoESpec
 from upcycler.tensors import LazyTensor, TensorMap
 from upcycler.transforms import transform_named
 
@@ -425,3 +428,41 @@ def test_expert_width_in_a_recipe_equals_the_flag(tiny_dir, tmp_path):
     run_cli("dense-to-moe", src, tmp_path / "from-flags", "--experts", "64", "--topk", "8", "--expert-width", "16")
     for name in ("model.safetensors", "config.json"):
         assert (tmp_path / "from-recipe" / name).read_bytes() == (tmp_path / "from-flags" / name).read_bytes()
+
+
+@pytest.mark.parametrize("source, target, says", [
+    # vLLM's Qwen2-MoE computes head_dim as hidden_size / heads: a wider head would be read as another model
+    (("llama", {"head_dim": 32}), "qwen2_moe", "vLLM's Qwen2-MoE takes head_dim"),
+    # transformers' Qwen3 biases o_proj with attention_bias, vLLM's does not
+    (("llama", {"attention_bias": True}), "qwen3_moe", "biases o_proj in transformers and not in vLLM"),
+])
+def test_targets_their_serving_engines_would_misread_are_refused(tiny_dir, tmp_path, source, target, says):
+    family, overrides = source
+    src = tiny_dir(family, **overrides)
+    proc = run_cli("dense-to-moe", src, tmp_path / "out", "--experts", "4", "--topk", "2", "--target", target,
+                   check=False)
+    assert_clean_failure(proc, mentions=says)
+    assert not (tmp_path / "out").exists()
+
+
+def test_partial_rotary_is_written_only_where_the_config_can_say_it(tmp_path):
+    from upcycler.families import family_named
+
+    spec = read_checkpoint(demo_assets() / "model").spec.replace(partial_rotary_factor=0.5)
+    assert any("partial_rotary_factor is 0.5" in r for r in family_named("llama").cannot_hold(spec))
+    moe = spec.replace(family="glm4_moe", moe=MoESpec(4, 2, spec.intermediate_size, "sigmoid", router_bias=True))
+    assert not any("partial_rotary" in r for r in family_named("glm4_moe").cannot_hold(moe))
+
+
+def test_a_wider_output_dtype_scales_in_it_and_is_verified(tiny_dir, tmp_path):
+    """bf16 source, --dtype fp32, R = 7: down_proj × 7 computed and stored in fp32 (exact for bf16 values),
+    so the write checks itself and passes, where scaling in bf16 first would round and fail the check."""
+    src = tiny_dir("llama", dtype="bfloat16")
+    proc = run_cli("dense-to-moe", src, tmp_path / "out", "--experts", "56", "--topk", "7", "--granularity", "8",
+                   "--shared-experts", "1", "--target", "qwen2_moe", "--dtype", "fp32")
+    assert "verified: same function" in proc.stderr, proc.stderr
+    dense, moe = stored(src), stored(tmp_path / "out")
+    p = "model.layers.1.mlp."
+    want = dense[p + "down_proj.weight"].astype(np.float32)[:, 16:32] * 7  # routed expert 0: the second shard
+    got = moe[p + "experts.0.down_proj.weight"]
+    assert got.dtype == np.float32 and np.array_equal(got, want)

@@ -615,7 +615,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
                     max_leaves=8)
 KEYS = ["experts_from", "expert_sources", "shared_params", "shared_ffn", "router_init", "calibration",
-        "calibration_sequences", "calibration_length", "centroid_margin", "expert_width"]
+        "calibration_sequences", "calibration_length", "centroid_margin", "expert_width", "min_agreement"]
 
 
 @FUZZ
@@ -630,8 +630,9 @@ def test_fuzz_recipe_options(values):
         assert "\n" not in str(err) and len(str(err)) < 2000
         return
     assert cfg.experts_from is None or all(isinstance(v, Path) and str(v) for v in cfg.experts_from.values())
-    assert 1 <= cfg.calibration_sequences <= 65536 and 2 <= cfg.calibration_length <= 2**20
-    assert 0 < cfg.centroid_margin <= 100
+    assert cfg.calibration_sequences is None or 1 <= cfg.calibration_sequences <= 65536  # None: the default
+    assert 2 <= cfg.calibration_length <= 2**20
+    assert 0 < cfg.centroid_margin <= 100 and 0 <= cfg.min_agreement <= 1
 
 
 @FUZZ

@@ -47,14 +47,19 @@ from upcycler.layout import layer_prefix
 from upcycler.schema import Range
 from upcycler.spec import ROUTER_KINDS, ModelSpec, MoESpec, spec_real, within_limit
 from upcycler.tensors import LazyTensor, StoredBytes, TensorMap, dtype_name, stack, zeros
+from upcycler.transforms.approximate_attention import approximate
 from upcycler.transforms.expert_cover import Cover, overlapping, powers_of_two, tiled
 from upcycler.transforms.experts_from import Sources, describe_assignment, open_sources
-from upcycler.transforms.moe_target import MoERequest, apply_attention, choose_target
+from upcycler.transforms.moe_target import MoERequest, choose_target
 from upcycler.transforms.registry import option, record, register, report, service
 from upcycler.transforms.router_init import RouterCalibration, centroid_router
 
 MAX_GROWTH = 10  # refuse results with more than this many times the source's parameters (--allow-large)
 MAX_ROUTER_STD = 100.0  # router rows beyond this overflow half-precision weights
+
+
+CENTROID_SEQUENCES = 128  # default --calibration-sequences: per source, for --router-init centroids
+ATTENTION_SEQUENCES = 16  # … in all, for an attention changed under --allow-approximate (as many held out)
 
 
 @dataclass(frozen=True)
@@ -102,15 +107,21 @@ class DenseToMoE:
                               help="random: rows ~ N(0, σ²); centroids (with --experts-from): each group's row "
                                    "points at its source's mean router input on its own --calibration data.")
     calibration: Path | None = option(  # noqa: RUF009 (option is dataclasses.field)
-        None, help="With --router-init centroids: prepared data (`upcycle prepare-data`) holding one source per "
-                   "--experts-from name.", metavar="DIR")
-    calibration_sequences: int = option(128, range=Range(1, 1 << 16), metavar="n",
-                                        help="Sequences of calibration data per source.")
+        None, help="Prepared data (`upcycle prepare-data`, the source's tokenizer): with --router-init centroids "
+                   "one source per --experts-from name; with --allow-approximate, to fit and measure the changed "
+                   "attention (its NAME.heldout sources, when prepared, are the held-out data).", metavar="DIR")
+    calibration_sequences: int | None = option(None, range=Range(1, 1 << 16), metavar="n",
+                                               help="Sequences of calibration data: per source for --router-init "
+                                                    "centroids (default 128), in all for --allow-approximate "
+                                                    "(default 16, and as many held out).")
     calibration_length: int = option(256, range=Range(2, 1 << 20), metavar="L",
                                      help="Tokens per calibration sequence.")
     centroid_margin: float = option(2.0, range=Range(0, 100, lo_open=True), metavar="m",
                                     help="With --router-init centroids: the mean logit by which a source's "
                                          "tokens prefer its own groups, on its calibration data.")
+    min_agreement: float = option(0.5, range=Range(0, 1), metavar="p",
+                                  help="With --allow-approximate: refuse a changed attention whose top-1 agreement "
+                                       "with the source on held-out calibration tokens is below p (0: any).")
 
 
 @register("dense-to-moe", DenseToMoE)
@@ -138,9 +149,12 @@ def dense_to_moe(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap) -> tuple[
                "(--allow-approximate)", exact=False)
     out = target.spec
     _check_size(cfg, spec, out)
-    sources = _sources(cfg, spec, tensors, cover)
-    tensors = apply_attention(target, spec, tensors if sources is None else _shared(cfg, sources, tensors))
-    factor = _scale(out.moe, cover, cfg.router_std, tensors["embed"].dtype)  # type: ignore[arg-type]
+    sources = _sources(cfg, spec, tensors, cover, fits_attention=bool(target.lossy))
+    tensors = approximate(target, spec, tensors if sources is None else _shared(cfg, sources, tensors),
+                          calibration=cfg.calibration, sequences=cfg.calibration_sequences or ATTENTION_SEQUENCES,
+                          length=cfg.calibration_length, min_agreement=cfg.min_agreement)
+    scaled_dtype = _scaled_dtype(tensors["embed"].dtype)
+    factor = _scale(out.moe, cover, cfg.router_std, scaled_dtype)  # type: ignore[arg-type]
     if cfg.reinit_ratio > 0:
         n = round(cfg.reinit_ratio * cover.width)
         report(f"NOT function-preserving: Drop-Upcycling re-initialises {n} of the {cover.width} neurons of every "
@@ -149,19 +163,23 @@ def dense_to_moe(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap) -> tuple[
     recent = _Recent()
     new: dict[str, LazyTensor] = {}
     for i in out.moe_layers:
-        new.update(_moe_layer(cfg, out, cover, factor, _Layer(tensors, sources, cfg.shared_ffn), i, recent, routers))
+        new.update(_moe_layer(cfg, out, cover, factor, _Layer(tensors, sources, cfg.shared_ffn), i, recent, routers,
+                              scaled_dtype))
     dense = [layer_prefix(i) + f"mlp.{w}" for i in out.moe_layers for w in ("gate_proj", "up_proj", "down_proj")]
     return out, tensors.without(dense).updated(new)
 
 
-def _sources(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap, cover: Cover) -> Sources | None:
-    """The sources of `--experts-from` (None without it), checked; what they change is reported and recorded."""
+def _sources(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap, cover: Cover, *,
+             fits_attention: bool) -> Sources | None:
+    """The sources of `--experts-from` (None without it), checked; what they change is reported and recorded.
+    `fits_attention`: --calibration also serves the changed attention."""
     if cfg.experts_from is None:
         unused = [flag for flag, given in (("--expert-sources", cfg.expert_sources is not None),
                                            ("--shared-params", cfg.shared_params != "base"),
                                            ("--shared-ffn", cfg.shared_ffn != "base"),
                                            ("--router-init centroids", cfg.router_init != "random"),
-                                           ("--calibration", cfg.calibration is not None)) if given]
+                                           ("--calibration", cfg.calibration is not None and not fits_attention))
+                  if given]
         if unused:
             raise UpcyclerError(f"{unused[0]} applies to experts from several models; add --experts-from "
                                 "NAME=PATH … or drop it")
@@ -169,8 +187,9 @@ def _sources(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap, cover: Cover)
     if cfg.router_init == "centroids" and cfg.calibration is None:
         raise UpcyclerError("--router-init centroids needs --calibration DIR (prepared data with one source per "
                             "--experts-from name)")
-    if cfg.router_init != "centroids" and cfg.calibration is not None:
-        raise UpcyclerError("--calibration is read by --router-init centroids only; add it or drop --calibration")
+    if cfg.router_init != "centroids" and cfg.calibration is not None and not fits_attention:
+        raise UpcyclerError("--calibration is read by --router-init centroids and by an attention changed under "
+                            "--allow-approximate; add --router-init centroids or drop --calibration")
     groups = cfg.experts // cover.group
     sources = open_sources(cfg.experts_from, spec, tensors, groups=groups, group=cover.group,
                            assignment=cfg.expert_sources, base_checkpoint=service("checkpoint"),
@@ -199,6 +218,7 @@ def _routers(cfg: DenseToMoE, out: ModelSpec, sources: Sources | None, dtype: np
     if cfg.router_init != "centroids":
         return None
     assert sources is not None and cfg.calibration is not None
+    sequences = cfg.calibration_sequences or CENTROID_SEQUENCES
     measure = service("router_inputs")
     if measure is None:
         raise UpcyclerError("--router-init centroids runs the JAX model on the calibration data; this command "
@@ -207,11 +227,11 @@ def _routers(cfg: DenseToMoE, out: ModelSpec, sources: Sources | None, dtype: np
         raise UpcyclerError("--router-init centroids tells sources apart; it needs two or more --experts-from "
                             "sources (use --router-init random)")
     measure.check(Path(cfg.calibration), sources.names, sources.checkpoints[0], cfg.calibration_length,
-                  cfg.calibration_sequences)
-    report(f"router rows point at each source's mean router input on {cfg.calibration_sequences} × "
+                  sequences)
+    report(f"router rows point at each source's mean router input on {sequences} × "
            f"{cfg.calibration_length} tokens of its own data in {cfg.calibration} (logit margin "
            f"{cfg.centroid_margin:g}), plus the random rows (σ = {cfg.router_std:g})")
-    return RouterCalibration(sources, out.moe_layers, Path(cfg.calibration), cfg.calibration_sequences,
+    return RouterCalibration(sources, out.moe_layers, Path(cfg.calibration), sequences,
                              cfg.calibration_length, cfg.centroid_margin, measure)
 
 
@@ -324,10 +344,18 @@ class _Layer:
         return tuple(self.sources.of_expert(e)[n] for n in names)  # type: ignore[return-value]
 
 
+def _scaled_dtype(source: np.dtype) -> np.dtype:
+    """The dtype the routed down_proj is scaled in: the source's, or the output's (`--dtype`) where that is
+    wider, so a scale that is not a power of two rounds once, in the dtype that is written."""
+    output = service("output_dtype")
+    return np.dtype(output) if output is not None and np.dtype(output).itemsize > np.dtype(source).itemsize \
+        else np.dtype(source)
+
+
 def _moe_layer(cfg: DenseToMoE, out: ModelSpec, cover: Cover, factor: float, source: _Layer, i: int,
-               recent: _Recent, routers: RouterCalibration | None) -> dict[str, LazyTensor]:
+               recent: _Recent, routers: RouterCalibration | None, scaled_dtype: np.dtype) -> dict[str, LazyTensor]:
     """Router, routed experts and shared expert of MoE layer `i`, all lazy views of the dense MLPs they are
-    cut from (BASE's, or each expert's source's)."""
+    cut from (BASE's, or each expert's source's); routed down_proj in `scaled_dtype`."""
     p = layer_prefix(i)
     experts = [source.mlp(p, e) for e in range(out.moe.num_experts)]  # type: ignore[union-attr]
     gate, up, down = source.mlp(p, None)  # the shared expert's
@@ -348,7 +376,7 @@ def _moe_layer(cfg: DenseToMoE, out: ModelSpec, cover: Cover, factor: float, sou
         out_ = recent.get(w)[:, cover.window(e % R)]
         if reinit:
             out_ = _reinit(out_, recent.stats(w), cfg.seed, i, e, 2, reinit, axis=1)
-        return _scaled(out_, factor if scales[e % R] is None else scales[e % R])
+        return _scaled(out_, factor if scales[e % R] is None else scales[e % R], scaled_dtype)
 
     # where a slice is its source's bytes unchanged (no re-initialised neurons, no scale), the writer
     # streams it from the file: gate/up rows are one contiguous range, down columns only when all of them
@@ -358,7 +386,7 @@ def _moe_layer(cfg: DenseToMoE, out: ModelSpec, cover: Cover, factor: float, sou
     def cols_stored(e: int) -> StoredBytes | None:
         w, window = experts[e][2], cover.window(e % R)
         whole = isinstance(window, slice) and window.indices(w.shape[1]) == (0, w.shape[1], 1)
-        unscaled = scales[e % R] is None and factor == 1
+        unscaled = scales[e % R] is None and factor == 1 and scaled_dtype == w.dtype
         return w.stored if whole and unscaled and not reinit else None
 
     random_rows = _router(cfg.seed, i, N // R, R, D, cfg.router_std, dtype)
@@ -368,7 +396,7 @@ def _moe_layer(cfg: DenseToMoE, out: ModelSpec, cover: Cover, factor: float, sou
                                            stored=[rows_stored(e, 0) for e in range(N)]),
         p + "moe.experts.up_proj": stack([lambda e=e: rows(e, 1) for e in range(N)], (N, f, D), dtype,
                                          stored=[rows_stored(e, 1) for e in range(N)]),
-        p + "moe.experts.down_proj": stack([lambda e=e: cols(e) for e in range(N)], (N, D, f), dtype,
+        p + "moe.experts.down_proj": stack([lambda e=e: cols(e) for e in range(N)], (N, D, f), scaled_dtype,
                                            stored=[cols_stored(e) for e in range(N)]),
     }
     if cover.shared:
@@ -396,12 +424,14 @@ def _router(seed: int, layer: int, groups: int, R: int, D: int, std: float, dtyp
     return LazyTensor((groups * R, D), np.dtype(dtype), load)
 
 
-def _scaled(w: np.ndarray, factor: float | np.ndarray) -> np.ndarray:
-    """`w` × factor (a scalar, or one per column), computed in fp32 (fp64 for fp64) and cast back once."""
+def _scaled(w: np.ndarray, factor: float | np.ndarray, dtype: np.dtype | None = None) -> np.ndarray:
+    """`w` × factor (a scalar, or one per column), computed in fp32 (fp64 for fp64) and cast once to `dtype`
+    (default: `w`'s)."""
+    dtype = w.dtype if dtype is None else np.dtype(dtype)
     if np.isscalar(factor) and factor == 1:
-        return w
-    wide = np.float64 if w.dtype == np.float64 else np.float32
-    return (w.astype(wide) * np.asarray(factor, wide)).astype(w.dtype)
+        return w.astype(dtype, copy=False)
+    wide = np.float64 if np.float64 in (w.dtype, dtype) else np.float32
+    return (w.astype(wide) * np.asarray(factor, wide)).astype(dtype)
 
 
 def _reinit(w: np.ndarray, stats: tuple[float, float], seed: int, layer: int, expert: int, which: int,

@@ -10,8 +10,8 @@ family is named here: a registered family is a target without any change to this
 
 When the family cannot hold the *attention* of the source (q/k norms, biases), `--allow-approximate`
 lets `fit_attention` change it the least it can: zero biases are added (exact), biases the family lacks
-are dropped and q/k norms are dropped or inserted with unit weight (these change the function, and are
-reported as such).
+are dropped and q/k norms are dropped or inserted (these change the function: `approximate_attention`
+fits inserted norms on calibration data, measures the change and refuses it when poor).
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def fit_attention(spec: ModelSpec, family: Family) -> Target | None:
 
 def _loss(attr: str, value: bool) -> str:
     if attr == "qk_norm":
-        return "q/k norms inserted with unit weight" if value else "q/k norms dropped"
+        return "q/k norms inserted" if value else "q/k norms dropped"
     return f"{attr.replace('_', ' ')}es dropped"
 
 

@@ -192,7 +192,8 @@ def _typed(hint: Any, value: Any, name: str, where: str, fix: str, or_null: str 
         for k in value:
             if not isinstance(k, str):
                 raise UpcyclerError(f"{where}: {name} has the key {describe(k)}; keys must be text; {fix}")
-        return {k: _typed(args[1], v, f"{name}.{k}", where, fix) for k, v in value.items()}
+        return {k: _typed(args[1], v, f"{name}.{k}" if k.isprintable() else f"{name}[{k!r}]", where, fix)
+                for k, v in value.items()}
     if origin is typing.Literal:
         if value not in args:
             raise UpcyclerError(f"{where}: {name} is {describe(value)}; use one of {', '.join(map(str, args))}")

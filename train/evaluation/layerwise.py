@@ -50,7 +50,7 @@ def hidden_trace(ckpt: Any, ids_BL: np.ndarray, *, reordered: bool = False) -> I
     windows = layer_windows(spec)
     with jax.default_matmul_precision("highest"):
         for i in range(spec.num_layers):
-            params = _layer_params(spec, tensors, i)
+            params = layer_params(spec, tensors, i)
             variants = [params, _reorder(params, i)] if reordered else [params]
             kind, window = layer_kind(spec, i), windows[i]
             runs = [_apply(h, p, spec, kind, window) for h, p in zip(runs, variants)]
@@ -70,7 +70,7 @@ def ffn_inputs(ckpt: Any, ids_BL: np.ndarray, *, chunk: int = 16) -> Iterator[tu
     windows = layer_windows(spec)
     with jax.default_matmul_precision("highest"):
         for i in range(spec.num_layers):
-            params = _layer_params(spec, tensors, i)
+            params = layer_params(spec, tensors, i)
             kind, window = layer_kind(spec, i), windows[i]
             h = np.empty_like(x)
             for lo in range(0, len(x), chunk):
@@ -107,7 +107,7 @@ def _logits(x_BLD, norm_D, head_VD, spec: ModelSpec):
     return jnp.einsum("bld,vd->blv", h, head_VD.astype(jnp.float32), preferred_element_type=jnp.float32)
 
 
-def _layer_params(spec: ModelSpec, tensors: Any, layer: int) -> dict:
+def layer_params(spec: ModelSpec, tensors: Any, layer: int) -> dict:
     """Layer `layer`'s tensors as the nested dict `one_layer` takes, in their stored dtype."""
     prefix = layer_prefix(layer)
     tree: dict = {}

@@ -266,6 +266,17 @@ def layer_qkv(x_BLD: jax.Array, p: Params, spec: ModelSpec, cfg: ModelConfig) ->
     return _qkv(x_BLD, p, spec, _context(spec, B, L, None, None))
 
 
+def attention_of(q_BLHh: jax.Array, k_BLKh: jax.Array, v_BLKh: jax.Array, spec: ModelSpec, *,
+                 window: int) -> jax.Array:
+    """Per-head attention output [B, L, H, h] of queries and keys that are normed but not yet rotated
+    (positions 0..L−1, causal, within `window` when it is not 0), as the layer computes it."""
+    B, L = q_BLHh.shape[:2]
+    ctx = _context(spec, B, L, None, None)
+    visible_BLS = nn.window_mask(ctx.visible_BLS, ctx.distance_LS, window) if window else None
+    q_BLHh, k_BLKh = nn.apply_rope(q_BLHh, ctx.cos_BLR, ctx.sin_BLR), nn.apply_rope(k_BLKh, ctx.cos_BLR, ctx.sin_BLR)
+    return nn.attention(q_BLHh, k_BLKh, v_BLKh, visible_BLS, impl="einsum", chunk=0)
+
+
 def layer_output(x_BLD: jax.Array, out_BLHh: jax.Array, p: Params, spec: ModelSpec, cfg: ModelConfig, *,
                  kind: str) -> jax.Array:
     """The layer's output given its input and its attention's per-head output: the rest of `one_layer`."""

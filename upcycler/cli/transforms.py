@@ -174,12 +174,25 @@ class _RouterInputs:
         return getattr(RouterInputs(), name)
 
 
+class _AttentionFit:
+    """The JAX model's fit and measurement of an attention changed under `--allow-approximate`, imported on
+    first use; `measures` is False for --dry-run, which plans without computing."""
+
+    def __init__(self, measures: bool):
+        self.measures = measures
+
+    def __getattr__(self, name: str):
+        from upcycler.train.evaluation.attention_fit import AttentionFit
+
+        return getattr(AttentionFit(), name)
+
+
 def planned(recipe, *, dry_run: bool):
     """`pipeline.plan` with the services a transform may borrow from the trainer."""
     from upcycler.transforms.pipeline import plan
     from upcycler.transforms.registry import providing
 
-    with providing(router_inputs=_RouterInputs()):
+    with providing(router_inputs=_RouterInputs(), attention_fit=_AttentionFit(measures=not dry_run)):
         return plan(recipe, allow_config_only=dry_run)
 
 
@@ -191,12 +204,13 @@ def initial_routing(p, out: Path) -> tuple | None:
         return None
     from upcycler.io import read_checkpoint
     from upcycler.train.evaluation.calibration import routing_shares
+    from upcycler.transforms.dense_to_moe import CENTROID_SEQUENCES
 
     c = step.config
     recorded = next(e for e in reversed(p.ckpt.lineage) if e.get("step") == step.name and "expert_sources" in e)
     names = list(c["experts_from"])
     shares = routing_shares(read_checkpoint(out), Path(c["calibration"]), names, recorded["expert_sources"],
-                            c["calibration_sequences"], c["calibration_length"])
+                            c["calibration_sequences"] or CENTROID_SEQUENCES, c["calibration_length"])
     return shares, names
 
 

@@ -106,6 +106,7 @@ class Family:
     # written with an explicit lm_head (a copy of the embedding) and tie_word_embeddings false (vLLM's
     # Glm4MoeForCausalLM always builds its own lm_head)
     ties_embeddings: bool = True
+    partial_rotary: bool = False  # whether the config can say that rope turns only part of each head
 
     def read_config(self, cfg: dict[str, Any]) -> ModelSpec:
         """The spec a config.json of this family describes (its fields checked; see the module doc)."""
@@ -135,6 +136,9 @@ class Family:
             reasons.append(f"{self.architecture} needs MoE layers; this model is dense")
         if not self.is_moe and spec.moe is not None:
             reasons.append(f"{self.architecture} is dense; this model has MoE layers")
+        if spec.partial_rotary_factor != 1.0 and not self.partial_rotary:
+            reasons.append(f"{self.architecture} as written here rotates every channel of a head (this model's "
+                           f"partial_rotary_factor is {spec.partial_rotary_factor:g})")
         if spec.uses_sliding_window and not self.sliding_window:
             reasons.append(f"{self.architecture} has no sliding-window attention")
         if spec.hidden_act != "silu":
@@ -255,6 +259,25 @@ def read_layer_types(cfg: dict[str, Any]) -> tuple[str, ...] | None:
     if types is not None and not isinstance(types, list):
         raise SpecError(f"layer_types must be a list or null, not {describe(types)}; {_FIX}")
     return tuple(types) if types else None
+
+
+def implied_head_dim(spec: ModelSpec, name: str) -> list[str]:
+    """The limit of a family whose serving implementations ignore `head_dim` (vLLM's Qwen2 and Qwen2-MoE
+    compute hidden_size / num_attention_heads)."""
+    implied = spec.hidden_size // spec.num_heads
+    if spec.head_dim == implied:
+        return []
+    return [(f"vLLM's {name} takes head_dim as hidden_size / num_attention_heads = {implied}, and this model's "
+            f"is {spec.head_dim}")]
+
+
+def no_served_o_bias(spec: ModelSpec, name: str) -> list[str]:
+    """The limit of a family whose `attention_bias` biases o_proj in transformers but not in vLLM (Qwen3,
+    Qwen3-MoE): the two would compute different functions as soon as that bias is not zero."""
+    if not spec.o_bias:
+        return []
+    return [(f"{name}'s attention_bias biases o_proj in transformers and not in vLLM, so its attention biases "
+            "cannot be served")]
 
 
 def no_limits(spec: ModelSpec) -> list[str]:

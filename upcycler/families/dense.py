@@ -16,6 +16,8 @@ from upcycler.families.base import (
     common_spec_fields,
     config_bool,
     config_int,
+    implied_head_dim,
+    no_served_o_bias,
     read_layer_types,
     sliding_fields,
 )
@@ -82,7 +84,7 @@ def _qwen2_limits(spec: ModelSpec) -> list[str]:
         out.append("Qwen2 has no o_proj or MLP biases")
     if spec.qk_norm:
         out.append("Qwen2 has no q/k norms")
-    return out
+    return out + implied_head_dim(spec, "Qwen2")
 
 
 def _read_qwen3(family: Family, cfg: dict[str, Any]) -> ModelSpec:
@@ -104,7 +106,7 @@ def _qwen3_limits(spec: ModelSpec) -> list[str]:
         out.append("Qwen3 always has q/k norms; this model has none")
     if spec.qkv_bias != spec.o_bias or spec.mlp_bias:
         out.append("Qwen3 biases q, k, v and o together and has no MLP bias")
-    return out
+    return out + no_served_o_bias(spec, "Qwen3")
 
 
 LLAMA = Family(name="llama", architecture="LlamaForCausalLM", model_type="llama", config_reader=_read_llama,

@@ -21,6 +21,8 @@ from upcycler.families.base import (
     config_bool,
     config_int,
     config_real,
+    implied_head_dim,
+    no_served_o_bias,
     read_layer_types,
     sliding_fields,
 )
@@ -133,7 +135,7 @@ def _write_qwen_moe(family: Family, spec: ModelSpec) -> dict[str, Any]:
 
 
 def _qwen2_moe_limits(spec: ModelSpec) -> list[str]:
-    out = _common_limits(spec, "Qwen2-MoE", qk_norm=False, biases="qkv")
+    out = _common_limits(spec, "Qwen2-MoE", qk_norm=False, biases="qkv") + implied_head_dim(spec, "Qwen2-MoE")
     if spec.moe is not None:
         if spec.moe.router == "sigmoid":
             out.append("Qwen2-MoE's router is a softmax, not a sigmoid")
@@ -143,7 +145,7 @@ def _qwen2_moe_limits(spec: ModelSpec) -> list[str]:
 
 
 def _qwen3_moe_limits(spec: ModelSpec) -> list[str]:
-    out = _common_limits(spec, "Qwen3-MoE", qk_norm=True, biases="qkvo")
+    out = _common_limits(spec, "Qwen3-MoE", qk_norm=True, biases="qkvo") + no_served_o_bias(spec, "Qwen3-MoE")
     if spec.moe is not None:
         if spec.moe.router == "sigmoid":
             out.append("Qwen3-MoE's router is a softmax, not a sigmoid")
@@ -236,4 +238,5 @@ GLM4_MOE = Family(name="glm4_moe", architecture="Glm4MoeForCausalLM", model_type
                   config_reader=_read_glm4_moe, config_writer=_write_glm4_moe, moe_names=_GLM_NAMES,
                   limits=_glm4_moe_limits, is_moe=True, sliding_window=False, default_router="sigmoid",
                   shared_experts="count", routed_scaling=True, auto_rank=3, neutral_router_bias=True,
+                  partial_rotary=True,
                   ties_embeddings=False)

@@ -1,0 +1,218 @@
+"""Fit the q/k norms a target family adds to a dense model's attention, and measure how far the result is.
+
+`dense-to-moe --target qwen3_moe --allow-approximate` from a parent without q/k norms (Llama, Mistral,
+SmolLM2) must insert them: every head's query and key are then divided by their own RMS over the head
+before RoPE, which no choice of the norms' weights undoes exactly (the weights are per channel, shared by
+the heads, and the RMS changes from token to token). With unit weights the model is unusable (on the real
+SmolLM2-135M-Instruct, 28% top-1 agreement with its parent on held-out text). `fit_qk_norms` chooses the
+weights from calibration data instead, one layer at a time, from the first:
+
+- the layer's queries and keys before the norm, q and k, are computed on the calibration tokens as they
+  reach this layer of the *approximated* model (so each layer makes up for what the earlier ones changed);
+- the weights start at the per-channel least-squares fit of q ≈ w ⊙ q / rms(q) (w_j = Σ q_j²/r ÷ Σ q_j²/r²,
+  summed over tokens and heads; the same for k), then `STEPS` steps of Adam on their logarithms (they stay
+  positive) bring the layer's attention output (per head, before o_proj) close to the parent layer's on
+  the same inputs, in relative mean squared error. Most of what is lost is the keys': a head's attention
+  sink (the first token) has a key several times shorter than the others, which the norm lengthens.
+
+`agreement(reference, approximated, ids)` runs both models on held-out tokens and returns the mean
+KL(reference ‖ approximated) per token and the share of tokens whose top-1 prediction is the same.
+`AttentionFit` is the service `dense-to-moe` borrows for both (`transforms.registry.providing`), with the
+tokens: calibration windows of every training source of a prepared directory, held-out windows from the
+sources' `NAME.heldout` (else from between the calibration windows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from upcycler.errors import UpcyclerError
+from upcycler.spec import ModelSpec
+from upcycler.train.data.format import HELDOUT_SUFFIX
+from upcycler.train.data.sources import prepared_names
+from upcycler.train.evaluation.calibration import (
+    attention_bytes,
+    calibration_tokens,
+    checked_tokens,
+    chunk_for,
+)
+from upcycler.train.evaluation.layerwise import FP32, hidden_trace, layer_params
+from upcycler.train.model import layers as nn
+from upcycler.train.model.params import layer_kind
+from upcycler.train.model.transformer import attention_of, layer_windows, one_layer
+from upcycler.untrusted import shown_path
+
+STEPS = 100  # Adam steps per layer
+LEARNING_RATE = 0.1  # on the log weights
+FIT_BYTES = 2 * 1024**3  # bound on one layer's fit: the attention of every calibration sequence at once
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Calibration and held-out windows [n, L] int32, and where the held-out ones come from (for people)."""
+
+    calibration: np.ndarray
+    heldout: np.ndarray
+    heldout_from: str
+
+
+@dataclass(frozen=True)
+class AttentionFit:
+    """The service `dense-to-moe` borrows to fit inserted q/k norms and measure an approximate attention."""
+
+    def tokens(self, data: Path, model: Any, sequences: int, length: int) -> Tokens:
+        """`sequences` windows of `length` tokens spread over the training sources of `data` (prepared with
+        the model's tokenizer), and as many held-out ones; refused before any computation when missing."""
+        data = Path(data)
+        if not data.is_dir():
+            kind = "not a directory" if data.exists() else "no such directory"
+            raise UpcyclerError(f"--calibration {shown_path(data)}: {kind}; pass a directory `upcycle "
+                                "prepare-data --out` wrote with the source model's tokenizer")
+        names = [n for n in prepared_names(data) if not n.endswith(HELDOUT_SUFFIX)]
+        if not names:
+            raise UpcyclerError(f"--calibration {shown_path(data)}: no prepared source; run `upcycle prepare-data "
+                                f"--source NAME=FILES --out {shown_path(data)}`")
+        if length > model.spec.max_position_embeddings:
+            raise UpcyclerError(f"--calibration-length {length} is longer than the model's context "
+                                f"(max_position_embeddings {model.spec.max_position_embeddings:,})")
+        if attention_bytes(model.spec, length) * sequences > FIT_BYTES:
+            most = max(1, FIT_BYTES // attention_bytes(model.spec, length))
+            raise UpcyclerError(f"--calibration-sequences {sequences} × --calibration-length {length}: fitting a "
+                                f"layer's attention on them takes over {FIT_BYTES:,} bytes; use "
+                                f"--calibration-sequences {most} or less")
+        per = [sequences // len(names) + (k < sequences % len(names)) for k in range(len(names))]
+        calibration, heldout, held_names = [], [], []
+        for name, count in zip(names, per, strict=True):
+            if count == 0:
+                continue
+            held = name + HELDOUT_SUFFIX
+            if held in prepared_names(data):
+                calibration.append(calibration_tokens(data, name, count, length, model))
+                heldout.append(calibration_tokens(data, held, count, length, model))
+                held_names.append(held)
+            else:
+                both = _interleaved(data, name, count, length, model)
+                calibration.append(both[0::2])
+                heldout.append(both[1::2])
+                held_names.append(f"{name} (between the calibration windows)")
+        return Tokens(np.concatenate(calibration), np.concatenate(heldout), ", ".join(held_names))
+
+    def fit_qk_norms(self, reference: Any, ids_BL: np.ndarray) -> dict[str, np.ndarray]:
+        """{canonical name: weight [head_dim] float32} of every layer's q_norm and k_norm (module docstring)."""
+        return fit_qk_norms(reference, ids_BL)
+
+    def agreement(self, reference: Any, approximated: Any, ids_BL: np.ndarray) -> tuple[float, float]:
+        return agreement(reference, approximated, ids_BL)
+
+
+def _interleaved(data: Path, name: str, count: int, length: int, model: Any) -> np.ndarray:
+    """2·count evenly spaced windows of source `name` that do not overlap (calibration and held-out alternate)."""
+    tokens = checked_tokens(data, name, length, model).tokens
+    if len(tokens) < 2 * count * length:
+        raise UpcyclerError(f"{shown_path(data)}: source {name} has {len(tokens):,} tokens, fewer than the "
+                            f"{2 * count * length:,} that {count} calibration and {count} held-out windows of "
+                            f"{length} need; prepare more data, a held-out split ({name}{HELDOUT_SUFFIX}), or "
+                            "lower --calibration-sequences")
+    return calibration_tokens(data, name, 2 * count, length, model)
+
+
+def fit_qk_norms(reference: Any, ids_BL: np.ndarray) -> dict[str, np.ndarray]:
+    """The q/k norm weights of every layer of `reference` (a model without q/k norms) fitted on `ids_BL`."""
+    spec = reference.spec
+    normed = spec.replace(qk_norm=True)
+    windows = layer_windows(spec)
+    x = jnp.asarray(reference.tensors["embed"].load()[ids_BL].astype(np.float32))
+    out: dict[str, np.ndarray] = {}
+    with jax.default_matmul_precision("highest"):
+        for i in range(spec.num_layers):
+            p = jax.tree.map(lambda w: w.astype(jnp.float32), layer_params(spec, reference.tensors, i))
+            q, k, v = _raw_qkv(x, p, spec)
+            want = _attention_jit(q, k, v, None, spec, windows[i])
+            log_w = jnp.log(jnp.stack([_least_squares(q, spec), _least_squares(k, spec)]))
+            state = _OPTIMIZER.init(log_w)
+            for _ in range(STEPS):
+                log_w, state = _step(log_w, state, q, k, v, want, spec, windows[i])
+            w_q, w_k = np.exp(np.asarray(log_w)).astype(np.float32)
+            out[f"layers.{i}.attn.q_norm"], out[f"layers.{i}.attn.k_norm"] = w_q, w_k
+            fitted = {**p, "attn": {**p["attn"], "q_norm": jnp.asarray(w_q), "k_norm": jnp.asarray(w_k)}}
+            x = _layer(x, fitted, normed, layer_kind(spec, i), windows[i])
+    return out
+
+
+def agreement(reference: Any, approximated: Any, ids_BL: np.ndarray) -> tuple[float, float]:
+    """(mean KL(reference ‖ approximated) per token in nats, share of tokens with the same top-1), both
+    models run in fp32 one layer at a time, a few sequences at a time."""
+    chunk = max(1, min(chunk_for(reference.spec, ids_BL.shape[1]), (256 * 1024**2) // (4 * ids_BL.shape[1]
+                                                                                         * reference.spec.vocab_size)))
+    kl, same = 0.0, 0
+    for lo in range(0, len(ids_BL), chunk):
+        ids = ids_BL[lo:lo + chunk]
+        want, got = (_last(hidden_trace(m, ids)) for m in (reference, approximated))
+        kl += float(_kl_sum(want, got))
+        same += int((want.argmax(-1) == got.argmax(-1)).sum())
+    return kl / ids_BL.size, same / ids_BL.size
+
+
+def _last(trace) -> np.ndarray:
+    last = None
+    for last in trace:
+        pass
+    return last[0]
+
+
+@jax.jit
+def _kl_sum(want_BLV, got_BLV):
+    p, q = jax.nn.log_softmax(want_BLV, -1), jax.nn.log_softmax(got_BLV, -1)
+    return jnp.sum(jnp.exp(p) * (p - q))
+
+
+def _least_squares(v: jax.Array, spec: ModelSpec) -> jax.Array:
+    """Per channel, the w minimising Σ (w·v/rms(v) − v)² over tokens and heads."""
+    v = v.reshape(-1, v.shape[-1])
+    r = jnp.sqrt(jnp.mean(v * v, -1, keepdims=True) + spec.rms_norm_eps)
+    return jnp.sum(v * v / r, 0) / jnp.maximum(jnp.sum(v * v / (r * r), 0), 1e-30)
+
+
+@partial(jax.jit, static_argnames=("spec",))
+def _raw_qkv(x_BLD, p, spec: ModelSpec):
+    """The layer's queries, keys and values before any q/k norm and RoPE."""
+    B, L, _ = x_BLD.shape
+    a, h_BLD = p["attn"], nn.rms_norm(x_BLD, p["attn_norm"], spec.rms_norm_eps)
+    return (nn.linear(h_BLD, a["q_proj"], a.get("q_bias")).reshape(B, L, spec.num_heads, spec.head_dim),
+            nn.linear(h_BLD, a["k_proj"], a.get("k_bias")).reshape(B, L, spec.num_kv_heads, spec.head_dim),
+            nn.linear(h_BLD, a["v_proj"], a.get("v_bias")).reshape(B, L, spec.num_kv_heads, spec.head_dim))
+
+
+def _attention(q, k, v, w, spec: ModelSpec, window: int):
+    """Per-head attention output [B, L, H, h] of raw q, k, v, with q/k norms of weights w = (w_q, w_k) or none."""
+    if w is not None:
+        q, k = nn.rms_norm(q, w[0], spec.rms_norm_eps), nn.rms_norm(k, w[1], spec.rms_norm_eps)
+    return attention_of(q, k, v, spec, window=window)
+
+
+_attention_jit = jax.jit(_attention, static_argnames=("spec", "window"))
+_OPTIMIZER = optax.adam(LEARNING_RATE)
+
+
+@partial(jax.jit, static_argnames=("spec", "window"))
+def _step(log_w, state, q, k, v, want, spec: ModelSpec, window: int):
+    def loss(log_w):
+        got = _attention(q, k, v, jnp.exp(log_w), spec, window)
+        return jnp.mean((got - want) ** 2) / jnp.mean(want ** 2)
+
+    grads = jax.grad(loss)(log_w)
+    updates, state = _OPTIMIZER.update(grads, state)
+    return optax.apply_updates(log_w, updates), state
+
+
+@partial(jax.jit, static_argnames=("spec", "kind", "window"))
+def _layer(x_BLD, p, spec: ModelSpec, kind: str, window: int):
+    return one_layer(x_BLD, p, spec, FP32, kind=kind, window=window)
