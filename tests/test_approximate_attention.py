@@ -83,3 +83,35 @@ def test_without_calibration_or_below_the_floor_nothing_is_written(tmp_path, cal
     message = assert_clean_failure(proc, mentions="--min-agreement")
     assert "top-1 agreement with the source" in message
     assert not (tmp_path / "poor").exists() and not leftovers(tmp_path, "poor")
+
+
+def test_after_an_earlier_recipe_step_and_in_a_dry_run(tmp_path, calibration):
+    """depth then dense-to-moe in one recipe: the fit sees the grown model (and its tokenizer files); --dry-run
+    checks the calibration data without fitting, and refuses data of another tokenizer in one line."""
+    import yaml
+
+    recipe = tmp_path / "recipe.yaml"
+    steps = [{"depth": {"layers": 5, "method": "identity"}},
+             {"dense-to-moe": {"experts": 4, "topk": 2, "target": "qwen3_moe", "allow_approximate": True,
+                               "calibration": str(calibration), "calibration_sequences": 6,
+                               "calibration_length": 64}}]
+    recipe.write_text(yaml.safe_dump({"source": str(demo_assets() / "model"), "transforms": steps,
+                                      "output": {"path": str(tmp_path / "out")}}))
+    planned = run_cli("run", recipe, "--dry-run")
+    assert "when written" in planned.stderr + planned.stdout and not (tmp_path / "out").exists()
+    run_cli("run", recipe)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["architectures"], config["num_hidden_layers"]) == (["Qwen3MoeForCausalLM"], 5)
+    lineage = json.loads((tmp_path / "out" / "upcycler.json").read_text())["lineage"]
+    assert any("approximate_attention" in step for step in lineage)
+    other = tmp_path / "other-tokenizer"
+    tokenizer = json.loads((demo_assets() / "tokenizer.json").read_text())
+    tokenizer["added_tokens"] = [*tokenizer.get("added_tokens", []), {
+        "id": max(tokenizer["model"]["vocab"].values()) + 1, "content": "<extra>", "single_word": False,
+        "lstrip": False, "rstrip": False, "normalized": False, "special": True}]
+    (tmp_path / "tok.json").write_text(json.dumps(tokenizer))
+    prepare_demo_corpus(tmp_path / "tok.json", other)
+    steps[1]["dense-to-moe"]["calibration"] = str(other)
+    recipe.write_text(yaml.safe_dump({"source": str(demo_assets() / "model"), "transforms": steps,
+                                      "output": {"path": str(tmp_path / "again")}}))
+    assert_clean_failure(run_cli("run", recipe, "--dry-run", check=False), mentions="another tokenizer")

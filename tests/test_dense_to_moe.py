@@ -466,3 +466,16 @@ def test_a_wider_output_dtype_scales_in_it_and_is_verified(tiny_dir, tmp_path):
     want = dense[p + "down_proj.weight"].astype(np.float32)[:, 16:32] * 7  # routed expert 0: the second shard
     got = moe[p + "experts.0.down_proj.weight"]
     assert got.dtype == np.float32 and np.array_equal(got, want)
+
+
+def test_a_wider_output_dtype_with_unscaled_experts_streams_no_narrow_bytes(tiny_dir, tmp_path):
+    """Mixtral G = 1 (no scale) from a bf16 source with --dtype fp32: every expert is the source's MLP widened,
+    never its bf16 bytes streamed under an fp32 header."""
+    src = tiny_dir("llama", dtype="bfloat16")
+    run_cli("dense-to-moe", src, tmp_path / "out", "--experts", "4", "--topk", "2", "--target", "mixtral",
+            "--dtype", "fp32")
+    dense, moe = stored(src), stored(tmp_path / "out")
+    p = "model.layers.1."
+    for e in range(4):
+        got = moe[p + f"block_sparse_moe.experts.{e}.w2.weight"]
+        assert got.dtype == np.float32 and np.array_equal(got, dense[p + "mlp.down_proj.weight"].astype(np.float32))

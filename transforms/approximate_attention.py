@@ -12,7 +12,8 @@ biases or q/k norms dropped, q/k norms inserted. The lossy ones are not written 
    change would have given (weight-1 norms), so the fit's gain is on record;
 3. refuses, with those numbers, when the top-1 agreement is below `--min-agreement`.
 
-The MoE built around it is exact, so the written model is as far from its source as this dense one is.
+Where the MoE built around it is exact (the default routers, a power-of-two or fp32 scale), the written model
+is as far from its source as this dense one is.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from upcycler.errors import UpcyclerError
+from upcycler.io.checkpoint import Checkpoint
 from upcycler.spec import ModelSpec
 from upcycler.tensors import TensorMap, constant
 from upcycler.transforms.moe_target import Target, apply_attention
@@ -41,19 +43,19 @@ def approximate(target: Target, source: ModelSpec, tensors: TensorMap, *, calibr
         raise UpcyclerError(f"{flag}: {'; '.join(target.lossy)} changes what the model computes; pass "
                             "--calibration DIR (`upcycle prepare-data` output made with the source's tokenizer) "
                             "to fit the change and measure it against the source")
-    base = service("checkpoint")
-    reference = base.replace(spec=source, tensors=tensors)
+    # the model as this step sees it (a recipe's earlier steps may have changed it), with its tokenizer files
+    reference = Checkpoint(spec=source, tensors=tensors, side_files=service("side_files") or ())
     inserted = dict(target.attention).get("qk_norm") is True
+    tokens = fit.tokens(Path(calibration), reference, sequences, length)  # checked (and cheap) even in --dry-run
     if not fit.measures:  # --dry-run: nothing is computed
         report(f"{'q/k norms fitted and ' if inserted else ''}the changed attention measured against the source "
-               f"on {sequences} × {length} tokens of {calibration} when written")
+               f"on {tokens.calibration.size:,} tokens of {calibration} when written")
         return changed
-    tokens = fit.tokens(Path(calibration), base, sequences, length)
-    approximated = base.replace(spec=source.replace(**dict(target.attention)), tensors=changed)
+    approximated = reference.replace(spec=source.replace(**dict(target.attention)), tensors=changed)
     measured: dict[str, float] = {}
     if inserted:
         measured["unfitted_kl"], measured["unfitted_top1"] = fit.agreement(reference, approximated, tokens.heldout)
-        norms = fit.fit_qk_norms(reference, tokens.calibration)
+        norms = fit.fit_qk_norms(reference, approximated, tokens.calibration)
         changed = changed.updated({name: constant(w.astype(changed[name].dtype)) for name, w in norms.items()})
         approximated = approximated.replace(tensors=changed)
     measured["kl"], measured["top1"] = fit.agreement(reference, approximated, tokens.heldout)

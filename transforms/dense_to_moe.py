@@ -150,6 +150,7 @@ def dense_to_moe(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap) -> tuple[
     out = target.spec
     _check_size(cfg, spec, out)
     sources = _sources(cfg, spec, tensors, cover, fits_attention=bool(target.lossy))
+    routers = _routers(cfg, out, sources, tensors["embed"].dtype)  # checked before the attention fit's minutes
     tensors = approximate(target, spec, tensors if sources is None else _shared(cfg, sources, tensors),
                           calibration=cfg.calibration, sequences=cfg.calibration_sequences or ATTENTION_SEQUENCES,
                           length=cfg.calibration_length, min_agreement=cfg.min_agreement)
@@ -159,7 +160,6 @@ def dense_to_moe(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap) -> tuple[
         n = round(cfg.reinit_ratio * cover.width)
         report(f"NOT function-preserving: Drop-Upcycling re-initialises {n} of the {cover.width} neurons of every "
                f"routed expert ({cfg.reinit_ratio:.0%}, seed {cfg.seed})", exact=False)
-    routers = _routers(cfg, out, sources, tensors["embed"].dtype)
     recent = _Recent()
     new: dict[str, LazyTensor] = {}
     for i in out.moe_layers:
@@ -181,7 +181,8 @@ def _sources(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap, cover: Cover,
                                            ("--calibration", cfg.calibration is not None and not fits_attention))
                   if given]
         if unused:
-            raise UpcyclerError(f"{unused[0]} applies to experts from several models; add --experts-from "
+            also = " or to an attention changed under --allow-approximate" if unused[0] == "--calibration" else ""
+            raise UpcyclerError(f"{unused[0]} applies to experts from several models{also}; add --experts-from "
                                 "NAME=PATH … or drop it")
         return None
     if cfg.router_init == "centroids" and cfg.calibration is None:

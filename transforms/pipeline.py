@@ -116,7 +116,7 @@ def plan(recipe: Recipe, *, allow_config_only: bool = False) -> Plan:
     for k, step in enumerate(recipe.steps):
         try:
             # the first step sees the source as read: a transform may compare other checkpoints with it
-            with providing(checkpoint=ckpt if k == 0 else None,
+            with providing(checkpoint=ckpt if k == 0 else None, side_files=ckpt.side_files,
                            output_dtype=parse_dtype(recipe.output.dtype) if recipe.output.dtype else None):
                 applied = step.transform.apply(step.config, ckpt.spec, ckpt.tensors)
         except UpcyclerError as err:  # transforms know the model, not where it came from

@@ -7,8 +7,9 @@ the heads, and the RMS changes from token to token). With unit weights the model
 SmolLM2-135M-Instruct, 28% top-1 agreement with its parent on held-out text). `fit_qk_norms` chooses the
 weights from calibration data instead, one layer at a time, from the first:
 
-- the layer's queries and keys before the norm, q and k, are computed on the calibration tokens as they
-  reach this layer of the *approximated* model (so each layer makes up for what the earlier ones changed);
+- the layer's queries and keys before the norm, q and k, are computed by the *approximated* model (biases
+  it drops are gone) on the calibration tokens as they reach this layer of it (so each layer makes up for
+  what the earlier ones changed);
 - the weights start at the per-channel least-squares fit of q ≈ w ⊙ q / rms(q) (w_j = Σ q_j²/r ÷ Σ q_j²/r²,
   summed over tokens and heads; the same for k), then `STEPS` steps of Adam on their logarithms (they stay
   positive) bring the layer's attention output (per head, before o_proj) close to the parent layer's on
@@ -35,7 +36,7 @@ import numpy as np
 import optax
 
 from upcycler.errors import UpcyclerError
-from upcycler.spec import ModelSpec
+from upcycler.spec import LIMITS_ENV, ModelSpec, limits_on
 from upcycler.train.data.format import HELDOUT_SUFFIX
 from upcycler.train.data.sources import prepared_names
 from upcycler.train.evaluation.calibration import (
@@ -66,7 +67,10 @@ class Tokens:
 
 @dataclass(frozen=True)
 class AttentionFit:
-    """The service `dense-to-moe` borrows to fit inserted q/k norms and measure an approximate attention."""
+    """The service `dense-to-moe` borrows to fit inserted q/k norms and measure an approximate attention;
+    `measures` False (--dry-run) checks the calibration data and computes nothing."""
+
+    measures: bool = True
 
     def tokens(self, data: Path, model: Any, sequences: int, length: int) -> Tokens:
         """`sequences` windows of `length` tokens spread over the training sources of `data` (prepared with
@@ -83,11 +87,13 @@ class AttentionFit:
         if length > model.spec.max_position_embeddings:
             raise UpcyclerError(f"--calibration-length {length} is longer than the model's context "
                                 f"(max_position_embeddings {model.spec.max_position_embeddings:,})")
-        if attention_bytes(model.spec, length) * sequences > FIT_BYTES:
-            most = max(1, FIT_BYTES // attention_bytes(model.spec, length))
+        if limits_on() and attention_bytes(model.spec, length) * sequences > FIT_BYTES:
+            most = FIT_BYTES // attention_bytes(model.spec, length)
+            fix = (f"--calibration-sequences {most} or less" if most else
+                   f"--calibration-length {int((FIT_BYTES / attention_bytes(model.spec, 1)) ** 0.5)} or less")
             raise UpcyclerError(f"--calibration-sequences {sequences} × --calibration-length {length}: fitting a "
-                                f"layer's attention on them takes over {FIT_BYTES:,} bytes; use "
-                                f"--calibration-sequences {most} or less")
+                                f"layer's attention on them takes over {FIT_BYTES:,} bytes; use {fix} "
+                                f"(or set {LIMITS_ENV}=off)")
         per = [sequences // len(names) + (k < sequences % len(names)) for k in range(len(names))]
         calibration, heldout, held_names = [], [], []
         for name, count in zip(names, per, strict=True):
@@ -105,9 +111,9 @@ class AttentionFit:
                 held_names.append(f"{name} (between the calibration windows)")
         return Tokens(np.concatenate(calibration), np.concatenate(heldout), ", ".join(held_names))
 
-    def fit_qk_norms(self, reference: Any, ids_BL: np.ndarray) -> dict[str, np.ndarray]:
+    def fit_qk_norms(self, reference: Any, approximated: Any, ids_BL: np.ndarray) -> dict[str, np.ndarray]:
         """{canonical name: weight [head_dim] float32} of every layer's q_norm and k_norm (module docstring)."""
-        return fit_qk_norms(reference, ids_BL)
+        return fit_qk_norms(reference, approximated, ids_BL)
 
     def agreement(self, reference: Any, approximated: Any, ids_BL: np.ndarray) -> tuple[float, float]:
         return agreement(reference, approximated, ids_BL)
@@ -124,18 +130,19 @@ def _interleaved(data: Path, name: str, count: int, length: int, model: Any) -> 
     return calibration_tokens(data, name, 2 * count, length, model)
 
 
-def fit_qk_norms(reference: Any, ids_BL: np.ndarray) -> dict[str, np.ndarray]:
-    """The q/k norm weights of every layer of `reference` (a model without q/k norms) fitted on `ids_BL`."""
-    spec = reference.spec
-    normed = spec.replace(qk_norm=True)
+def fit_qk_norms(reference: Any, approximated: Any, ids_BL: np.ndarray) -> dict[str, np.ndarray]:
+    """The q/k norm weights of every layer of `approximated` (`reference` with q/k norms inserted, and maybe
+    biases dropped) fitted on `ids_BL` so that each layer's attention output is `reference`'s on its inputs."""
+    spec, normed = reference.spec, approximated.spec
     windows = layer_windows(spec)
     x = jnp.asarray(reference.tensors["embed"].load()[ids_BL].astype(np.float32))
     out: dict[str, np.ndarray] = {}
     with jax.default_matmul_precision("highest"):
         for i in range(spec.num_layers):
-            p = jax.tree.map(lambda w: w.astype(jnp.float32), layer_params(spec, reference.tensors, i))
-            q, k, v = _raw_qkv(x, p, spec)
-            want = _attention_jit(q, k, v, None, spec, windows[i])
+            want = _attention_jit(*_raw_qkv(x, _fp32(layer_params(spec, reference.tensors, i)), spec), None, spec,
+                                  windows[i])
+            p = _fp32(layer_params(normed, approximated.tensors, i))
+            q, k, v = _raw_qkv(x, p, normed)
             log_w = jnp.log(jnp.stack([_least_squares(q, spec), _least_squares(k, spec)]))
             state = _OPTIMIZER.init(log_w)
             for _ in range(STEPS):
@@ -143,8 +150,12 @@ def fit_qk_norms(reference: Any, ids_BL: np.ndarray) -> dict[str, np.ndarray]:
             w_q, w_k = np.exp(np.asarray(log_w)).astype(np.float32)
             out[f"layers.{i}.attn.q_norm"], out[f"layers.{i}.attn.k_norm"] = w_q, w_k
             fitted = {**p, "attn": {**p["attn"], "q_norm": jnp.asarray(w_q), "k_norm": jnp.asarray(w_k)}}
-            x = _layer(x, fitted, normed, layer_kind(spec, i), windows[i])
+            x = _layer(x, fitted, normed, layer_kind(normed, i), windows[i])
     return out
+
+
+def _fp32(params: dict) -> dict:
+    return jax.tree.map(lambda w: w.astype(jnp.float32), params)
 
 
 def agreement(reference: Any, approximated: Any, ids_BL: np.ndarray) -> tuple[float, float]:

@@ -184,7 +184,7 @@ class _AttentionFit:
     def __getattr__(self, name: str):
         from upcycler.train.evaluation.attention_fit import AttentionFit
 
-        return getattr(AttentionFit(), name)
+        return getattr(AttentionFit(self.measures), name)
 
 
 def planned(recipe, *, dry_run: bool):
