@@ -245,7 +245,7 @@ def test_a_failed_check_leaves_nothing(dense, tmp_path, monkeypatch):
     from upcycler.transforms import dense_to_moe
 
     original = dense_to_moe._scaled
-    monkeypatch.setattr(dense_to_moe, "_scaled", lambda w, factor: original(w, np.asarray(factor) * 2))
+    monkeypatch.setattr(dense_to_moe, "_scaled", lambda w, factor, *dtype: original(w, np.asarray(factor) * 2, *dtype))
     result = CliRunner().invoke(main, list(map(str, ["dense-to-moe", dense, tmp_path / "moe", "--experts", "8",
                                                      "--topk", "2", "--granularity", "2"])))
     assert result.exit_code == 2
