@@ -89,9 +89,11 @@ def test_chunked_attention_with_packed_segments_equals_einsum():
     ids = _batch()["inputs"]
     segments = jnp.asarray(np.repeat(np.arange(4), 4)[None].repeat(B, 0))
 
-    def loss(p, cfg):
+    cotangent = jax.random.normal(jax.random.key(4), (*ids.shape, spec.vocab_size))
+
+    def loss(p, cfg):  # a random cotangent: every logit's gradient path, none amplified (sin(~200) was)
         logits, _ = forward(p, ids, spec, cfg, segment_ids_BL=segments)
-        return jnp.sum(jnp.sin(logits))
+        return jnp.sum(logits * cotangent)
 
     base_value, base_grad = jax.value_and_grad(loss)(params, ModelConfig())
     value, grad = jax.value_and_grad(loss)(params, ModelConfig(attention="chunked", attention_chunk=4))
