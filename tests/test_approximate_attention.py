@@ -115,3 +115,24 @@ def test_after_an_earlier_recipe_step_and_in_a_dry_run(tmp_path, calibration):
     recipe.write_text(yaml.safe_dump({"source": str(demo_assets() / "model"), "transforms": steps,
                                       "output": {"path": str(tmp_path / "again")}}))
     assert_clean_failure(run_cli("run", recipe, "--dry-run", check=False), mentions="another tokenizer")
+
+
+@pytest.mark.parametrize(("rotary", "window"), [(1.0, 0), (0.5, 0), (1.0, 5)])
+def test_the_fit_attends_as_the_layer_does(rotary, window):
+    """The fit's attention as a function of the norm weights (heads first, rotations done once) is the
+    layer's (`attention_of` after the norms), with partial rotary dims and a sliding window."""
+    import jax.numpy as jnp
+
+    from upcycler.spec import ModelSpec
+    from upcycler.train.evaluation import attention_fit as fit
+
+    spec = ModelSpec(family="glm4_moe" if rotary != 1.0 else "qwen3", vocab_size=64, hidden_size=48,
+                     num_layers=1, num_heads=6, num_kv_heads=2, head_dim=16, intermediate_size=64,
+                     max_position_embeddings=64, qk_norm=True, partial_rotary_factor=rotary)
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 12, heads, 16)), jnp.float32) for heads in (6, 2, 2))
+    w = jnp.asarray(rng.uniform(0.5, 2.0, (2, 16)), jnp.float32)
+    want = fit.heads_first(fit._attention(q, k, v, w, spec, window), 3)
+    got = fit._NormedAttention.of(q, k, v, spec, window)(w)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(fit._NormedAttention.of(q, k, v, spec, window)(2 * w) - want).max()) > 1e-2  # w matters
