@@ -187,7 +187,7 @@ def start_host(host: Path, config: Path, process: int, processes: int, port: int
     """`continued-pretrain` as process `process` of `processes`, on a simulated host of its own (2 CPU
     devices; its own working directory, HOME, temporary and cache directories)."""
     (host / "tmp").mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "XLA_FLAGS": with_devices(2), "HOME": str(host),
+    env = {**os.environ, "XLA_FLAGS": with_devices(2, fast_compile=True), "HOME": str(host),
            "TMPDIR": str(host / "tmp"), "UPCYCLER_CACHE": str(host / "cache")}
     command = [sys.executable, "-m", "upcycler", "continued-pretrain", "--config", str(config), "--coordinator",
                f"127.0.0.1:{port}", "--num-processes", str(processes), "--process-id", str(process)]

@@ -8,6 +8,7 @@ metrics and the gradients (through one SGD step with learning rate 1, so new par
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import jax
@@ -16,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from trainer_fixtures import VOCAB, tiny_spec
+from xla_flags import FAST_COMPILE_OPTIONS
 
 from upcycler.train.config import LossConfig, ModelConfig
 from upcycler.train.loop.train_step import TrainState, make_train_step
@@ -40,13 +42,20 @@ def _batch(seed: int = 0, segments: bool = False) -> dict[str, jax.Array]:
 
 
 def _step(spec, cfg=ModelConfig(), loss=LossConfig(), microbatches=1, seed=0):
-    """(metrics, new params) of one SGD step (lr 1) from fixed random parameters on a fixed batch."""
+    """(metrics, new params) of one SGD step (lr 1) from fixed random parameters on a fixed batch; each
+    distinct step is compiled and run once per test process (several tests compare against the same one)."""
+    metrics, params = _cached_step(spec, cfg, loss, microbatches, seed)
+    return dict(metrics), params
+
+
+@functools.cache
+def _cached_step(spec, cfg, loss, microbatches, seed):
     params = init_params(spec, jax.random.key(seed), std=0.05)
     tx = optax.sgd(1.0)
     step = make_train_step(spec, cfg, loss, tx, lambda s: jnp.float32(1.0), num_sources=2,
                            microbatches=microbatches)
     state = TrainState(jnp.asarray(0, jnp.int32), params, tx.init(params))
-    new, metrics = jax.jit(step)(state, _batch())
+    new, metrics = jax.jit(step, compiler_options=FAST_COMPILE_OPTIONS)(state, _batch())
     return jax.device_get(metrics), jax.device_get(new.params)
 
 
@@ -141,7 +150,7 @@ def _metrics_of(spec, batch):
     tx = optax.sgd(1.0)
     step = make_train_step(spec, ModelConfig(), LossConfig(), tx, lambda s: jnp.float32(1.0), num_sources=2)
     state = TrainState(jnp.asarray(0, jnp.int32), params, tx.init(params))
-    return jax.device_get(jax.jit(step)(state, batch)[1])
+    return jax.device_get(jax.jit(step, compiler_options=FAST_COMPILE_OPTIONS)(state, batch)[1])
 
 
 def test_weights_cast_before_use_equal_casting_where_used():

@@ -34,7 +34,7 @@ def one_device_run(ws, model: str, root, **changes) -> tuple[list, dict]:
 def start(path, *args: str, devices: int, host: Path | None = None):
     """The CLI in a child process that sees `devices` CPU devices; with `host`, a simulated host of its own
     (working directory, HOME and temporary directory in `host`)."""
-    env = {**os.environ, "XLA_FLAGS": with_devices(devices)}
+    env = {**os.environ, "XLA_FLAGS": with_devices(devices, fast_compile=True)}
     if host is not None:
         (host / "tmp").mkdir(parents=True, exist_ok=True)
         env.update(HOME=str(host), TMPDIR=str(host / "tmp"), UPCYCLER_CACHE=str(host / "cache"))

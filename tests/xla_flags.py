@@ -6,15 +6,22 @@
 4× faster and runs it up to 2× slower: the elementwise loops are no longer vectorised. It pays only where a
 process compiles many small programs and runs each once or twice (`expert_parallel_checks.py`: 60
 compiles of one MoE layer, 4 minutes of CPU at XLA's defaults, 1 with these flags); a training run of a
-hundred steps or a real model's prefill runs slower with them, so they are not the suite's default.
-Results move within float rounding (the same matmul kernels run).
+hundred steps or a real model's prefill runs slower with them, so they are not the suite's default. They
+are used where programs are compiled and run a few times: the child processes of the few-step sharded and
+multi-host training runs (`test_trainer_distributed.py`, `test_bucket_runs.py`, which compare them with
+each other bit for bit and with the in-process run within fp32 rounding) and the train steps of
+`test_memory_options.py` (`FAST_COMPILE_OPTIONS`, per program). Results move within float rounding (the
+same matmul kernels run).
 """
 
 from __future__ import annotations
 
 import os
 
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+FAST_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+# as XLA_FLAGS for a process about to start its backend; the options above go to one program of a process
+# whose backend has started (`jax.jit(f, compiler_options=FAST_COMPILE_OPTIONS)`)
+FAST_COMPILE = " ".join(f"--{name}={str(value).lower()}" for name, value in FAST_COMPILE_OPTIONS.items())
 
 
 def with_devices(devices: int, *, fast_compile: bool = False) -> str:
