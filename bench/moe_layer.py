@@ -138,7 +138,7 @@ def main() -> None:
     args = parse_args()
     key = jax.random.key(0)
     T, D, F, E, K = args.tokens, args.d_model, args.width, args.experts, args.topk
-    backend = resolve_backend(args.backend)
+    backend = resolve_backend(args.backend, dtype=args.dtype)
     moe_args, dense_args = moe_params(key, T, D, F, E, args.dtype), dense_params(key, T, D, K * F, args.dtype)
     compiled = {
         "dropless": compiled_pair(moe_layer("dropless", K, args.router, backend), moe_args),

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gmm_checks import gmm_with_grads
 
-from upcycler.train.model.gmm import gmm
+from upcycler.train.model.gmm import gmm, resolve_backend
 from upcycler.train.model.gmm_mosaic_gpu import mosaic_gpu_gmm
 
 
@@ -63,3 +63,13 @@ def test_mosaic_gpu_refusals_name_the_fix() -> None:
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match=f"cannot run on {jax.default_backend()}"):
             gmm(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), sizes, backend="mosaic_gpu")
+
+
+def test_auto_takes_mosaic_gpu_for_16_bit_operands_on_hopper_only() -> None:
+    on_hopper = "mosaic_gpu" if _hopper() else "tiled"
+    assert resolve_backend("auto", "gpu", jnp.bfloat16) == on_hopper
+    assert resolve_backend("auto", "gpu", jnp.float16) == on_hopper
+    assert resolve_backend("auto", "gpu", jnp.float32) == "tiled"  # wgmma takes 16-bit operands
+    assert resolve_backend("auto", "gpu") == "tiled"  # operand dtype unknown, or x and w differ
+    assert resolve_backend("auto", "cpu", jnp.bfloat16) == "tiled"
+    assert resolve_backend("tiled", "gpu", jnp.bfloat16) == "tiled"

@@ -40,15 +40,17 @@ Backends:
   gradient stays grouped. 16-bit operands only, one device per kernel (like megablox). On an H200 one
   layer's forward+backward at the reference MoE's width took 0.027 s (tiled: 0.124 s; a dense FFN of the
   same active FLOPs: 0.015 s) and the reference MoE's step 1.9× less time than with tiled. Chosen
-  explicitly (`model.gmm_backend: mosaic_gpu`), not yet by `"auto"`: its gradient test
-  (tests/test_gmm_mosaic_gpu.py) needs a Hopper GPU and has not run on one.
+  by `"auto"` on a Hopper GPU for 16-bit operands; its output and gradients are checked against tiled by
+  tests/test_gmm_mosaic_gpu.py on such a GPU.
 - `"auto"`: chosen for the TARGET platform, the one the code is compiled for, not the host's:
-  `"megablox"` on TPU, `"tiled"` on CPU and GPU, `"ragged_dot"` on any other platform. The target is the platform of the mesh
+  `"megablox"` on TPU, `"tiled"` on CPU, on GPU `"mosaic_gpu"` for bfloat16 or float16 operands on a
+  Hopper GPU and `"tiled"` otherwise, `"ragged_dot"` on any other platform. The target is the platform of the mesh
   set by `jax.set_mesh` when there is one (so an ahead-of-time compile for a TPU slice from a CPU host
   gets the TPU kernel), else JAX's default backend. On TPU, one exception: XLA cannot partition a Pallas
   kernel across devices, so megablox needs code that runs whole on each device (a one-device mesh, or
   inside a `jax.shard_map` that makes every mesh axis manual); under automatic partitioning over several
-  devices `"auto"` takes `"ragged_dot"` and an explicit `"megablox"` is refused. A jit placed on devices
+  devices `"auto"` takes `"ragged_dot"` and an explicit `"megablox"` is refused. Likewise on GPU: under
+  automatic partitioning `"auto"` takes `"tiled"`. A jit placed on devices
   only by its argument shardings, with no mesh set, is not seen: it gets the default backend's choice.
 """
 
@@ -62,6 +64,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from upcycler.train.config import GMM_BACKENDS
+from upcycler.train.model.gmm_mosaic_gpu import KERNEL_DTYPES, mosaic_gpu_gmm  # no Pallas import until used
 
 Backend = Literal["auto", "tiled", "ragged_dot", "megablox", "mosaic_gpu"]
 BACKENDS: tuple[str, ...] = GMM_BACKENDS  # declared with the config, which must not import JAX
@@ -86,7 +89,7 @@ def gmm(
     _check_shapes(x_sorted, w, group_sizes)
     group_sizes = group_sizes.astype(jnp.int32)
     platform = target_platform()
-    resolved = resolve_backend(backend, platform)
+    resolved = resolve_backend(backend, platform, x_sorted.dtype if x_sorted.dtype == w.dtype else None)
     if resolved == "megablox":
         # imported here: the Pallas TPU kernels are only loaded by the code paths that use them
         from upcycler.train.model.gmm_megablox import megablox_gmm
@@ -109,8 +112,6 @@ def gmm(
                 f"jax.shard_map over every axis of the mesh {jax.sharding.get_abstract_mesh()}, on a "
                 'one-device mesh, or use backend "auto"'
             )
-        from upcycler.train.model.gmm_mosaic_gpu import mosaic_gpu_gmm
-
         return mosaic_gpu_gmm(x_sorted, w, group_sizes)
     if resolved == "ragged_dot":
         out = lax.ragged_dot(x_sorted, w, group_sizes, preferred_element_type=jnp.float32)
@@ -118,11 +119,13 @@ def gmm(
     return _tiled_gmm(x_sorted, w, group_sizes, _normalise_tiles(tile_rows, x_sorted.shape[0]))
 
 
-def resolve_backend(backend: Backend, platform: str | None = None) -> str:
-    """The concrete backend `backend` stands for when compiling for `platform` (default: `target_platform()`).
+def resolve_backend(backend: Backend, platform: str | None = None, dtype=None) -> str:
+    """The concrete backend `backend` stands for when compiling for `platform` (default: `target_platform()`)
+    with operands (x and w) of `dtype` (None: unknown, or x and w differ).
 
     Only `"auto"` depends on the platform: megablox on TPU (ragged_dot there when the code is partitioned
-    across devices, see `runs_unpartitioned`), tiled on CPU and GPU, ragged_dot anywhere else.
+    across devices, see `runs_unpartitioned`), tiled on CPU, on GPU mosaic_gpu for 16-bit operands on a
+    Hopper GPU that runs the code whole (tiled otherwise), ragged_dot anywhere else.
     """
     if backend not in BACKENDS:
         raise ValueError(f"gmm backend must be one of {BACKENDS}, not {backend!r}")
@@ -131,7 +134,19 @@ def resolve_backend(backend: Backend, platform: str | None = None) -> str:
     platform = target_platform() if platform is None else platform
     if platform == "tpu" and not runs_unpartitioned():
         return "ragged_dot"
+    if platform == "gpu" and dtype is not None and jnp.dtype(dtype) in KERNEL_DTYPES and hopper_here() \
+            and runs_unpartitioned():
+        return "mosaic_gpu"
     return AUTO_BACKENDS.get(platform, "ragged_dot")
+
+
+def hopper_here() -> bool:
+    """Whether this process's GPUs are NVIDIA Hopper (compute capability 9.x), what the Mosaic GPU kernels need."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:  # no GPU backend in this process
+        return False
+    return bool(devices) and str(getattr(devices[0], "compute_capability", "")).startswith("9")
 
 
 def target_platform() -> str:
