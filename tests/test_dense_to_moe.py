@@ -479,3 +479,13 @@ def test_a_wider_output_dtype_with_unscaled_experts_streams_no_narrow_bytes(tiny
     for e in range(4):
         got = moe[p + f"block_sparse_moe.experts.{e}.w2.weight"]
         assert got.dtype == np.float32 and np.array_equal(got, dense[p + "mlp.down_proj.weight"].astype(np.float32))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_write_check_passes_every_exact_case(case, upcycled):
+    from upcycler.transforms.moe_write_check import write_check_for
+
+    _, out, p = upcycled(case)
+    record = write_check_for(p)(out)
+    assert record["passed"] and record["verdict"].startswith("same function")
+    assert record["worst_floor_ratio"] <= 10 and record["tensors_by_digest"] > p.ckpt.spec.moe.num_experts

@@ -217,15 +217,17 @@ def test_verdict_states_its_criterion_and_tolerance_is_absolute(dense, upcycled,
 def test_exact_writes_record_their_check(dense, upcycled, tmp_path):
     record = json.loads((upcycled / "upcycler.json").read_text())["verification"]
     assert record["passed"] and record["against"] == dense.name
-    assert record["max_abs_logit_diff"] <= record["allowed"] == pytest.approx(10 * max(
-        record["noise_floor"], 2**-23 * record["logit_scale"]))
-    assert record["top1_agreement"] == 1.0 and record["kl_mean"] < 1e-9
+    assert record["method"] == "in-stream" and record["moe_layers"] == 4  # dense-to-moe: tests/test_moe_write_check.py
     from upcycler.model_card import render_model_card
 
     card = render_model_card(upcycled)
-    assert "Verdict: `same function: max |Δlogits|" in card
-    cli("convert", upcycled, tmp_path / "orbax", "--to", "orbax")
-    assert json.loads((tmp_path / "orbax" / "upcycler.json").read_text())["verification"]["passed"]
+    assert "Verdict: `same function: every tensor holds the bytes it should" in card
+    cli("convert", upcycled, tmp_path / "orbax", "--to", "orbax")  # other writes: the full check on a probe
+    record = json.loads((tmp_path / "orbax" / "upcycler.json").read_text())["verification"]
+    assert record["passed"] and record["against"] == upcycled.name
+    assert record["max_abs_logit_diff"] <= record["allowed"] == pytest.approx(10 * max(
+        record["noise_floor"], 2**-23 * record["logit_scale"]))
+    assert record["top1_agreement"] == 1.0 and record["kl_mean"] < 1e-9
     cli("depth", dense, tmp_path / "deep", "--layers", "6")
     assert json.loads((tmp_path / "deep" / "upcycler.json").read_text())["verification"]["passed"]
 
@@ -244,13 +246,14 @@ def test_a_failed_check_leaves_nothing(dense, tmp_path, monkeypatch):
     """A transform that claims exactness but computes something else: the write is refused and removed."""
     from upcycler.transforms import dense_to_moe
 
-    original = dense_to_moe._scaled
-    monkeypatch.setattr(dense_to_moe, "_scaled", lambda w, factor, *dtype: original(w, np.asarray(factor) * 2, *dtype))
+    original = dense_to_moe.scale_columns
+    monkeypatch.setattr(dense_to_moe, "scale_columns",
+                        lambda w, factor, *dtype: original(w, np.asarray(factor) * 2, *dtype))
     result = CliRunner().invoke(main, list(map(str, ["dense-to-moe", dense, tmp_path / "moe", "--experts", "8",
                                                      "--topk", "2", "--granularity", "2"])))
     assert result.exit_code == 2
     assert "claims to preserve the function, but the written model does not" in result.output
-    assert "different functions" in result.output and "--no-verify" in result.output
+    assert "layer 0: routed expert 0's down_proj" in result.output and "--no-verify" in result.output
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 

@@ -138,7 +138,7 @@ def dense_to_moe(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap) -> tuple[
     router is uniform and R = 1), `--reinit-ratio` > 0, and attention changes made under
     `--allow-approximate`; each is reported.
     """
-    cover = _check(cfg, spec)
+    cover = cover_for(cfg, spec)
     request = MoERequest(cfg.experts, cfg.topk, cover.width, cfg.shared_experts, tuple(range(cfg.dense_layers)),
                          cfg.router, cfg.routed_scaling_factor)
     target, why = choose_target(spec, request, cfg.target, allow_approximate=cfg.allow_approximate)
@@ -236,8 +236,9 @@ def _routers(cfg: DenseToMoE, out: ModelSpec, sources: Sources | None, dtype: np
                              cfg.calibration_length, cfg.centroid_margin, measure)
 
 
-def _check(cfg: DenseToMoE, spec: ModelSpec) -> Cover:
-    """Refuse requests that cannot be upcycled, with the flag to change; return the experts' cover."""
+def cover_for(cfg: DenseToMoE, spec: ModelSpec) -> Cover:
+    """The experts' cover of the dense FFN for `cfg` on `spec`; requests that cannot be upcycled are
+    refused, with the flag to change."""
     if spec.moe is not None:
         raise UpcyclerError(f"dense-to-moe needs a dense source, but this {spec.family} model is already "
                             "MoE; upcycle its dense original instead")
@@ -301,16 +302,26 @@ def _check_size(cfg: DenseToMoE, source: ModelSpec, out: ModelSpec) -> None:
                             f"{before:,} (over {MAX_GROWTH}×); lower --experts or pass --allow-large to force")
 
 
+def router_factor(moe: MoESpec, group: int) -> float:
+    """The factor on routed down_proj (before dividing by c_n) that undoes the router's weights: R for a
+    renormalising router, R / routed_scaling_factor for GLM's sigmoid, N·R/K for plain softmax (exact only
+    for a uniform router with R = 1)."""
+    if moe.router == "renormalized":
+        return float(group)
+    if moe.router == "sigmoid":
+        return group / moe.routed_scaling_factor
+    return moe.num_experts * group / moe.top_k
+
+
 def _scale(moe: MoESpec, cover: Cover, router_std: float, dtype: np.dtype) -> float:
     """The router's factor on routed down_proj (before dividing by c_n), reported with its exactness."""
-    R, N, K = cover.group, moe.num_experts, moe.top_k
+    R = cover.group
+    factor = router_factor(moe, R)
     if moe.router == "renormalized":
-        factor, how, exact = float(R), f"× R = {R} (renormalising router)", True
+        how, exact = f"× R = {R} (renormalising router)", True
     elif moe.router == "sigmoid":
-        factor = R / moe.routed_scaling_factor
         how, exact = f"× R / routed_scaling_factor = {factor:g} (sigmoid router, renormalised)", True
     else:
-        factor = N * R / K
         how = f"× N·R/K = {factor:g} (router does not renormalise the top-k weights)"
         exact = router_std == 0 and R == 1
     if exact:
@@ -377,7 +388,7 @@ def _moe_layer(cfg: DenseToMoE, out: ModelSpec, cover: Cover, factor: float, sou
         out_ = recent.get(w)[:, cover.window(e % R)]
         if reinit:
             out_ = _reinit(out_, recent.stats(w), cfg.seed, i, e, 2, reinit, axis=1)
-        return _scaled(out_, factor if scales[e % R] is None else scales[e % R], scaled_dtype)
+        return scale_columns(out_, factor if scales[e % R] is None else scales[e % R], scaled_dtype)
 
     # where a slice is its source's bytes unchanged (no re-initialised neurons, no scale), the writer
     # streams it from the file: gate/up rows are one contiguous range, down columns only when all of them
@@ -409,7 +420,7 @@ def _moe_layer(cfg: DenseToMoE, out: ModelSpec, cover: Cover, factor: float, sou
         # a gated shared expert is multiplied by sigmoid(0 · x) = 1/2: double its down_proj (exact)
         double = 2.0 if moe.shared_gated else 1.0
         new[p + "moe.shared.down_proj"] = LazyTensor((D, width), dtype,
-                                                     lambda: _scaled(recent.get(down)[:, :width], double))
+                                                     lambda: scale_columns(recent.get(down)[:, :width], double))
         if moe.shared_gated:
             new[p + "moe.shared_gate"] = zeros((1, D), dtype)
     return new
@@ -425,7 +436,7 @@ def _router(seed: int, layer: int, groups: int, R: int, D: int, std: float, dtyp
     return LazyTensor((groups * R, D), np.dtype(dtype), load)
 
 
-def _scaled(w: np.ndarray, factor: float | np.ndarray, dtype: np.dtype | None = None) -> np.ndarray:
+def scale_columns(w: np.ndarray, factor: float | np.ndarray, dtype: np.dtype | None = None) -> np.ndarray:
     """`w` × factor (a scalar, or one per column), computed in fp32 (fp64 for fp64) and cast once to `dtype`
     (default: `w`'s)."""
     dtype = w.dtype if dtype is None else np.dtype(dtype)

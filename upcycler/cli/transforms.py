@@ -126,6 +126,7 @@ def finish(p, *, dry_run: bool, as_json: bool, overwrite: bool, no_verify: bool 
 
     The notes follow the write so that a failed write says one thing only: its error.
     """
+    from upcycler.transforms.moe_write_check import write_check_for
     from upcycler.transforms.pipeline import execute, unchecked_reason
     from upcycler.units import human_bytes, human_count
 
@@ -136,7 +137,8 @@ def finish(p, *, dry_run: bool, as_json: bool, overwrite: bool, no_verify: bool 
         calibration = [Path(s.config["calibration"]) for s in p.steps if s.config.get("calibration")]
         check_output(p.recipe.output.path, overwrite=overwrite, sources=[*p.ckpt.inputs, *calibration])
     skipped = "--no-verify" if no_verify else unchecked_reason(p)
-    check = None if skipped else function_check(p.recipe.source, " + ".join(s.name for s in p.steps))
+    check = None if skipped else (write_check_for(p) or function_check(p.recipe.source,
+                                                                      " + ".join(s.name for s in p.steps)))
     out = execute(p, overwrite=overwrite, check=check)
     routing = initial_routing(p, out)
     if not as_json:

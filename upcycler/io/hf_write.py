@@ -7,7 +7,8 @@
 - Shards are cut at `shard_size` bytes (`model-0000K-of-0000N.safetensors` + index with `total_size`),
   or a single `model.safetensors` when everything fits.
 - `config.json` is written for the target family; tokenizer and generation files are copied.
-- `upcycler.json` records the spec, the lineage and the sha256 of every file written.
+- `upcycler.json` records the spec, the lineage, the sha256 of every file written and the xxh3-128 of
+  every tensor (hashed from the buffers written, streamed or produced).
 - The shards are checked against the declared layout before anything else is written (`check_layout`):
   every declared tensor present once with its shape, dtype and byte count, nothing else; a missing expert
   or shard is an error naming it.
@@ -38,7 +39,7 @@ from upcycler.families import Family, conform, family_named
 from upcycler.io.checkpoint import Checkpoint
 from upcycler.io.hashing import sha256_file
 from upcycler.io.hf_read import INDEX, SINGLE
-from upcycler.io.manifest import write_manifest
+from upcycler.io.manifest import XXH3, write_manifest
 from upcycler.io.safetensors_file import ShardWriter, read_header
 from upcycler.io.staging import staged_directory
 from upcycler.layout import account, declare_params
@@ -108,7 +109,8 @@ def write_hf(
     shards = split_shards(items, shard_size)
     total = sum(i.nbytes for i in items)
     with staged_directory(out, overwrite=overwrite, sources=ckpt.inputs) as tmp:
-        files: dict[str, str | None] = dict(_write_shards(tmp, shards, total, progress))
+        shard_hashes, tensor_digests = _write_shards(tmp, shards, total, progress)
+        files: dict[str, str | None] = dict(shard_hashes)
         check_layout(tmp, shards, out)
         config = {**target.write_config(spec), "torch_dtype": dtype_name(tensors["embed"].dtype)}
         _write_json(tmp / "config.json", config)
@@ -123,11 +125,12 @@ def write_hf(
             shutil.copyfile(side, tmp / side.name)
             files[side.name] = None
         records = {name: _file_record(tmp / name, sha) for name, sha in files.items()}
-        write_manifest(tmp, spec, ckpt.lineage, extra=extra_manifest, files=records)
+        tensors = {name: {XXH3: digest} for name, digest in tensor_digests.items()}
+        write_manifest(tmp, spec, ckpt.lineage, extra=extra_manifest, files=records, tensors=tensors)
         ckpt.check_inputs()
         if check is not None:
             write_manifest(tmp, spec, ckpt.lineage, extra={**(extra_manifest or {}), "verification": check(tmp)},
-                           files=records)
+                           files=records, tensors=tensors)
     return out
 
 
@@ -163,11 +166,12 @@ def _shard_names(n: int) -> list[str]:
     return [SINGLE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
 
 
-def _write_shards(tmp: Path, shards: list[list[_Item]], total: int, progress: bool) -> dict[str, str]:
-    """Write every shard; return the sha256 of each, computed while its bytes streamed out. A tensor stored
-    unchanged in a source file is streamed from it (`ShardWriter.copy`); any other is produced on a
-    worker thread while the one before is written."""
-    hashes = {}
+def _write_shards(tmp: Path, shards: list[list[_Item]], total: int,
+                  progress: bool) -> tuple[dict[str, str], dict[str, str]]:
+    """Write every shard; return the sha256 of each and the xxh3-128 of each tensor, computed while the
+    bytes streamed out. A tensor stored unchanged in a source file is streamed from it
+    (`ShardWriter.copy`); any other is produced on a worker thread while the one before is written."""
+    hashes, digests = {}, {}
     arrays = read_ahead([item.produce if item.stored is None else partial(_stored, item.stored)
                          for shard in shards for item in shard])
     with tqdm(total=total, unit="B", unit_scale=True, desc="writing", disable=not progress or None) as bar:
@@ -183,10 +187,11 @@ def _write_shards(tmp: Path, shards: list[list[_Item]], total: int, progress: bo
                     del payload
                     bar.update(item.nbytes)
                 hashes[name] = writer.close()
+                digests.update(writer.tensor_digests)
             except BaseException:
                 writer.abort()
                 raise
-    return hashes
+    return hashes, digests
 
 
 def _stored(where: StoredBytes) -> StoredBytes:

@@ -6,7 +6,8 @@ Every directory upcycler writes (HF, Orbax, a training step) holds one:
      "spec":    ModelSpec as JSON,
      "lineage": [step, …],                         # what was read and done, oldest first
      "files":   {name: {"bytes": n, "sha256": h}}, # every file written beside it (HF: all; Orbax: side files)
-     "tensors": {name: {"dtype", "shape", "sha256"}},   # Orbax only: digest of each tensor's C-order bytes
+     "tensors": {name: {"dtype", "shape", "sha256"}},   # Orbax: digest of each tensor's C-order bytes
+     "tensors": {name: {"xxh3_128": h}},                # HF: each stored tensor's bytes, as written
      …}                                             # extra keys a writer adds (e.g. "verification")
 
 `read_manifest` is the only parser (bounded, validated, one-line errors naming the file); `write_manifest`
@@ -30,9 +31,11 @@ from upcycler.spec import ModelSpec
 from upcycler.untrusted import describe, load_json_object, shown_path
 
 _SHA256 = re.compile(r"[0-9a-fA-F]{64}")
+_XXH3 = re.compile(r"[0-9a-fA-F]{32}")
 
 MANIFEST = "upcycler.json"
 FORMAT = 1
+XXH3 = "xxh3_128"  # the key of an HF tensor's digest in the "tensors" table
 REWRITE = "re-write the directory with upcycler"
 
 
@@ -220,6 +223,18 @@ class Manifest:
             if not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
                 raise self._malformed("tensors", name, record, fix)
             out[name] = sha.lower()
+        return out
+
+    def tensor_xxh3(self, fix: str = REWRITE) -> dict[str, str]:
+        """`tensors` as {name: xxh3-128 hex} for the records that carry one (HF writes; each checked)."""
+        out = {}
+        for name, record in self.tensors.items():
+            if XXH3 not in record:
+                continue
+            digest = record[XXH3]
+            if not (isinstance(digest, str) and _XXH3.fullmatch(digest)):
+                raise self._malformed("tensors", name, record, fix)
+            out[name] = digest.lower()
         return out
 
     def _malformed(self, table: str, name: object, record: object, fix: str) -> UpcyclerError:
