@@ -5,7 +5,8 @@
 
 (a) depth 32 → 48 (SOLAR) at Llama-3-8B shapes; (b) dense-to-moe 8 experts top-2 and 64 experts top-8
 G=8 (the same 13.6 GB of output; memory must not grow with the expert count) at Llama-3.2-1B shapes;
-these are function-preserving,
+then (`--only moe-8b` alone) the same at Llama-3-8B shapes, 8 experts top-2 if the disk holds 94 GB of
+output, else 8 experts top-4 G=4 (27 GB); these are function-preserving,
 so each also runs with `--no-verify` in the same rounds and `check_overhead` is the median extra time of
 the function check every such write runs before its rename. `--scale s` shrinks the
 widths and the vocabulary by `s` for a quick run (layer counts stay). Each surgery runs in a fresh
@@ -181,6 +182,30 @@ def measure(name: str, source: Path, out: Path, args: list[str], repeats: int, e
     return result
 
 
+def moe_8b(spec: ModelSpec, work: Path, repeats: int, extra: dict, before: str | None) -> dict:
+    """dense-to-moe at Llama-3-8B shapes with its default check: 8 experts top-2 (94 GB out) when the disk
+    holds the source, the output and the copies' scratch; else 8 experts of a quarter width, top-4 (two
+    copies of every FFN, 27 GB out), the largest such job that fits."""
+    mlp = spec.num_layers * 3 * spec.hidden_size * spec.intermediate_size * 2
+    source = spec.total_params() * 2
+    free = shutil.disk_usage(work).free
+    for experts, topk, granularity in ((8, 2, 1), (8, 4, 4)):
+        out = source + mlp * (experts // granularity - 1)
+        if source + out + 5e9 < free:
+            break
+    else:
+        return {"bench": "dense-to-moe, Llama-3-8B shapes", "skipped": f"{free / 1e9:.0f} GB free is too little"}
+    src = work / "llama-3-8b"
+    write_synthetic(spec, src)
+    try:
+        args = ["dense-to-moe", "--experts", str(experts), "--topk", str(topk), "--granularity", str(granularity)]
+        name = f"dense-to-moe {experts} experts top-{topk} G={granularity}, Llama-3-8B shapes"
+        return measure(name, src, work / "out", args, repeats, {**extra, "experts": experts}, checked=True,
+                       before=before)
+    finally:
+        shutil.rmtree(src)
+
+
 def link_copy(src: Path, dst: Path) -> None:
     """`dst`, a new directory whose files are hard links to `src`'s (another model to the tool, same bytes)."""
     dst.mkdir()
@@ -228,7 +253,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=float, default=1.0, help="shrink widths and vocabulary (1.0 = real shapes)")
     ap.add_argument("--workdir", type=Path, default=None, help="where the synthetic files go (default: a temp dir)")
-    ap.add_argument("--only", choices=("depth", "moe", "sources"), default=None)
+    ap.add_argument("--only", choices=("depth", "moe", "moe-8b", "sources"), default=None)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per job; medians are reported")
     ap.add_argument("--before", default=None, metavar="PYTHON",
                     help="also run every job with this interpreter (one whose upcycler is an older version), "
@@ -272,6 +297,9 @@ def main() -> None:
                 print(json.dumps(measure(name, src, work / "out", args, repeats, {**scale, "experts": experts},
                                          checked=True, before=before)), flush=True)
             shutil.rmtree(src)
+        if a.only in (None, "moe", "moe-8b"):
+            row = moe_8b(big, work, repeats, scale, before)
+            print(json.dumps(row), flush=True)
         if a.only in (None, "sources"):
             print(json.dumps(multi_source(small, work, repeats, scale, before)), flush=True)
     finally:
