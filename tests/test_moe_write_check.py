@@ -70,7 +70,7 @@ def test_a_tensor_in_the_wrong_expert_slot_is_named(good, tmp_path):
     _fails(write_check_for(p), tmp_path / "bad", f"layer {LAYER}: routed expert 5's up_proj")
 
 
-def test_a_split_virtual_group_is_named(good, tmp_path):
+def test_a_router_other_than_drawn_is_named(good, tmp_path):
     _, out, p = good
     name = f"layers.{LAYER}.moe.router"
 
@@ -80,7 +80,24 @@ def test_a_split_virtual_group_is_named(good, tmp_path):
         return {name: constant(values)}
 
     _rewritten(out, tmp_path / "bad", nudge)
-    _fails(write_check_for(p), tmp_path / "bad", f"layer {LAYER}:", "virtual group 2")
+    _fails(write_check_for(p), tmp_path / "bad", f"layer {LAYER}: the router should hold the rows drawn for it")
+
+
+def test_a_split_virtual_group_is_named(tiny_dir, tmp_path, monkeypatch):
+    """A router whose group members differ, written as planned: the digests agree, the tie check does not."""
+    src = tiny_dir("llama")
+    real = dense_to_moe._router
+
+    def split(seed, layer, groups, R, D, std, dtype):
+        tensor = real(seed, layer, groups, R, D, std, dtype)
+        values = tensor.load().copy()
+        values[9, 0] = -values[9, 0] if values[9, 0] != 0 else 1
+        return constant(values)
+
+    monkeypatch.setattr(dense_to_moe, "_router", split)
+    p = run_transform("dense-to-moe", src, tmp_path / "moe", dry_run=True, **OPTIONS)
+    _fails(lambda _: execute(p, progress=False, check=write_check_for(p)), None, "layer 0:", "virtual group 2")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("key, value", [("rms_norm_eps", 1e-3), ("rope_theta", 5000.0),

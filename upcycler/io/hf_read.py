@@ -92,13 +92,16 @@ def plain_member(root: Path, name: object, named_by: Path, fix: str | None = Non
     return root / name
 
 
-def read_hf(path: Path) -> Checkpoint:
+def read_hf(path: Path, *, watched: bool = True) -> Checkpoint:
+    """An HF directory, lazily. With `watched` (the default), every byte read from a file an upcycler
+    manifest records is hashed against it (`Checkpoint.check_inputs`); `watched=False` skips that, for a
+    reader whose bytes a watched read of the same files already checks (a write's own check)."""
     spec = read_spec(path)
     from upcycler.families import FAMILIES
 
     family = FAMILIES[spec.family]
     shards = shard_files(path)
-    watches = _manifest_watches(path, shards)
+    watches = _manifest_watches(path, shards) if watched else {}
     entries: dict[str, TensorEntry] = {}
     for shard in shards:
         header, _ = read_header(shard)

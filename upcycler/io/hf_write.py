@@ -14,7 +14,7 @@
   or shard is an error naming it.
 - A `check` (the function check of a function-preserving write) runs on the staged directory once it is
   complete; what it returns is recorded as `verification` in `upcycler.json`, and an error it raises
-  discards the output.
+  discards the output. A check with a `begin()` is told when the write starts, so it can work beside it.
 - Everything goes to a hidden temporary sibling that is renamed to `out` only when complete
   (`upcycler.io.staging`: never over a source, never over a directory upcycler did not write); on any
   error (a full disk, a source that differs from its manifest) it is removed, so no finished-looking
@@ -109,6 +109,9 @@ def write_hf(
     shards = split_shards(items, shard_size)
     total = sum(i.nbytes for i in items)
     with staged_directory(out, overwrite=overwrite, sources=ckpt.inputs) as tmp:
+        begin = getattr(check, "begin", None)
+        if begin is not None:  # a check that works beside the write (dense-to-moe's)
+            begin()
         shard_hashes, tensor_digests = _write_shards(tmp, shards, total, progress)
         files: dict[str, str | None] = dict(shard_hashes)
         check_layout(tmp, shards, out)
