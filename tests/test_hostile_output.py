@@ -196,9 +196,9 @@ def test_flipped_bytes_in_an_upcycler_hf_output_are_caught_naming_the_shard(work
     _flip(shard, shard.stat().st_size - 200)
     before = state(work / "ours")
     proc = run_cli("dense-to-moe", work / "ours", work / "out", "--experts", "2", "--topk", "2", check=False)
-    line = fails_cleanly(proc, mentions="differ from the sha256", inputs={work / "ours": before}, parent=work,
+    line = fails_cleanly(proc, mentions="differ from the xxh3_128", inputs={work / "ours": before}, parent=work,
                          out_name="out")
-    assert shard.name in line
+    assert shard.name in line and "tensor lm_head.weight" in line
 
 
 def test_a_modified_side_file_is_caught(work):

@@ -7,11 +7,11 @@ the exact parameter counts and the exact output bytes. `--dry-run` prints that p
 the planned checkpoint to the writer, which pulls each output tensor (one expert at a time) through the
 chain of lazy transforms from the source bytes. No intermediate checkpoint is ever written.
 
-A plan whose every step preserves the function is checked after the write and before the rename: the
-command hands `execute` a `check` (the staged output against the source on a probe,
-`upcycler.verify.check_written`) unless the user opts out or `unchecked_reason` says the output cannot be
-bit-faithful: a step that changes the function, a `--dtype` narrower than the source's, or a scale that
-rounds in a 16-bit dtype.
+A plan whose every step preserves the function is checked before the rename: the command hands `execute`
+a `check` (for one `dense-to-moe` step, the in-stream check of `transforms.moe_write_check`, which works
+beside the write; else the staged output against the source on a probe, `upcycler.verify.check_written`)
+unless the user opts out or `unchecked_reason` says the output cannot be bit-faithful: a step that
+changes the function, a `--dtype` narrower than the source's, or a scale that rounds in a 16-bit dtype.
 """
 
 from __future__ import annotations

@@ -326,7 +326,11 @@ def _verification_section(verification: Any) -> str:
     diff, against = rest.pop("max_abs_logit_diff", None), rest.pop("against", None)
     verdict = rest.pop("verdict", None)
     parent = _source_link(str(against)) if against else "the parent"
-    text = f"Logits were compared with those of {parent}"
+    if rest.get("method") == "in-stream":
+        text = (f"Every tensor was checked against {parent} as it was written (by digest, and each MoE "
+                "block against its dense MLP)")
+    else:
+        text = f"Logits were compared with those of {parent}"
     finite = isinstance(diff, (int, float)) and abs(diff) < 1e300
     text += f": max \\|Δlogits\\| = {diff:.3g}." if finite else "."
     if isinstance(verdict, str):  # the check run before the write was put in place states its criterion

@@ -25,9 +25,9 @@ bounded size: at most `MAX_TOKENS` positions per sequence and the models' `max_p
 ask for hundreds of GB. A model whose logits are not finite (NaN or inf weights) is an error naming its
 path and, when it has one, the first non-finite tensor: its logits cannot be compared with anything.
 
-`check_written` is the check every function-preserving write runs on its staged output before it is
-renamed into place (a smaller probe: one sequence of 32 tokens); its record goes into `upcycler.json`
-and the model card.
+`check_written` is the check a function-preserving write runs on its staged output before it is renamed
+into place (a smaller probe: one sequence of 32 tokens); its record goes into `upcycler.json` and the
+model card. `dense-to-moe` runs its own check beside the write instead (`transforms.moe_write_check`).
 """
 
 from __future__ import annotations

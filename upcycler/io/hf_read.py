@@ -17,7 +17,7 @@ import numpy as np
 from upcycler.errors import UpcyclerError
 from upcycler.families import family_for_config
 from upcycler.io.checkpoint import SIDE_FILES, Checkpoint, require_weight_dtype
-from upcycler.io.integrity import DigestWatch, file_watch
+from upcycler.io.integrity import DigestWatch, file_watch, tensor_watch
 from upcycler.io.manifest import MANIFEST, read_manifest, read_step
 from upcycler.io.safetensors_file import TensorEntry, lazy_tensor, read_header, stored_bytes
 from upcycler.layout import declare_params
@@ -101,7 +101,6 @@ def read_hf(path: Path, *, watched: bool = True) -> Checkpoint:
 
     family = FAMILIES[spec.family]
     shards = shard_files(path)
-    watches = _manifest_watches(path, shards) if watched else {}
     entries: dict[str, TensorEntry] = {}
     for shard in shards:
         header, _ = read_header(shard)
@@ -109,6 +108,7 @@ def read_hf(path: Path, *, watched: bool = True) -> Checkpoint:
             if name in entries:
                 raise UpcyclerError(f"{shard}: tensor {name!r} also stored in {entries[name].path.name}")
             entries[name] = entry
+    watches = _manifest_watches(path, shards, entries) if watched else {}
     tensors: dict[str, LazyTensor] = {}
     used = set()
     for decl in declare_params(spec):
@@ -143,11 +143,18 @@ def read_hf(path: Path, *, watched: bool = True) -> Checkpoint:
                       watches=tuple(watches.values()))
 
 
-def _manifest_watches(path: Path, shards: list[Path]) -> dict[str, DigestWatch]:
-    """A digest watch per file the manifest records (none when the directory has no manifest)."""
+def _manifest_watches(path: Path, shards: list[Path], entries: dict[str, TensorEntry]) -> dict[str, DigestWatch]:
+    """A digest watch per file the manifest records (none when the directory has no manifest), keyed by
+    file name; a shard whose every tensor has a recorded xxh3-128 gets one watch per tensor instead, keyed
+    by tensor name, so what is checked is what is read."""
     if not (path / MANIFEST).is_file():
         return {}
-    records = read_manifest(path).file_records()
+    manifest = read_manifest(path)
+    records = manifest.file_records()
+    digests = manifest.tensor_xxh3()
+    by_shard: dict[str, list[TensorEntry]] = {}
+    for entry in entries.values():
+        by_shard.setdefault(entry.path.name, []).append(entry)
     watches = {}
     for name, (size, sha) in records.items():
         file = path / name
@@ -157,30 +164,40 @@ def _manifest_watches(path: Path, shards: list[Path]) -> dict[str, DigestWatch]:
         if size is not None and actual != size:
             raise UpcyclerError(f"{shown_path(file)}: {actual:,} bytes but {MANIFEST} records {size:,} "
                                 "(truncated, or modified after it was written); re-copy or re-download it")
-        watches[name] = file_watch(file, actual, sha)
+        tensors = by_shard.get(name, [])
+        if tensors and all(t.name in digests for t in tensors):
+            for t in tensors:
+                watches[t.name] = tensor_watch(file, t.name, t.start, t.nbytes, digests[t.name])
+        else:
+            watches[name] = file_watch(file, actual, sha)
     return watches
 
 
 def _watched(entry: TensorEntry, watches: dict[str, DigestWatch]) -> LazyTensor:
     """`lazy_tensor(entry)`, telling the watch of its file (if any) about every byte range it reads."""
     tensor = lazy_tensor(entry)
-    watch = watches.get(entry.path.name)
+    own = watches.get(entry.name)  # this tensor's digest, or its file's
+    watch = own or watches.get(entry.path.name)
     if watch is None:
         return tensor
     row = int(np.prod(entry.shape[1:], dtype=np.int64)) * entry.dtype.itemsize
+    base = entry.start if own is not None else 0  # a tensor's watch takes offsets into the tensor
+
+    def seen(offset: int, data) -> None:
+        watch.saw(offset - base, data)
 
     def load() -> np.ndarray:
         array = tensor.load()
-        watch.saw(entry.start, array.reshape(-1).view(np.uint8))
+        seen(entry.start, array.reshape(-1).view(np.uint8))
         return array
 
     def part(i: int) -> np.ndarray:
         array = tensor.part(i)
-        watch.saw(entry.start + i * row, array.reshape(-1).view(np.uint8))
+        seen(entry.start + i * row, array.reshape(-1).view(np.uint8))
         return array
 
     return LazyTensor(tensor.shape, tensor.dtype, load, part if entry.shape else None,
-                      stored=stored_bytes(entry, watch.saw))
+                      stored=stored_bytes(entry, seen))
 
 
 def _check_entry(root: Path, entries: dict[str, TensorEntry], name: str, shape: tuple[int, ...]) -> None:

@@ -1,7 +1,9 @@
-"""Check what is read from a checkpoint against the sha256 its manifest (`upcycler.json`) records.
+"""Check what is read from a checkpoint against the digests its manifest (`upcycler.json`) records.
 
-An upcycler output records the sha256 of every file (HF) or of every tensor's C-order bytes (Orbax).
-When a source has such a manifest, readers hand each byte range they read to a `DigestWatch`, which
+An upcycler output records the sha256 of every file (HF) or of every tensor's C-order bytes (Orbax), and
+an HF output the xxh3-128 of every tensor's bytes too. When a source has such a manifest, readers hand
+each byte range they read to a `DigestWatch` (an HF source: one per tensor where the manifest has
+tensor digests, so a source read in part is checked on the tensors read, not on whole files), which
 hashes it on the fly; a range that skips ahead first has the skipped bytes read and hashed, there and
 then, on the reader's thread (so that work overlaps the writing instead of following it), and a range
 already hashed is passed over. A watch over one tensor of an Orbax checkpoint leaves skipped rows to
@@ -20,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import xxhash
+
 from upcycler.errors import UpcyclerError
 from upcycler.untrusted import shown_path
 
@@ -30,7 +34,8 @@ ReadRange = Callable[[int, int], bytes]  # (offset, length) -> bytes, straight f
 
 @dataclass
 class DigestWatch:
-    """The sha256 of one stored object (a file, or one tensor's bytes), accumulated from what is read."""
+    """The digest (sha256, or xxh3_128) of one stored object (a file, or one tensor's bytes), accumulated
+    from what is read."""
 
     label: str  # what to name in an error: the file, or "file: tensor"
     size: int
@@ -38,11 +43,12 @@ class DigestWatch:
     read_range: ReadRange
     chunk: int = _CHUNK  # how much is asked of `read_range` at a time
     ahead: bool = True  # hash skipped bytes when a later range arrives (else: left for `check`)
+    algorithm: str = "sha256"  # or "xxh3_128"
     _pos: int = 0
     _used: bool = False
 
     def __post_init__(self) -> None:
-        self._sha = hashlib.sha256()
+        self._sha = xxhash.xxh3_128() if self.algorithm == "xxh3_128" else hashlib.sha256()
         self._lock = threading.Lock()
 
     def touch(self) -> None:
@@ -82,7 +88,7 @@ class DigestWatch:
                 return
             self._hash_until(self.size)
             if self._pos != self.size or self._sha.hexdigest() != self.expected:
-                raise UpcyclerError(f"{self.label}: contents differ from the sha256 recorded in upcycler.json "
+                raise UpcyclerError(f"{self.label}: contents differ from the {self.algorithm} recorded in upcycler.json "
                                     "(corrupted or modified after it was written); re-copy or re-download it, "
                                     "or if you changed it on purpose, remove its entry from upcycler.json")
             self._used = False  # checked: a second check() is free
@@ -99,3 +105,18 @@ def file_watch(path: Path, size: int, sha: str) -> DigestWatch:
             os.close(fd)
 
     return DigestWatch(shown_path(path), size, sha, read_range)
+
+
+def tensor_watch(path: Path, name: str, start: int, size: int, digest: str) -> DigestWatch:
+    """A watch over one tensor's bytes (`size` at `start` of the file `path`), by its xxh3-128; offsets it
+    is shown are the tensor's own. Skipped rows are left for `check`, which reads only this tensor."""
+
+    def read_range(offset: int, length: int) -> bytes:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return os.pread(fd, length, start + offset)
+        finally:
+            os.close(fd)
+
+    return DigestWatch(f"{shown_path(path)}: tensor {name}", size, digest, read_range, ahead=False,
+                       algorithm="xxh3_128")
