@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,9 +62,10 @@ from upcycler.untrusted import shown_path
 NOISE_FACTOR = 10.0  # the MoE block may differ from the dense MLP by this many times the layer's own floor
 FP32_ULP = 2.0**-23
 MIN_PROBES = 8  # probe vectors per layer at least (one per virtual group when there are more groups)
+CHUNK = 1024  # rows of gate_proj / up_proj converted to fp32 at a time
 BLOCK = 512  # neurons per block of the noise floor's reordered sum
 READ = 8 << 20  # bytes hashed at a time when a source tensor is streamed from its file
-_BESIDE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="write-check")  # works beside the writer
+PACE_TIMEOUT = 600.0  # seconds the check waits for the writer to move on before reading ahead anyway
 # settings of an HF config that decide the function; each the source has must reach the output unchanged
 FUNCTION_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
@@ -94,13 +96,35 @@ class WriteCheck:
         self._out_dtype = np.dtype(planned["embed"].dtype)
         self._result: Future | None = None
         self._buffer: np.ndarray | None = None
+        self._front = -1  # the deepest layer the writer has reached
+        self._finished = False  # the write is over (or never started)
+        self._pace = threading.Condition()
 
     def begin(self) -> None:
-        """Start computing the expectations beside the write (idempotent)."""
+        """Start computing the expectations beside the write (idempotent), on a daemon thread that follows
+        the writer layer by layer (`written`), so it reads each layer's source bytes while the writer's read
+        of them is still in the page cache."""
         if self._result is None:
-            self._result = _BESIDE.submit(self._expectations)
+            self._result = Future()
+            threading.Thread(target=self._run, name="write-check", daemon=True).start()
+
+    def written(self, name: str) -> None:
+        """The writer has written tensor `name` (an HF name)."""
+        parts = name.split(".")
+        if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) > self._front:
+            with self._pace:
+                self._front = int(parts[2])
+                self._pace.notify_all()
+
+    def _after_writer(self, layer: int) -> None:
+        """Wait until the writer is past `layer` or done (at most `PACE_TIMEOUT` seconds)."""
+        with self._pace:
+            self._pace.wait_for(lambda: self._front > layer or self._finished, timeout=PACE_TIMEOUT)
 
     def __call__(self, staged: Path) -> dict[str, Any]:
+        with self._pace:
+            self._finished = True
+            self._pace.notify_all()
         self.begin()
         assert self._result is not None
         expected, probes, worst = self._result.result()  # raises what the source side found
@@ -124,10 +148,17 @@ class WriteCheck:
                 "moe_layers": layers, "probes_per_layer": count, "worst_floor_ratio": worst[0],
                 "allowed_floor_ratio": NOISE_FACTOR, "passed": True, "verdict": line}
 
+    def _run(self) -> None:
+        assert self._result is not None
+        try:
+            self._result.set_result(self._expectations())
+        except BaseException as err:  # noqa: BLE001 (handed to the caller of the check, raised there)
+            self._result.set_exception(err)
+
     def _expectations(self) -> tuple[list[_Expected], list[str], tuple[float, int]]:
-        """(every tensor's expected digest, in the order written; each failed probe's message; the worst
-        probe's (floor ratio, layer)), from the source alone. BLAS on one thread: its idle threads spin,
-        taking the cores the writer and its digests need."""
+        """(every tensor's expected digest; each failed probe's message; the worst probe's (floor ratio,
+        layer)), from the source alone. BLAS on one thread: its idle threads spin, taking the cores the
+        writer and its digests need."""
         with threadpool_limits(limits=1, user_api="blas"):
             return self._expect_all()
 
@@ -139,10 +170,22 @@ class WriteCheck:
         expected: list[_Expected] = []
         failures: list[str] = []
         worst: tuple[float, int] = (0.0, -1)
-        for decl in declare_params(self.spec):
+        decls = sorted(declare_params(self.spec), key=lambda d: _order(d.name, self.spec.num_layers))
+        block_done: set[int] = set()
+        for decl in decls:  # embedding, then layer by layer behind the writer, then the final norm and head
             layer = _layer_of(decl.name)
+            if layer is None and decl.name != "embed":
+                self._after_writer(self.spec.num_layers)
+            elif layer is not None:
+                self._after_writer(layer)
             if layer in moe_layers and ".moe." in decl.name:
-                continue  # the block's tensors, below
+                if layer not in block_done:  # the block's tensors, together
+                    block_done.add(layer)
+                    ratio, failure = self._block(layer, cover, source.tensors, family, expected)
+                    if failure:
+                        failures.append(failure)
+                    worst = max(worst, (ratio, layer))
+                continue
             parent = source.tensors.get(decl.name)
             if parent is None and decl.name == "lm_head" and source.spec.tie_embeddings:
                 parent = source.tensors["embed"]  # untied in a family that never ties: a copy of the embedding
@@ -151,11 +194,6 @@ class WriteCheck:
             expected.append(_Expected(family.hf_names(decl)[0], _source_digest(parent, decl.shape, dtype),
                                       f"{where}{decl.name} should hold the source's tensor" if parent is not None
                                       else f"{where}{decl.name} should be zeros"))
-        for i in self.spec.moe_layers:
-            ratio, failure = self._block(i, cover, source.tensors, family, expected)
-            if failure:
-                failures.append(failure)
-            worst = max(worst, (ratio, i))
         return expected, failures, worst
 
     # --- one MoE block ------------------------------------------------------------------------------------
@@ -176,7 +214,7 @@ class WriteCheck:
                   for j in range(R)]
         router = np.asarray(self._planned[p + "moe.router"].load())
         x = _probes(i, router.astype(np.float32), N // R, R)
-        h = _silu(x @ self._fp32(dense[0]).T) * (x @ self._fp32(dense[1]).T)  # [P, F]
+        h = _silu(self._times(x, dense[0])) * self._times(x, dense[1])  # [P, F]
         down32 = self._fp32(down)  # valid until the next `_fp32`
         scaled_dtype = _scaled_dtype(down.dtype, out_dtype)
         by_window: dict[str, list[str]] = {w: [""] * N for w in ("gate_proj", "up_proj", "down_proj")}
@@ -218,6 +256,10 @@ class WriteCheck:
                 return 0.0, (f"layer {i}: the router rows of virtual group {g} (experts {g * R}–{(g + 1) * R - 1}) "
                              "differ, so top-k can split the group")
         return self._probe(i, cover, x, h, down32, router, scales, double)
+
+    def _times(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """x @ Wᵀ for a dense [F, D] weight, converted to fp32 `CHUNK` rows at a time (in `_fp32`'s buffer)."""
+        return np.concatenate([x @ self._fp32(w[s:s + CHUNK]).T for s in range(0, w.shape[0], CHUNK)], axis=1)
 
     def _fp32(self, a: np.ndarray) -> np.ndarray:
         """`a` in fp32, in one buffer reused for every tensor (no fresh pages per layer): valid until the
@@ -290,6 +332,13 @@ def _scaled_dtype(source: np.dtype, output: np.dtype) -> np.dtype:
 
 def _shapes(spec: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
     return [(d.name, tuple(d.shape)) for d in declare_params(spec)]
+
+
+def _order(name: str, layers: int) -> int:
+    """Where the writer is when it writes canonical tensor `name`: the embedding first, the final norm and
+    the head last."""
+    layer = _layer_of(name)
+    return -1 if name == "embed" else layers if layer is None else layer
 
 
 def _layer_of(name: str) -> int | None:

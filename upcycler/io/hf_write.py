@@ -14,7 +14,8 @@
   or shard is an error naming it.
 - A `check` (the function check of a function-preserving write) runs on the staged directory once it is
   complete; what it returns is recorded as `verification` in `upcycler.json`, and an error it raises
-  discards the output. A check with a `begin()` is told when the write starts, so it can work beside it.
+  discards the output. A check with a `begin()` is told when the write starts, and with a `written(name)`
+  of each tensor written, so it can work beside the write.
 - Everything goes to a hidden temporary sibling that is renamed to `out` only when complete
   (`upcycler.io.staging`: never over a source, never over a directory upcycler did not write); on any
   error (a full disk, a source that differs from its manifest) it is removed, so no finished-looking
@@ -112,7 +113,7 @@ def write_hf(
         begin = getattr(check, "begin", None)
         if begin is not None:  # a check that works beside the write (dense-to-moe's)
             begin()
-        shard_hashes, tensor_digests = _write_shards(tmp, shards, total, progress)
+        shard_hashes, tensor_digests = _write_shards(tmp, shards, total, progress, getattr(check, "written", None))
         files: dict[str, str | None] = dict(shard_hashes)
         check_layout(tmp, shards, out)
         config = {**target.write_config(spec), "torch_dtype": dtype_name(tensors["embed"].dtype)}
@@ -169,11 +170,12 @@ def _shard_names(n: int) -> list[str]:
     return [SINGLE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
 
 
-def _write_shards(tmp: Path, shards: list[list[_Item]], total: int,
-                  progress: bool) -> tuple[dict[str, str], dict[str, str]]:
+def _write_shards(tmp: Path, shards: list[list[_Item]], total: int, progress: bool,
+                  written: Callable[[str], None] | None = None) -> tuple[dict[str, str], dict[str, str]]:
     """Write every shard; return the sha256 of each and the xxh3-128 of each tensor, computed while the
     bytes streamed out. A tensor stored unchanged in a source file is streamed from it
-    (`ShardWriter.copy`); any other is produced on a worker thread while the one before is written."""
+    (`ShardWriter.copy`); any other is produced on a worker thread while the one before is written.
+    `written(name)`, when given, is told of each tensor once it is written."""
     hashes, digests = {}, {}
     arrays = read_ahead([item.produce if item.stored is None else partial(_stored, item.stored)
                          for shard in shards for item in shard])
@@ -189,6 +191,8 @@ def _write_shards(tmp: Path, shards: list[list[_Item]], total: int,
                         writer.write(item.name, payload)
                     del payload
                     bar.update(item.nbytes)
+                    if written is not None:
+                        written(item.name)
                 hashes[name] = writer.close()
                 digests.update(writer.tensor_digests)
             except BaseException:
