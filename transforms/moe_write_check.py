@@ -54,9 +54,9 @@ from upcycler.io.hf_read import read_hf, read_spec
 from upcycler.io.manifest import read_manifest
 from upcycler.layout import declare_params, layer_prefix
 from upcycler.spec import ModelSpec
-from upcycler.tensors import LazyTensor, StoredBytes
+from upcycler.tensors import BF16, LazyTensor, StoredBytes
 from upcycler.transforms.dense_to_moe import DenseToMoE, cover_for, router_factor, scale_columns
-from upcycler.transforms.expert_cover import Cover
+from upcycler.transforms.expert_cover import Cover, powers_of_two
 from upcycler.untrusted import shown_path
 
 NOISE_FACTOR = 10.0  # the MoE block may differ from the dense MLP by this many times the layer's own floor
@@ -95,7 +95,8 @@ class WriteCheck:
         self._planned = planned  # the plan's lazy tensors: the routers, produced from their seed
         self._out_dtype = np.dtype(planned["embed"].dtype)
         self._result: Future | None = None
-        self._buffer: np.ndarray | None = None
+        self._buffer: np.ndarray | None = None  # fp32 copies (`_fp32`)
+        self._scaled: np.ndarray | None = None  # a scaled down_proj window (`_scaled_f32`)
         self._front = -1  # the deepest layer the writer has reached
         self._finished = False  # the write is over (or never started)
         self._pace = threading.Condition()
@@ -207,40 +208,49 @@ class WriteCheck:
         R, N = cover.group, moe.num_experts
         out_dtype = self._out_dtype
         factor = router_factor(moe, R)
-        dense = [_mapped(source[p + f"mlp.{w}"]) for w in ("gate_proj", "up_proj", "down_proj")]
         names = {d.name: (family.hf_names(d), d) for d in declare_params(self.spec) if d.name.startswith(p + "moe.")}
-        down = dense[2]  # [D, F]
         scales = [np.full(cover.width, factor) if cover.overlap == 0 else cover.column_scales(j, factor)
                   for j in range(R)]
         router = np.asarray(self._planned[p + "moe.router"].load())
         x = _probes(i, router.astype(np.float32), N // R, R)
-        h = _silu(self._times(x, dense[0])) * self._times(x, dense[1])  # [P, F]
-        down32 = self._fp32(down)  # valid until the next `_fp32`
-        scaled_dtype = _scaled_dtype(down.dtype, out_dtype)
         by_window: dict[str, list[str]] = {w: [""] * N for w in ("gate_proj", "up_proj", "down_proj")}
-        for j in range(R):  # each distinct window once; every member e with e mod R = j must hold it
-            window = cover.window(j)
-            by_window["gate_proj"][j] = _rows_digest(dense[0], window, out_dtype)
-            by_window["up_proj"][j] = _rows_digest(dense[1], window, out_dtype)
-            by_window["down_proj"][j] = tensor_digest(_down_window(
-                down, down32, window, factor if cover.overlap == 0 else scales[j], scaled_dtype).astype(out_dtype))
+        shared_digests: dict[str, str] = {}
+        hidden = []
+        for w in ("gate_proj", "up_proj"):  # one dense tensor mapped at a time
+            dense = self._read(source[p + f"mlp.{w}"])
+            hidden.append(self._times(x, dense))
+            for j in range(R):  # each distinct window once; every member e with e mod R = j must hold it
+                by_window[w][j] = _rows_digest(dense, cover.window(j), out_dtype)
+            if cover.shared:
+                shared_digests[w] = _rows_digest(dense, slice(0, cover.shared), out_dtype)
+        h = _silu(hidden[0]) * hidden[1]  # [P, F]
+        down = self._read(source[p + "mlp.down_proj"])  # [D, F]
+        down32 = self._fp32(down)  # valid until the next `_fp32`
+        double = 2.0 if moe.shared_gated else 1.0
+        if cover.shared:
+            shared_digests["down_proj"] = tensor_digest(scale_columns(np.ascontiguousarray(down[:, :cover.shared]),
+                                                                      double).astype(out_dtype))
+        source_dtype = down.dtype
+        scaled_dtype = _scaled_dtype(source_dtype, out_dtype)
+        wide = np.float64 in (source_dtype, scaled_dtype)
+        if not wide:
+            del down  # its fp32 copy is all that is needed now: the mapped pages leave this process
+        for j in range(R):
+            window, scale = cover.window(j), factor if cover.overlap == 0 else scales[j]
+            cols = (scale_columns(np.ascontiguousarray(down[:, window]), scale, scaled_dtype) if wide
+                    else self._scaled_f32(down32[:, window], scale, source_dtype, scaled_dtype))
+            by_window["down_proj"][j] = tensor_digest(cols.astype(out_dtype))
         for w in ("gate_proj", "up_proj", "down_proj"):  # in the order the writer writes them
             hf = names[p + f"moe.experts.{w}"][0]
             for e in range(N):
                 expected.append(_Expected(hf[e], by_window[w][e % R], f"layer {i}: routed expert {e}'s {w} should "
                                           f"hold {_neurons(cover.window(e % R))} of the dense {w}"
                                           + (" scaled" if w == "down_proj" else "")))
-        double = 2.0 if moe.shared_gated else 1.0
-        if cover.shared:
-            shared = slice(0, cover.shared)
-            for w, digest in (("gate_proj", _rows_digest(dense[0], shared, out_dtype)),
-                              ("up_proj", _rows_digest(dense[1], shared, out_dtype)),
-                              ("down_proj", tensor_digest(scale_columns(np.ascontiguousarray(down[:, shared]), double)
-                                                          .astype(out_dtype)))):
-                expected.append(_Expected(names[p + f"moe.shared.{w}"][0][0], digest,
-                                          f"layer {i}: the shared expert's {w} should hold the first {cover.shared} "
-                                          f"neurons of the dense {w}"
-                                          + (" doubled (its gate gives 1/2)" if double != 1 and w == "down_proj" else "")))
+        for w, digest in shared_digests.items():
+            expected.append(_Expected(names[p + f"moe.shared.{w}"][0][0], digest,
+                                      f"layer {i}: the shared expert's {w} should hold the first {cover.shared} "
+                                      f"neurons of the dense {w}"
+                                      + (" doubled (its gate gives 1/2)" if double != 1 and w == "down_proj" else "")))
         expected.append(_Expected(names[p + "moe.router"][0][0], tensor_digest(router.astype(out_dtype)),
                                   f"layer {i}: the router should hold the rows drawn for it"))
         handled = {p + f"moe.{part}.{w}" for part in ("experts", "shared") for w in ("gate_proj", "up_proj", "down_proj")}
@@ -256,6 +266,26 @@ class WriteCheck:
                 return 0.0, (f"layer {i}: the router rows of virtual group {g} (experts {g * R}–{(g + 1) * R - 1}) "
                              "differ, so top-k can split the group")
         return self._probe(i, cover, x, h, down32, router, scales, double)
+
+    def _read(self, tensor: LazyTensor) -> np.ndarray:
+        """A source tensor's values, mapped from its file when stored there (its pages leave this process
+        with the mapping), else loaded."""
+        stored = tensor.stored
+        if stored is None:
+            return np.asarray(tensor.load())
+        return np.memmap(stored.path, dtype=tensor.dtype, mode="r", offset=stored.offset, shape=tensor.shape)
+
+    def _scaled_f32(self, cols32: np.ndarray, scale, source: np.dtype, dtype: np.dtype) -> np.ndarray:
+        """Dense down_proj columns (fp32 copies of `source`-dtype values) scaled as the transform promises:
+        the product in fp32 (in a reused buffer), rounded once to `dtype`."""
+        if self._scaled is None or self._scaled.size < cols32.size:
+            self._scaled = np.empty(cols32.size, np.float32)
+        product = self._scaled[:cols32.size].reshape(cols32.shape)
+        np.multiply(cols32, np.asarray(scale, np.float32), out=product)
+        if dtype == BF16 and source == BF16 and powers_of_two(np.unique(scale).tolist()):
+            # bf16 values times powers of two are bf16 values: dropping the low half is the exact cast, faster
+            return (product.view(np.uint32) >> 16).astype(np.uint16).view(BF16)
+        return product.astype(dtype)
 
     def _times(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
         """x @ Wᵀ for a dense [F, D] weight, converted to fp32 `CHUNK` rows at a time (in `_fp32`'s buffer)."""
@@ -375,26 +405,10 @@ def _rows_digest(tensor: np.ndarray, window, dtype: np.dtype) -> str:
     return tensor_digest(tensor[window].astype(dtype, copy=False))
 
 
-def _down_window(down: np.ndarray, down32: np.ndarray, window, scale, dtype: np.dtype) -> np.ndarray:
-    """Columns `window` of the dense down_proj scaled as the transform promises: in fp32 (fp64 where either
-    dtype is fp64, from `down` itself), rounded once to `dtype`. `down32` is `down` in fp32."""
-    if np.float64 in (down.dtype, dtype):
-        return scale_columns(np.ascontiguousarray(down[:, window]), scale, dtype)
-    return (down32[:, window] * np.asarray(scale, np.float32)).astype(dtype)
-
-
 def _neurons(window) -> str:
     if isinstance(window, slice):
         return f"neurons {window.start}–{window.stop - 1}"
     return f"neurons {int(window[0])}–{int(window[-1])} (wrapping)"
-
-
-def _mapped(tensor: LazyTensor) -> np.ndarray:
-    """A source tensor's values: mapped from its file (no copy) when stored there, else loaded."""
-    stored = tensor.stored
-    if stored is None:
-        return np.asarray(tensor.load())
-    return np.memmap(stored.path, dtype=tensor.dtype, mode="r", offset=stored.offset, shape=tensor.shape)
 
 
 def _probes(layer: int, router: np.ndarray, groups: int, R: int) -> np.ndarray:
