@@ -133,3 +133,26 @@ def test_the_cli_checks_in_stream_by_default(tiny_dir, tmp_path):
     assert "verified: same function: every tensor holds the bytes it should" in proc.stderr, proc.stderr
     record = json.loads((tmp_path / "moe" / "upcycler.json").read_text())["verification"]
     assert record["method"] == "in-stream" and record["passed"] and record["moe_layers"] == 2
+
+
+def test_bf16_exponent_arithmetic_is_the_exact_product_or_declines():
+    """Scaling bf16 down_proj columns by 2^k on their bits equals the transform's fp32 product rounded to
+    bf16 wherever it answers, and declines (None: the transform's own arithmetic runs instead) on a zero,
+    a subnormal, an infinity or an exponent that would leave the normal range."""
+    import numpy as np
+
+    from upcycler.tensors import BF16
+    from upcycler.transforms.dense_to_moe import scale_columns
+    from upcycler.transforms.moe_block_stream import Buffers, _bf16_times_power_of_two
+
+    rng = np.random.default_rng(0)
+    normal = (rng.standard_normal((16, 24)) * 10.0 ** rng.integers(-30, 30, (16, 24))).astype(BF16)
+    for k in (-3, -1, 1, 2, 3):
+        got = _bf16_times_power_of_two(normal, k, Buffers())
+        assert got is not None
+        assert np.array_equal(got, scale_columns(normal, 2.0**k).view(np.uint16)), k
+    tiny, huge = np.finfo(np.float32).smallest_normal, np.finfo(np.float32).max
+    for bad, k in [(0.0, 1), (tiny / 4, 1), (np.inf, 1), (tiny, -1), (huge / 2, 2)]:
+        values = normal.copy()
+        values[3, 5] = bad
+        assert _bf16_times_power_of_two(values, k, Buffers()) is None, (bad, k)

@@ -28,9 +28,9 @@ What it does not cover: the attention and the rest of the model run by another i
 what `upcycle verify A B` does, end to end, on demand), and recipes other than one exact `dense-to-moe`
 step without `--experts-from` (those keep the full check).
 
-Cost: about one read of the source's MLP and non-MLP bytes from the page cache, an xxh3 pass over them,
-and P × the dense MLP's FLOPs per layer (P = the number of virtual groups, at least `MIN_PROBES`); memory: one
-layer's dense MLP and one window at a time.
+Cost: one read of the source's bytes from the page cache, an xxh3 pass over them, and P × the dense MLP's
+FLOPs per layer (P = the number of virtual groups, at least `MIN_PROBES`); memory: a few MiB at any model
+size, the MLP being streamed a chunk of rows at a time (`moe_block_stream`).
 """
 
 from __future__ import annotations
@@ -54,16 +54,15 @@ from upcycler.io.hf_read import read_hf, read_spec
 from upcycler.io.manifest import read_manifest
 from upcycler.layout import declare_params, layer_prefix
 from upcycler.spec import ModelSpec
-from upcycler.tensors import BF16, LazyTensor, StoredBytes
-from upcycler.transforms.dense_to_moe import DenseToMoE, cover_for, router_factor, scale_columns
-from upcycler.transforms.expert_cover import Cover, powers_of_two
+from upcycler.tensors import LazyTensor, StoredBytes
+from upcycler.transforms.dense_to_moe import DenseToMoE, cover_for, router_factor
+from upcycler.transforms.expert_cover import Cover
+from upcycler.transforms.moe_block_stream import Buffers, LayerSums, column_window_digests, row_window_digests
 from upcycler.untrusted import shown_path
 
 NOISE_FACTOR = 10.0  # the MoE block may differ from the dense MLP by this many times the layer's own floor
 FP32_ULP = 2.0**-23
 MIN_PROBES = 8  # probe vectors per layer at least (one per virtual group when there are more groups)
-CHUNK = 1024  # rows of gate_proj / up_proj converted to fp32 at a time
-BLOCK = 512  # neurons per block of the noise floor's reordered sum
 READ = 8 << 20  # bytes hashed at a time when a source tensor is streamed from its file
 PACE_TIMEOUT = 600.0  # seconds the check waits for the writer to move on before reading ahead anyway
 # settings of an HF config that decide the function; each the source has must reach the output unchanged
@@ -95,8 +94,7 @@ class WriteCheck:
         self._planned = planned  # the plan's lazy tensors: the routers, produced from their seed
         self._out_dtype = np.dtype(planned["embed"].dtype)
         self._result: Future | None = None
-        self._buffer: np.ndarray | None = None  # fp32 copies (`_fp32`)
-        self._scaled: np.ndarray | None = None  # a scaled down_proj window (`_scaled_f32`)
+        self._buffers = Buffers()  # the streamed layers' scratch, reused
         self._front = -1  # the deepest layer the writer has reached
         self._finished = False  # the write is over (or never started)
         self._pace = threading.Condition()
@@ -209,37 +207,23 @@ class WriteCheck:
         out_dtype = self._out_dtype
         factor = router_factor(moe, R)
         names = {d.name: (family.hf_names(d), d) for d in declare_params(self.spec) if d.name.startswith(p + "moe.")}
-        scales = [np.full(cover.width, factor) if cover.overlap == 0 else cover.column_scales(j, factor)
-                  for j in range(R)]
+        scales = [factor if cover.overlap == 0 else cover.column_scales(j, factor) for j in range(R)]
         router = np.asarray(self._planned[p + "moe.router"].load())
         x = _probes(i, router.astype(np.float32), N // R, R)
-        by_window: dict[str, list[str]] = {w: [""] * N for w in ("gate_proj", "up_proj", "down_proj")}
+        by_window: dict[str, list[str]] = {}
         shared_digests: dict[str, str] = {}
         hidden = []
-        for w in ("gate_proj", "up_proj"):  # one dense tensor mapped at a time
-            dense = self._read(source[p + f"mlp.{w}"])
-            hidden.append(self._times(x, dense))
-            for j in range(R):  # each distinct window once; every member e with e mod R = j must hold it
-                by_window[w][j] = _rows_digest(dense, cover.window(j), out_dtype)
-            if cover.shared:
-                shared_digests[w] = _rows_digest(dense, slice(0, cover.shared), out_dtype)
+        for w in ("gate_proj", "up_proj"):  # each distinct window once; every member e with e mod R = j holds j's
+            values, by_window[w], shared_digests[w] = row_window_digests(source[p + f"mlp.{w}"], x, cover,
+                                                                         out_dtype, self._buffers)
+            hidden.append(values)
         h = _silu(hidden[0]) * hidden[1]  # [P, F]
-        down = self._read(source[p + "mlp.down_proj"])  # [D, F]
-        down32 = self._fp32(down)  # valid until the next `_fp32`
+        down = source[p + "mlp.down_proj"]  # [D, F]
         double = 2.0 if moe.shared_gated else 1.0
-        if cover.shared:
-            shared_digests["down_proj"] = tensor_digest(scale_columns(np.ascontiguousarray(down[:, :cover.shared]),
-                                                                      double).astype(out_dtype))
-        source_dtype = down.dtype
-        scaled_dtype = _scaled_dtype(source_dtype, out_dtype)
-        wide = np.float64 in (source_dtype, scaled_dtype)
-        if not wide:
-            del down  # its fp32 copy is all that is needed now: the mapped pages leave this process
-        for j in range(R):
-            window, scale = cover.window(j), factor if cover.overlap == 0 else scales[j]
-            cols = (scale_columns(np.ascontiguousarray(down[:, window]), scale, scaled_dtype) if wide
-                    else self._scaled_f32(down32[:, window], scale, source_dtype, scaled_dtype))
-            by_window["down_proj"][j] = tensor_digest(cols.astype(out_dtype))
+        sums, by_window["down_proj"], shared_digests["down_proj"] = column_window_digests(
+            down, h, cover, scales, double, _scaled_dtype(np.dtype(down.dtype), out_dtype), out_dtype, self._buffers)
+        if not cover.shared:
+            shared_digests = {}
         for w in ("gate_proj", "up_proj", "down_proj"):  # in the order the writer writes them
             hf = names[p + f"moe.experts.{w}"][0]
             for e in range(N):
@@ -265,43 +249,10 @@ class WriteCheck:
             if not (rows == rows[0]).all():
                 return 0.0, (f"layer {i}: the router rows of virtual group {g} (experts {g * R}–{(g + 1) * R - 1}) "
                              "differ, so top-k can split the group")
-        return self._probe(i, cover, x, h, down32, router, scales, double)
+        return self._probe(i, cover, x, sums, router, scales, double)
 
-    def _read(self, tensor: LazyTensor) -> np.ndarray:
-        """A source tensor's values, mapped from its file when stored there (its pages leave this process
-        with the mapping), else loaded."""
-        stored = tensor.stored
-        if stored is None:
-            return np.asarray(tensor.load())
-        return np.memmap(stored.path, dtype=tensor.dtype, mode="r", offset=stored.offset, shape=tensor.shape)
-
-    def _scaled_f32(self, cols32: np.ndarray, scale, source: np.dtype, dtype: np.dtype) -> np.ndarray:
-        """Dense down_proj columns (fp32 copies of `source`-dtype values) scaled as the transform promises:
-        the product in fp32 (in a reused buffer), rounded once to `dtype`."""
-        if self._scaled is None or self._scaled.size < cols32.size:
-            self._scaled = np.empty(cols32.size, np.float32)
-        product = self._scaled[:cols32.size].reshape(cols32.shape)
-        np.multiply(cols32, np.asarray(scale, np.float32), out=product)
-        if dtype == BF16 and source == BF16 and powers_of_two(np.unique(scale).tolist()):
-            # bf16 values times powers of two are bf16 values: dropping the low half is the exact cast, faster
-            return (product.view(np.uint32) >> 16).astype(np.uint16).view(BF16)
-        return product.astype(dtype)
-
-    def _times(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """x @ Wᵀ for a dense [F, D] weight, converted to fp32 `CHUNK` rows at a time (in `_fp32`'s buffer)."""
-        return np.concatenate([x @ self._fp32(w[s:s + CHUNK]).T for s in range(0, w.shape[0], CHUNK)], axis=1)
-
-    def _fp32(self, a: np.ndarray) -> np.ndarray:
-        """`a` in fp32, in one buffer reused for every tensor (no fresh pages per layer): valid until the
-        next call."""
-        if self._buffer is None or self._buffer.size < a.size:
-            self._buffer = np.empty(a.size, np.float32)
-        out = self._buffer[:a.size].reshape(a.shape)
-        np.copyto(out, a, casting="unsafe")
-        return out
-
-    def _probe(self, i: int, cover: Cover, x: np.ndarray, h: np.ndarray, down32: np.ndarray, router: np.ndarray,
-               scales: list[np.ndarray], double: float) -> tuple[float, str | None]:
+    def _probe(self, i: int, cover: Cover, x: np.ndarray, sums: LayerSums, router: np.ndarray,
+               scales: list, double: float) -> tuple[float, str | None]:
         """The MoE block from the windows and the router against the dense MLP on probes aimed at every
         virtual group: (the largest difference in units of the floor, the failure past `NOISE_FACTOR` or
         None). A shared expert's gate and a router bias are zeros (their digests are checked)."""
@@ -309,21 +260,26 @@ class WriteCheck:
         assert moe is not None
         R, K = cover.group, moe.top_k
         probes = len(x)
-        want = h @ down32.T
-        blocks = [slice(s, s + BLOCK) for s in range(0, h.shape[1], BLOCK)][::-1]
-        reordered = np.zeros_like(want)
-        for b in blocks:  # the same sum over the neurons, in blocks, last first: another fp32 order
-            reordered += h[:, b] @ down32[:, b].T
+        want, reordered = np.zeros_like(sums.partial[0]), np.zeros_like(sums.partial[0])
+        for forward, backward in zip(sums.partial, sums.partial[::-1]):  # the same sum in two orders
+            want += forward
+            reordered += backward
         floor = max(float(np.abs(reordered - want).max()), FP32_ULP * float(np.abs(want).max()))
-        parts = [(h[:, cover.window(j)] * scales[j].astype(np.float32)) @ down32[:, cover.window(j)].T
-                 for j in range(R)]
+        if sums.window_parts is None:  # tiled windows are runs of whole pieces, each with one scale
+            owner = [next((j for j in range(R) if _inside(n, cover.window(j))), -1) for n in sums.pieces]
+            parts = [np.float32(scales[j]) * sum((sums.partial[q] for q, o in enumerate(owner) if o == j),
+                                                 np.zeros_like(want)) for j in range(R)]
+        else:
+            parts = sums.window_parts
+        shared = sum((sums.partial[q] for q, n in enumerate(sums.pieces) if n.stop <= cover.shared),
+                     np.zeros_like(want))
         weights, chosen = _route(x @ router.T, moe.router, K, moe.routed_scaling_factor)
         got = np.zeros_like(want)
         for k in range(K):
             e = chosen[:, k]
             got += weights[:, k:k + 1] * np.stack([parts[j][n] for n, j in enumerate(e % R)])
         if cover.shared:
-            shared = h[:, :cover.shared] @ (down32[:, :cover.shared] * np.float32(double)).T
+            shared = shared * np.float32(double)
             got += shared / 2 if moe.shared_gated else shared  # sigmoid(0 · x) = 1/2
         worst = float(np.abs(got - want).max())
         if not worst <= NOISE_FACTOR * floor:
@@ -387,22 +343,20 @@ def _source_digest(tensor: LazyTensor | None, shape: tuple[int, ...], dtype: np.
 
 
 def _stored_digest(stored: StoredBytes) -> str:
+    """The digest of a tensor's stored bytes, read `READ` bytes at a time into one buffer."""
     digest = xxhash.xxh3_128()
+    buffer = bytearray(min(READ, stored.nbytes))
     with open(stored.path, "rb", buffering=0) as f:
         done = 0
         while done < stored.nbytes:
-            piece = os.pread(f.fileno(), min(READ, stored.nbytes - done), stored.offset + done)
-            if not piece:
+            piece = memoryview(buffer)[:min(READ, stored.nbytes - done)]
+            got = os.preadv(f.fileno(), [piece], stored.offset + done)
+            if not got:
                 raise UpcyclerError(f"{shown_path(stored.path)}: ends before the tensor it declares; "
                                     "re-download the source")
-            digest.update(piece)
-            done += len(piece)
+            digest.update(piece[:got])
+            done += got
     return digest.hexdigest()
-
-
-def _rows_digest(tensor: np.ndarray, window, dtype: np.dtype) -> str:
-    """Digest of rows `window` of a dense [F, D] tensor in `dtype`."""
-    return tensor_digest(tensor[window].astype(dtype, copy=False))
 
 
 def _neurons(window) -> str:
@@ -424,8 +378,13 @@ def _probes(layer: int, router: np.ndarray, groups: int, R: int) -> np.ndarray:
     return x
 
 
+def _inside(piece: slice, window: slice) -> bool:
+    return window.start <= piece.start and piece.stop <= window.stop
+
+
 def _silu(z: np.ndarray) -> np.ndarray:
-    return z / (1 + np.exp(-z))
+    with np.errstate(over="ignore"):  # exp(−z) = inf for very negative z gives z / inf = −0, the limit
+        return z / (1 + np.exp(-z))
 
 
 def _route(logits: np.ndarray, kind: str, k: int, scaling: float) -> tuple[np.ndarray, np.ndarray]:
