@@ -19,7 +19,7 @@ import pytest
 from trainer_fixtures import VOCAB, tiny_spec
 from xla_flags import FAST_COMPILE_OPTIONS
 
-from upcycler.train.config import LossConfig, ModelConfig
+from upcycler.train.config import REMAT_POLICIES, LossConfig, ModelConfig
 from upcycler.train.loop.train_step import TrainState, make_train_step
 from upcycler.train.model import forward
 from upcycler.train.model.params import init_params
@@ -57,6 +57,18 @@ def _cached_step(spec, cfg, loss, microbatches, seed):
     state = TrainState(jnp.asarray(0, jnp.int32), params, tx.init(params))
     new, metrics = jax.jit(step, compiler_options=FAST_COMPILE_OPTIONS)(state, _batch())
     return jax.device_get(metrics), jax.device_get(new.params)
+
+
+def _temp_bytes(spec, remat: str) -> int:
+    """The compiled train step's temporary bytes with `remat` (a larger batch, so activations dominate)."""
+    params = init_params(spec, jax.random.key(0), std=0.05)
+    tx = optax.sgd(1.0)
+    step = make_train_step(spec, ModelConfig(remat=remat), LossConfig(), tx, lambda s: jnp.float32(1.0),
+                           num_sources=2)
+    state = TrainState(jnp.asarray(0, jnp.int32), params, tx.init(params))
+    batch = {k: jnp.tile(v, (4, 4)) if v.ndim == 2 else jnp.tile(v, 4) for k, v in _batch().items()}
+    compiled = jax.jit(step, compiler_options=FAST_COMPILE_OPTIONS).lower(state, batch).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
 
 
 def _assert_same(a, b, **tol):
@@ -111,10 +123,25 @@ def test_chunked_attention_with_packed_segments_equals_einsum():
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("policy", ["full", "dots"])
-def test_remat_policies_equal_no_remat(policy):
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
+def test_remat_policies_equal_no_remat(policy, moe):
+    """Every policy (named activations kept on the device or offloaded to host memory, the rest
+    recomputed) gives the plain step's loss, metrics and updated parameters."""
+    spec = tiny_spec(moe=moe)
+    plain, remat = _step(spec), _step(spec, ModelConfig(remat=policy))
+    assert _changed((spec, jax.random.key(0), jnp.float32, 0.05), remat[1]) > 1e-4
+    _assert_same(plain, remat, **FP32)
+
+
+@pytest.mark.parametrize("policy", ["attention", "offload_attention_and_ffn_input"])
+def test_remat_policies_keep_what_they_name(policy):
+    """A policy changes what the compiled step keeps: the activations between the passes (the compiled
+    step's temporary memory) fall from no remat to the policy to full remat, so the names are attached
+    to the activations they claim (a name on nothing would keep the step's memory at full remat's)."""
     spec = tiny_spec(moe=True)
-    _assert_same(_step(spec), _step(spec, ModelConfig(remat=policy)), **FP32)
+    temps = {name: _temp_bytes(spec, name) for name in ("none", policy, "full")}
+    assert temps["none"] > temps[policy] > temps["full"], temps
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])

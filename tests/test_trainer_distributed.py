@@ -65,11 +65,15 @@ def assert_same_run(run_dir, reference, keys=("loss", "lb_loss", "z_loss", "grad
 
 
 def test_eight_devices_match_one(ws, cache, tmp_path):
-    """An MoE on meshes fsdp=4 × expert=2 and fsdp=8 (both runs side by side) against one device."""
-    meshes = {"fsdp4xexpert2": {"fsdp": 4, "expert": 2}, "fsdp8": {"fsdp": 8, "expert": 1}}
+    """An MoE on meshes fsdp=4 × expert=2 and fsdp=8 (both runs side by side) against one device without
+    rematerialisation; the sharded runs keep only named activations (`model.remat`), on the device through
+    the expert-parallel dispatch and offloaded to host memory."""
+    meshes = {"fsdp4xexpert2": ({"fsdp": 4, "expert": 2}, "attention_and_ffn_input"),
+              "fsdp8": ({"fsdp": 8, "expert": 1}, "offload_attention")}
     procs = []
-    for name, mesh in meshes.items():
-        cfg = F.config_dict(tmp_path / name, ws["moe"], ws["data"], steps=STEPS, mesh={"data": 1, **mesh})
+    for name, (mesh, remat) in meshes.items():
+        cfg = F.config_dict(tmp_path / name, ws["moe"], ws["data"], steps=STEPS, mesh={"data": 1, **mesh},
+                            **{"model.remat": remat})
         procs.append(start(F.write_config(tmp_path / f"{name}.yaml", cfg), devices=8))
     reference = one_device_run(ws, "moe", tmp_path / "one")
     finish(procs)

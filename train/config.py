@@ -19,7 +19,7 @@ Schema (every section but `model` and `data` is optional; defaults shown):
       comm_dtype: fp32                 # fp32 | bf16 | fp8: the expert combine's collectives
       moe_chunks: 1                    # all_gather dispatch: token chunks through the experts (less memory)
       grad_comm_dtype: native          # native | fp32 | bf16: the expert weights' gradient reduce-scatter
-      remat: none                      # none | full | dots (which activations the backward recomputes)
+      remat: none                      # none | dots | attention | full | ... (what the backward recomputes)
     data: {...}                        # see upcycler.train.data.config
     optimizer:
       lr: 3.0e-4                       # peak learning rate
@@ -84,7 +84,9 @@ SCHEDULE_KINDS = ("warmup", "constant", "cosine", "linear")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("einsum", "dot_product", "chunked", "flexprefill")
 PREFILL_BUDGET_RULES = ("coverage", "reference")
-REMAT_POLICIES = ("none", "full", "dots")
+# `upcycler.train.model.remat`, most memory first
+REMAT_POLICIES = ("none", "dots", "all_but_ffn_hidden", "attention_and_ffn_input", "attention", "qkv",
+                  "offload_attention", "offload_attention_and_ffn_input", "full")
 MOE_IMPLS = ("dropless", "reference")
 GMM_BACKENDS = ("auto", "tiled", "ragged_dot", "megablox", "mosaic_gpu")  # the grouped-matmul kernels of `upcycler.train.model.gmm`
 MOE_DISPATCHES = ("gspmd", "all_to_all", "all_gather")  # `upcycler.train.model.expert_parallel`
@@ -158,9 +160,12 @@ class ModelConfig:
                                       "bf16 sum for bf16 weights), fp32, or bf16 sent by all-to-all and summed "
                                       "in float32.")
     remat: str = field("none", choices=REMAT_POLICIES,
-                       help="Activations the backward pass recomputes: none (all saved), full (each layer's "
-                            "input saved, the rest recomputed), dots (matmul outputs saved, the rest "
-                            "recomputed).")
+                       help="Activations the backward pass recomputes: none (all kept), dots (matmul "
+                            "outputs kept), all_but_ffn_hidden (the FFN's gate/up outputs recomputed), "
+                            "attention_and_ffn_input (the FFN recomputed), attention (all but the attention "
+                            "recomputed), qkv (q, k, v kept), full (each layer's input kept, the rest "
+                            "recomputed); offload_attention and offload_attention_and_ffn_input keep those "
+                            "sets in host memory.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,8 +16,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from upcycler.spec import ModelSpec
+from upcycler.train.model.remat import FFN_HIDDEN
 
 MASKED = float(np.finfo(np.float32).min)  # finite, so a row with nothing visible cannot become NaN
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -208,6 +210,6 @@ def linear(x: jax.Array, w_OI: jax.Array, b_O: jax.Array | None = None) -> jax.A
 
 def gated_mlp(x_BLD: jax.Array, p: dict[str, jax.Array], act: str = "silu") -> jax.Array:
     """`down(act(gate(x)) ⊙ up(x))` with optional biases (`gate_bias`, `up_bias`, `down_bias`)."""
-    gate_BLF = linear(x_BLD, p["gate_proj"], p.get("gate_bias"))
-    up_BLF = linear(x_BLD, p["up_proj"], p.get("up_bias"))
+    gate_BLF = checkpoint_name(linear(x_BLD, p["gate_proj"], p.get("gate_bias")), FFN_HIDDEN)
+    up_BLF = checkpoint_name(linear(x_BLD, p["up_proj"], p.get("up_bias")), FFN_HIDDEN)
     return linear(ACTIVATIONS[act](gate_BLF) * up_BLF, p["down_proj"], p.get("down_bias"))

@@ -23,9 +23,11 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from upcycler.spec import ROUTER_KINDS, RouterKind
 from upcycler.train.model.gmm import DEFAULT_TILE_ROWS, Backend, gmm
+from upcycler.train.model.remat import EXPERT_OUT, FFN_HIDDEN, MOE_DISPATCHED
 
 LossScope = Literal["batch", "sequence"]
 
@@ -240,9 +242,11 @@ def dropless_moe(
     t, top_k = routing.expert_Tk.shape
     plan = plan_dispatch(routing.expert_Tk, w_gate_up_EDU.shape[0])
     pos_Tk = plan.pos_C.reshape(t, top_k)
-    x_XD = dispatch_rows(x_TD, plan.copy_X, pos_Tk)
-    h_XU = gmm(x_XD, w_gate_up_EDU, plan.group_sizes_E, backend=backend, tile_rows=tile_rows)
-    y_XD = gmm(swiglu(h_XU), w_down_EFD, plan.group_sizes_E, backend=backend, tile_rows=tile_rows)
+    x_XD = checkpoint_name(dispatch_rows(x_TD, plan.copy_X, pos_Tk), MOE_DISPATCHED)
+    h_XU = checkpoint_name(gmm(x_XD, w_gate_up_EDU, plan.group_sizes_E, backend=backend, tile_rows=tile_rows),
+                           FFN_HIDDEN)
+    y_XD = checkpoint_name(gmm(swiglu(h_XU), w_down_EFD, plan.group_sizes_E, backend=backend, tile_rows=tile_rows),
+                           EXPERT_OUT)
     y_TD = combine_rows(y_XD, routing.weight_Tk, pos_Tk, plan.copy_X)
     return y_TD.astype(x_TD.dtype)
 

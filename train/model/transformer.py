@@ -27,16 +27,16 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from upcycler.spec import ModelSpec
 from upcycler.train.config import ModelConfig  # declared with the training options, without JAX
-from upcycler.train.model import expert_parallel, moe
+from upcycler.train.model import expert_parallel, moe, remat
 from upcycler.train.model import layers as nn
 from upcycler.train.model.params import ParamInfo, Params, Run, declare_tree, layer_runs, layers_of_kind
 from upcycler.train.model.placement import ONE_DEVICE, Placement
 
 ACTIVATION_AXES = ("batch", "seq", "act_embed")
-REMAT_POLICIES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 
 
 @jax.tree_util.register_dataclass
@@ -193,7 +193,7 @@ def _scan_run(stack: Params, x_BLD: jax.Array, run: Run, spec: ModelSpec, cfg: M
     windows = tuple(layer_windows(spec)[i] for i in layer_ids)
     body = partial(_layer, kind=run.kind, spec=spec, cfg=cfg, ctx=ctx, windowed=any(windows))
     if cfg.remat != "none":
-        body = jax.checkpoint(body, prevent_cse=False, policy=REMAT_POLICIES[cfg.remat])
+        body = jax.checkpoint(body, prevent_cse=False, policy=remat.policy(cfg.remat))
     return jax.lax.scan(body, x_BLD, (stack, jnp.asarray(windows, jnp.int32)))
 
 
@@ -225,23 +225,24 @@ def _attention_block(x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig, ctx: _
                          "upcycler.train.evaluation.prefill, not the jitted forward")
     q_BLHh, k_BLKh, v_BLKh = _qkv(x_BLD, p, spec, ctx)
     out_BLHh = nn.attention(q_BLHh, k_BLKh, v_BLKh, visible_BLS, impl=cfg.attention, chunk=cfg.attention_chunk)
-    return _attention_residual(x_BLD, out_BLHh, p, spec)
+    return _attention_residual(x_BLD, checkpoint_name(out_BLHh, remat.CONTEXT), p, spec)
 
 
 def _attention_residual(x_BLD, out_BLHh, p: Params, spec: ModelSpec):
     """The residual stream after adding the attention's output projection, and its normalisation for the FFN."""
     B, L, H, h = out_BLHh.shape
-    x_BLD = x_BLD + nn.linear(out_BLHh.reshape(B, L, H * h), p["attn"]["o_proj"], p["attn"].get("o_bias"))
-    return x_BLD, nn.rms_norm(x_BLD, p["mlp_norm"], spec.rms_norm_eps)
+    o_BLD = nn.linear(out_BLHh.reshape(B, L, H * h), p["attn"]["o_proj"], p["attn"].get("o_bias"))
+    x_BLD = x_BLD + checkpoint_name(o_BLD, remat.ATTENTION_OUT)
+    return x_BLD, checkpoint_name(nn.rms_norm(x_BLD, p["mlp_norm"], spec.rms_norm_eps), remat.FFN_INPUT)
 
 
 def _ffn_block(x_BLD, h_BLD, p: Params, kind: str, spec: ModelSpec, cfg: ModelConfig,
                placement: Placement = ONE_DEVICE):
     """The residual stream after the layer's FFN (dense or MoE) and the router's aux outputs (None: dense)."""
     if kind == "dense":
-        return x_BLD + nn.gated_mlp(h_BLD, p["mlp"], spec.hidden_act), None
+        return x_BLD + checkpoint_name(nn.gated_mlp(h_BLD, p["mlp"], spec.hidden_act), remat.FFN_OUT), None
     y_BLD, router_aux = _moe(h_BLD, p["moe"], spec, cfg, placement)
-    return x_BLD + y_BLD, router_aux
+    return x_BLD + checkpoint_name(y_BLD, remat.FFN_OUT), router_aux
 
 
 def _qkv(x_BLD, p: Params, spec: ModelSpec, ctx: _Context) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -255,7 +256,9 @@ def _qkv(x_BLD, p: Params, spec: ModelSpec, ctx: _Context) -> tuple[jax.Array, j
     if spec.qk_norm:
         q_BLHh = nn.rms_norm(q_BLHh, a["q_norm"], spec.rms_norm_eps)
         k_BLKh = nn.rms_norm(k_BLKh, a["k_norm"], spec.rms_norm_eps)
-    return nn.apply_rope(q_BLHh, ctx.cos_BLR, ctx.sin_BLR), nn.apply_rope(k_BLKh, ctx.cos_BLR, ctx.sin_BLR), v_BLKh
+    q_BLHh = checkpoint_name(nn.apply_rope(q_BLHh, ctx.cos_BLR, ctx.sin_BLR), remat.QUERY)
+    k_BLKh = checkpoint_name(nn.apply_rope(k_BLKh, ctx.cos_BLR, ctx.sin_BLR), remat.KEY)
+    return q_BLHh, k_BLKh, checkpoint_name(v_BLKh, remat.VALUE)
 
 
 def layer_qkv(x_BLD: jax.Array, p: Params, spec: ModelSpec, cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -292,7 +295,7 @@ def _moe(
     moe_spec = spec.moe
     B, L, D = x_BLD.shape
     x_TD = x_BLD.reshape(B * L, D)
-    logits_TE = moe.router_logits(x_TD, p["router"])
+    logits_TE = checkpoint_name(moe.router_logits(x_TD, p["router"]), remat.ROUTER_LOGITS)
     routing = moe.route(
         logits_TE, moe_spec.top_k, moe_spec.router, moe_spec.routed_scaling_factor, p.get("router_bias")
     )

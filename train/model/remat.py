@@ -1,0 +1,72 @@
+"""Rematerialisation: which of a layer's activations the backward pass keeps, and which it recomputes.
+
+The model names its activations with `jax.ad_checkpoint.checkpoint_name` (the names below, tagged where
+they are computed); a policy is a set of names to keep (on the device, or offloaded to host memory where
+the platform has it), everything else inside the layer being recomputed from the layer's input, which
+the layer scan always keeps. From most memory to least:
+
+- `none`: keep everything (no rematerialisation);
+- `dots`: keep every matmul output without batch dimensions (JAX's `dots_with_no_batch_dims_saveable`);
+- `all_but_ffn_hidden`: keep every named activation except the FFN's hidden [tokens, F] (the gate and up
+  outputs, the largest of a layer): the backward redoes the gate/up matmuls;
+- `attention_and_ffn_input`: keep the attention's q, k, v and context, its output projection, the FFN's
+  normalised input, the router's logits and the MoE's dispatched rows: the backward redoes the FFN
+  (experts) only;
+- `attention`: keep q, k, v and the attention's context: the backward redoes the projections around the
+  attention and the FFN, never the attention itself;
+- `qkv`: keep q, k and v: the attention is recomputed too;
+- `full`: keep nothing but the layer's input: the whole forward pass is recomputed;
+- `offload_attention`, `offload_attention_and_ffn_input`: the same sets, held in host memory
+  (`pinned_host`) between the forward and the backward pass instead of on the device.
+
+Every policy computes the same loss and gradients; only what is alive at once, and the recomputation,
+differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+
+from upcycler.train.config import REMAT_POLICIES  # the names, declared without JAX
+
+QUERY, KEY, VALUE = "query", "key", "value"  # after RoPE (and q/k norms)
+CONTEXT = "context"  # the attention's output, before o_proj
+ATTENTION_OUT = "attention_out"  # o_proj's output
+FFN_INPUT = "ffn_input"  # the normalised residual stream the FFN and the router read
+FFN_HIDDEN = "ffn_hidden"  # gate and up outputs, dense or per expert (before the activation)
+ROUTER_LOGITS = "router_logits"
+MOE_DISPATCHED = "moe_dispatched"  # the token rows sorted by expert, the grouped matmul's input
+EXPERT_OUT = "expert_out"  # the experts' down_proj outputs before they are combined per token
+FFN_OUT = "ffn_out"  # the FFN's (or MoE block's) output, before the residual add
+
+ATTENTION = (QUERY, KEY, VALUE, CONTEXT)
+ATTENTION_AND_FFN_INPUT = (*ATTENTION, ATTENTION_OUT, FFN_INPUT, ROUTER_LOGITS, MOE_DISPATCHED)
+ALL_NAMES = (*ATTENTION_AND_FFN_INPUT, FFN_HIDDEN, EXPERT_OUT, FFN_OUT)
+
+# name: names kept on the device, names offloaded to host memory (None: JAX's own policy, below)
+_NAMED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "all_but_ffn_hidden": (tuple(n for n in ALL_NAMES if n != FFN_HIDDEN), ()),
+    "attention_and_ffn_input": (ATTENTION_AND_FFN_INPUT, ()),
+    "attention": (ATTENTION, ()),
+    "qkv": ((QUERY, KEY, VALUE), ()),
+    "offload_attention": ((), ATTENTION),
+    "offload_attention_and_ffn_input": ((), ATTENTION_AND_FFN_INPUT),
+}
+
+
+def policy(name: str) -> Callable | None:
+    """The `jax.checkpoint` policy of `ModelConfig.remat` = `name` ("none" is not one: no checkpoint)."""
+    if name == "full":
+        return None
+    if name == "dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    if name not in _NAMED:
+        raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, not {name!r}")
+    kept, offloaded = _NAMED[name]
+    if offloaded:
+        return jax.checkpoint_policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=list(kept), names_which_can_be_offloaded=list(offloaded),
+            offload_src="device", offload_dst="pinned_host")
+    return jax.checkpoint_policies.save_only_these_names(*kept)
