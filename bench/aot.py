@@ -3,6 +3,7 @@
     python bench/aot.py                      # the three workloads of bench/configs/
     python bench/aot.py --only moe-13b-a2b   # one of them
     python bench/aot.py --no-baseline        # skip the plain-step compile (half the time)
+    python bench/aot.py --only moe-13b-a2b --set model.remat=attention   # a config option changed
 
 For each workload (a config in `bench/configs/`, its model a config-only directory), the train step is
 compiled with the config's memory options through `upcycler.train.aot.compile.compile_only`, the same path
@@ -34,9 +35,9 @@ PLAIN = ("model.remat=none", "model.weights_dtype=float32", "model.attention=ein
          "data.microbatches=1")
 
 
-def measure(name: str, baseline: bool) -> dict:
+def measure(name: str, baseline: bool, changes: tuple[str, ...] = ()) -> dict:
     path, topology, target = WORKLOADS[name]
-    config = load_config(ROOT / path, {"model.init": str(ROOT / load_config(ROOT / path).model.init)})
+    config = load_config(ROOT / path, {"model.init": str(ROOT / load_config(ROOT / path).model.init)}, changes)
     report = compile_only(config, topology=topology)
     m = report.memory
     line = {
@@ -62,9 +63,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(WORKLOADS), action="append")
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="change a config option of every workload (repeatable), as `--set` in the CLI")
     args = parser.parse_args()
     for name in args.only or WORKLOADS:
-        print(json.dumps(measure(name, baseline=not args.no_baseline)), flush=True)
+        print(json.dumps(measure(name, baseline=not args.no_baseline, changes=tuple(args.set))), flush=True)
 
 
 if __name__ == "__main__":

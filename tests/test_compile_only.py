@@ -238,3 +238,26 @@ def test_the_save_bound_counts_each_shard_once_per_writing_host():
     bound = save_bound([leaf(replicated, P(None, "fsdp"))], devices, host_bandwidth=1e3)
     assert bound.state_bytes == weight and bound.max_host_bytes == weight // 32
     assert bound.seconds == pytest.approx(weight / 32 / 1e3) and not bound.fits_notice
+
+
+def test_the_roofline_counts_what_each_remat_policy_recomputes():
+    """The executed FLOPs the roofline divides by: the model's plus the forward work each policy does
+    again, from nothing (none) to the whole forward pass of every layer (full), ordered as the policies
+    keep less; offloading keeps the same set, so it recomputes the same."""
+    from trainer_fixtures import tiny_spec
+
+    from upcycler.train.aot.report import executed_flops_per_token
+    from upcycler.train.config import REMAT_POLICIES, LossConfig, ModelConfig
+    from upcycler.train.reporting.metrics import flops_per_token, matmul_params
+
+    spec = tiny_spec(moe=True)
+    seq, loss = 256, LossConfig(ce_chunk=0)
+    flops = {p: executed_flops_per_token(spec, seq, ModelConfig(remat=p), loss) - flops_per_token(spec, seq)
+             for p in REMAT_POLICIES}
+    attention = 2 * spec.num_layers * spec.num_heads * spec.head_dim * seq
+    assert flops["none"] == 0 and flops["dots"] == attention
+    assert flops["full"] == 2 * (matmul_params(spec) - spec.vocab_size * spec.hidden_size) + attention
+    ladder = ["none", "all_but_ffn_hidden", "attention_and_ffn_input", "attention", "qkv", "full"]
+    assert all(flops[a] < flops[b] for a, b in zip(ladder, ladder[1:])), flops
+    assert flops["offload_attention"] == flops["attention"]
+    assert flops["offload_attention_and_ffn_input"] == flops["attention_and_ffn_input"]

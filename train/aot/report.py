@@ -25,6 +25,7 @@ from upcycler.hardware import Chip
 from upcycler.spec import ModelSpec
 from upcycler.train.aot import collectives, roofline, save_time
 from upcycler.train.config import LossConfig, ModelConfig, TrainConfig
+from upcycler.train.model import remat
 from upcycler.train.reporting.metrics import flops_per_token, matmul_params
 from upcycler.units import human_count
 
@@ -153,13 +154,16 @@ def build(config: TrainConfig, spec: ModelSpec, mesh, layout, batch, compiled, *
 
 
 def executed_flops_per_token(spec: ModelSpec, seq_len: int, cfg: ModelConfig, loss: LossConfig) -> float:
-    """Model FLOPs per token plus the forward work the memory options do again in the backward pass:
-    full remat recomputes every layer, `dots` the attention (its matmuls carry batch axes, so they are not
-    saved), chunked attention its attention once more, chunked cross-entropy the logits."""
+    """Model FLOPs per token plus the forward work the memory options do again in the backward pass: the
+    parts of each layer the remat policy recomputes (`remat.RECOMPUTED`), chunked attention its attention
+    once more, chunked cross-entropy the logits."""
     head = spec.vocab_size * spec.hidden_size
     attention_forward = 2 * spec.num_layers * spec.num_heads * spec.head_dim * seq_len
-    layers_forward = 2 * (matmul_params(spec) - head) + attention_forward
-    extra = {"none": 0, "full": layers_forward, "dots": attention_forward}[cfg.remat]
+    D, h = spec.hidden_size, spec.head_dim
+    parts = {"projections": 2 * spec.num_layers * D * (spec.num_heads + 2 * spec.num_kv_heads) * h,
+             "attention": attention_forward, "out_projection": 2 * spec.num_layers * spec.num_heads * h * D}
+    parts["ffn"] = 2 * (matmul_params(spec) - head) - parts["projections"] - parts["out_projection"]
+    extra = sum(share * parts[part] for part, share in remat.RECOMPUTED[cfg.remat].items())
     if cfg.attention == "chunked":
         extra += attention_forward
     if loss.ce_chunk:

@@ -70,3 +70,20 @@ def policy(name: str) -> Callable | None:
             names_which_can_be_saved=list(kept), names_which_can_be_offloaded=list(offloaded),
             offload_src="device", offload_dst="pinned_host")
     return jax.checkpoint_policies.save_only_these_names(*kept)
+
+
+# per policy, the forward work of a layer the backward pass does again, by part: "projections" (q, k, v),
+# "attention" (scores and their weighted sum), "out_projection" (o_proj) and "ffn" (the MLP or the experts
+# with their router; 2/3 of it is the gate and up matmuls). The analytic count the compile report's
+# roofline adds to the model's FLOPs (the compiler may recompute less).
+RECOMPUTED: dict[str, dict[str, float]] = {
+    "none": {},
+    "dots": {"attention": 1.0},  # its matmuls carry batch axes, so they are not saved
+    "all_but_ffn_hidden": {"ffn": 2 / 3},
+    "attention_and_ffn_input": {"ffn": 1.0},  # the experts' outputs too: the router's gradient reads them
+    "attention": {"out_projection": 1.0, "ffn": 1.0},
+    "qkv": {"attention": 1.0, "out_projection": 1.0, "ffn": 1.0},
+    "full": {"projections": 1.0, "attention": 1.0, "out_projection": 1.0, "ffn": 1.0},
+}
+RECOMPUTED["offload_attention"] = RECOMPUTED["attention"]
+RECOMPUTED["offload_attention_and_ffn_input"] = RECOMPUTED["attention_and_ffn_input"]
