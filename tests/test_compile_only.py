@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+from itertools import pairwise
 
 import pytest
 from cli_helpers import assert_clean_failure, run_cli
@@ -258,6 +259,6 @@ def test_the_roofline_counts_what_each_remat_policy_recomputes():
     assert flops["none"] == 0 and flops["dots"] == attention
     assert flops["full"] == 2 * (matmul_params(spec) - spec.vocab_size * spec.hidden_size) + attention
     ladder = ["none", "all_but_ffn_hidden", "attention_and_ffn_input", "attention", "qkv", "full"]
-    assert all(flops[a] < flops[b] for a, b in zip(ladder, ladder[1:])), flops
+    assert all(flops[a] < flops[b] for a, b in pairwise(ladder)), flops
     assert flops["offload_attention"] == flops["attention"]
     assert flops["offload_attention_and_ffn_input"] == flops["attention_and_ffn_input"]
