@@ -320,3 +320,15 @@ def test_a_transfer_between_slices_counts_as_dcn_traffic():
     assert (reduce.ops, reduce.executions, reduce.bytes) == (2, 2, 2 * payload)
     assert reduce.traffic_bytes == ici + dcn and reduce.dcn_traffic_bytes == dcn == traffic.dcn_traffic_bytes
     assert [op.dcn for op in traffic.ops] == [False, True]
+
+
+def test_a_kernel_config_spanning_lines_does_not_end_its_computation():
+    """A Pallas kernel's backend config may hold a newline, so a line of the loop body can start with
+    `}}`: the body goes on to its ROOT, and the loop's trip count is still read."""
+    kernel = ('  %kernel = f32[16]{0} custom-call(%v1), custom_call_target="tpu_custom_call", '
+              'backend_config={"custom_call_config": {"metadata":"{\\"block_q\\": 512,\n'
+              '}}, metadata={op_name="pallas_call"}\n')
+    root = "  ROOT %ot = (s32[], bf16[16,32]{1,0}, f32[16]{0}) tuple(%k2, %rsd, %v1)"
+    assert MODULE.count(root) == 1
+    spanning = MODULE.replace(root, kernel + root)
+    assert collective_traffic(spanning).kinds == collective_traffic(MODULE).kinds

@@ -10,7 +10,7 @@ Schema (every section but `model` and `data` is optional; defaults shown):
       init_from_merge: null            # "RUN --last 3 --method sma": start from an average of a run's steps
       compute_dtype: float32           # float32 | bfloat16 (master weights are always float32)
       weights_dtype: float32           # dtype the forward reads the weights in (bfloat16: half the FSDP traffic)
-      attention: einsum                # einsum | dot_product | chunked (query blocks of attention_chunk)
+      attention: einsum                # einsum | dot_product | chunked (query blocks of attention_chunk) | splash (TPU)
                                        # (flexprefill: `upcycle eval` only; prefill_* options)
       attention_chunk: 512
       moe_impl: dropless               # dropless | reference (one-hot)
@@ -82,7 +82,7 @@ from upcycler.untrusted import describe, escape, load_yaml, parse_yaml, shown_pa
 
 SCHEDULE_KINDS = ("warmup", "constant", "cosine", "linear")
 COMPUTE_DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLS = ("einsum", "dot_product", "chunked", "flexprefill")
+ATTENTION_IMPLS = ("einsum", "dot_product", "chunked", "splash", "flexprefill")
 PREFILL_BUDGET_RULES = ("coverage", "reference")
 # `upcycler.train.model.remat`, most memory first
 REMAT_POLICIES = ("none", "dots", "all_but_ffn_hidden", "attention_and_ffn_input", "attention", "qkv",
@@ -115,7 +115,9 @@ class ModelConfig:
     attention: str = field("einsum", choices=ATTENTION_IMPLS,
                            help="einsum (explicit, exact), dot_product (jax.nn.dot_product_attention) or "
                                 "chunked (einsum over blocks of attention_chunk queries, recomputed in the "
-                                "backward pass: scores of one block at a time), or flexprefill (prefill only, "
+                                "backward pass: scores of one block at a time), splash (JAX's Pallas TPU flash "
+                                "attention: the scores stay on chip; sequence a multiple of 128; off TPU it runs "
+                                "interpreted, for tests), or flexprefill (prefill only, "
                                 "`upcycle eval`: per prompt and head, the key blocks that hold γ of the attention).")
     attention_chunk: int = field(512, range=Range(1, 1 << 22), help="Queries per block of chunked attention.")
     prefill_gamma: float = field(0.95, range=Range(0, 1, lo_open=True),
@@ -384,9 +386,12 @@ def check(config: TrainConfig, origin: str = "config") -> None:
     if config.model.attention == "flexprefill":
         raise UpcyclerError(
             f"{origin}: model.attention flexprefill is a prefill for evaluation (upcycle eval --attention "
-            "flexprefill), not for training; set model.attention to einsum, dot_product or chunked"
+            "flexprefill), not for training; set model.attention to einsum, dot_product, chunked or splash"
         )
     blocks = {"loss.ce_chunk": config.loss.ce_chunk}
+    if config.model.attention == "splash" and config.data.seq_len % 128:
+        raise UpcyclerError(f"{origin}: model.attention splash runs in tiles of 128 tokens; make data.seq_len "
+                            f"{config.data.seq_len} a multiple of 128 or choose another attention")
     if config.model.attention == "chunked":
         blocks["model.attention_chunk"] = config.model.attention_chunk
     for option, block in blocks.items():

@@ -114,7 +114,7 @@ class CollectiveTraffic:
 
 
 @dataclass
-class _Instr:
+class Instr:
     name: str
     shape: str
     opcode: str
@@ -125,9 +125,9 @@ class _Instr:
 
 
 @dataclass
-class _Computation:
+class Computation:
     name: str
-    instrs: dict[str, _Instr] = field(default_factory=dict)
+    instrs: dict[str, Instr] = field(default_factory=dict)
     root: str | None = None
 
 
@@ -135,9 +135,9 @@ def collective_traffic(hlo_text: str) -> CollectiveTraffic:
     """The collectives of the HLO module `hlo_text` and their traffic per device for one execution of the
     entry computation, loops unrolled by their trip counts (see the module docstring for the model),
     transfers between slices (`dcn`) included."""
-    computations, entry = _parse_module(hlo_text)
+    computations, entry = parse_module(hlo_text)
     devices = _module_devices(hlo_text)
-    counts, unknown = _execution_counts(computations, entry)
+    counts, unknown = execution_counts(computations, entry)
     ops: list[CollectiveOp] = []
     for comp_name, runs in counts.items():
         comp = computations[comp_name]
@@ -228,7 +228,7 @@ def shape_bytes(shape: str) -> int:
 
 
 def _collective_op(
-    instr: _Instr, kind: str, comp: _Computation, devices: int | None, runs: int
+    instr: Instr, kind: str, comp: Computation, devices: int | None, runs: int
 ) -> CollectiveOp:
     """`instr` as a `CollectiveOp` run `runs` times; payload and traffic as the module docstring says."""
     shape = instr.shape
@@ -260,7 +260,7 @@ _MEGASCALE_KINDS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "RED
                     "ALL_TO_ALL": "all-to-all"}
 
 
-def _dcn_op(instr: _Instr, transfer: str, comp: _Computation, runs: int) -> CollectiveOp:
+def _dcn_op(instr: Instr, transfer: str, comp: Computation, runs: int) -> CollectiveOp:
     """A transfer between slices: on a multislice TPU the compiler compiles one slice's program and carries
     each collective across slices as a host-transfer `send` (with its `recv`) to the megascale runtime,
     tagged with the transfer type and the participating slices (`_xla_megascale_target="{1,2}x{0:7}"`:
@@ -277,7 +277,7 @@ def _dcn_op(instr: _Instr, transfer: str, comp: _Computation, runs: int) -> Coll
     return CollectiveOp(instr.name, kind, comp.name, n, size, traffic, runs, dcn=True)
 
 
-def _start_result(instr: _Instr) -> str:
+def _start_result(instr: Instr) -> str:
     """The result part of a `-start` op's shape when its `-done` is not found: all-reduce-start returns
     the result itself, all-gather-start (operands, results), collective-permute-start (operand, result,
     contexts…)."""
@@ -303,8 +303,8 @@ def _module_devices(hlo_text: str) -> int | None:
 # how many times each computation runs
 
 
-def _execution_counts(
-    computations: dict[str, _Computation], entry: str
+def execution_counts(
+    computations: dict[str, Computation], entry: str
 ) -> tuple[dict[str, int], list[str]]:
     """Runs of every computation reachable from `entry` in one execution of it; the loops whose trip count
     is unknown (counted once) and that run a collective, the only ones whose count matters here."""
@@ -323,7 +323,7 @@ def _execution_counts(
                         edges[comp.name].append((callee, trips + (attr == "condition")))
             if instr.opcode in _NOT_CALLING or instr.name.startswith(_ASYNC_COLLECTIVE_DONE):
                 continue
-            for callee in _callees(instr.attrs):
+            for callee in callees(instr.attrs):
                 if callee in computations and not callee.startswith(_ASYNC_COLLECTIVE_CONTINUATION):
                     edges[comp.name].append((callee, 1))
     order = _topological(edges, entry)
@@ -360,7 +360,7 @@ def _topological(edges: dict[str, list[tuple[str, int]]], entry: str) -> list[st
     return post[::-1]
 
 
-def trip_count(loop: _Instr, comp: _Computation, computations: dict[str, _Computation]) -> int | None:
+def trip_count(loop: Instr, comp: Computation, computations: dict[str, Computation]) -> int | None:
     """How many times the while `loop` (in `comp`) runs its body: XLA's `known_trip_count` when printed,
     else read from a counter that starts at a constant, moves by a constant step in the body and is
     compared with a constant in the condition; None when neither is there."""
@@ -407,7 +407,7 @@ def _iterations(start: int, bound: int, step: int, op: str) -> int | None:
     return max(0, -(-span // step))
 
 
-def _resolve(comp: _Computation, name: str) -> _Instr | None:
+def _resolve(comp: Computation, name: str) -> Instr | None:
     """The instruction `name` in `comp`, looking through copies, bitcasts and converts."""
     instr = comp.instrs.get(name)
     while instr is not None and instr.opcode in ("copy", "bitcast", "convert") and instr.operands:
@@ -415,7 +415,7 @@ def _resolve(comp: _Computation, name: str) -> _Instr | None:
     return instr
 
 
-def _tuple_index(instr: _Instr | None) -> int | None:
+def _tuple_index(instr: Instr | None) -> int | None:
     """k when `instr` is `get-tuple-element(...), index=k`, else None."""
     if instr is None or instr.opcode != "get-tuple-element":
         return None
@@ -423,7 +423,7 @@ def _tuple_index(instr: _Instr | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _constant(instr: _Instr | None) -> int | None:
+def _constant(instr: Instr | None) -> int | None:
     """The value of a scalar integer constant, else None."""
     if instr is None or instr.opcode != "constant" or "[]" not in instr.shape.split("{")[0]:
         return None
@@ -431,7 +431,7 @@ def _constant(instr: _Instr | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _init_value(loop: _Instr, comp: _Computation, index: int) -> int | None:
+def _init_value(loop: Instr, comp: Computation, index: int) -> int | None:
     """The constant element `index` of the tuple the while `loop` starts from, else None."""
     init = _resolve(comp, loop.operands[0])
     if init is None or init.opcode != "tuple" or index >= len(init.operands):
@@ -439,7 +439,7 @@ def _init_value(loop: _Instr, comp: _Computation, index: int) -> int | None:
     return _constant(_resolve(comp, init.operands[index]))
 
 
-def _step(body: _Computation, index: int) -> int | None:
+def _step(body: Computation, index: int) -> int | None:
     """The constant the loop body adds to (or subtracts from) element `index` of the state, else None."""
     root = body.instrs[body.root] if body.root else None
     if root is None or root.opcode != "tuple" or index >= len(root.operands):
@@ -455,7 +455,7 @@ def _step(body: _Computation, index: int) -> int | None:
     return None
 
 
-def _passed_through(body: _Computation, index: int) -> bool:
+def _passed_through(body: Computation, index: int) -> bool:
     """Whether the loop body returns element `index` of its state unchanged."""
     root = body.instrs[body.root] if body.root else None
     if root is None or root.opcode != "tuple" or index >= len(root.operands):
@@ -471,20 +471,20 @@ _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _INSTR = re.compile(r"^\s+(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 
 
-def _parse_module(text: str) -> tuple[dict[str, _Computation], str]:
+def parse_module(text: str) -> tuple[dict[str, Computation], str]:
     """Computations of an HLO module's text by name, and the entry's name."""
-    computations: dict[str, _Computation] = {}
+    computations: dict[str, Computation] = {}
     entry = None
-    current: _Computation | None = None
+    current: Computation | None = None
     for line in text.splitlines():
         if current is None:
             if header := _HEADER.match(line):
-                current = _Computation(header.group(2))
+                current = Computation(header.group(2))
                 computations[current.name] = current
                 if header.group(1):
                     entry = current.name
             continue
-        if line.startswith("}"):
+        if line.rstrip() == "}":  # not `}}, metadata=…`: a Pallas kernel's backend config may span lines
             current = None
             continue
         if m := _INSTR.match(line):
@@ -498,7 +498,7 @@ def _parse_module(text: str) -> tuple[dict[str, _Computation], str]:
     return computations, entry
 
 
-def _parse_instr(name: str, rest: str) -> _Instr | None:
+def _parse_instr(name: str, rest: str) -> Instr | None:
     """The instruction `name = rest` split into shape, opcode, operand names and attributes; None for a
     line that is not an instruction."""
     if rest.startswith("("):
@@ -521,7 +521,7 @@ def _parse_instr(name: str, rest: str) -> _Instr | None:
         attrs = attrs[:cut]
     operands = [o.strip().lstrip("%") for o in _split_top(operand_text[1:-1])]
     operands = [o.split(" ")[-1].lstrip("%") for o in operands if o]  # `f32[] %x` in long form
-    return _Instr(name, shape, m.group(1), operands, attrs, backend, op_name)
+    return Instr(name, shape, m.group(1), operands, attrs, backend, op_name)
 
 
 def _balanced(text: str, open_: str, close: str) -> str:
@@ -581,7 +581,7 @@ def _attr_name(attrs: str, key: str) -> str | None:
     return value.lstrip("%") if value else None
 
 
-def _callees(attrs: str) -> list[str]:
+def callees(attrs: str) -> list[str]:
     """Computations an instruction calls once per execution (fusions, calls, async ops, branches)."""
     names = []
     for key in (*_CALL_ATTRS, "branch_computations"):

@@ -8,8 +8,9 @@ Memory per device comes from two places, shown side by side:
 The step fits when the compiled peak is within the device's HBM budget (the chip's usable HBM from
 `hardware`, or a budget given by the user). FLOPs are analytic (`upcycler.train.reporting.metrics.flops_per_token`:
 6 · active matmul parameters + causal attention, per token), never the compiler's count; the executed
-FLOPs add what the memory options recompute. Collective traffic is parsed from the compiled HLO
-(`collectives`), and `roofline` turns the three into a step-time and MFU bound.
+FLOPs add what the memory options recompute. Collective traffic (`collectives`) and HBM traffic
+(`hbm_traffic`) are read from the compiled HLO, every loop counted by its trip count, and `roofline` turns
+FLOPs and the two traffics into a step-time and MFU bound.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 
 from upcycler.hardware import Chip
 from upcycler.spec import ModelSpec
-from upcycler.train.aot import collectives, roofline, save_time
+from upcycler.train.aot import collectives, hbm_traffic, roofline, save_time
 from upcycler.train.config import LossConfig, ModelConfig, TrainConfig
 from upcycler.train.model import remat
 from upcycler.train.reporting.metrics import flops_per_token, matmul_params
@@ -130,10 +131,12 @@ def build(config: TrainConfig, spec: ModelSpec, mesh, layout, batch, compiled, *
     notes = []
     line = None
     if compiled is not None and chip is not None:
-        hbm_bytes = _bytes_accessed(compiled)
-        if hbm_bytes is None:
-            notes.append("the compiler gave no HBM traffic; the memory term of the roofline is 0")
-        line = asdict(roofline.estimate(model_flops / devices, executed / devices, hbm_bytes or 0.0,
+        hbm_bytes = hbm_traffic.hbm_bytes(compiled.as_text())
+        counted_once = _bytes_accessed(compiled)
+        if counted_once is not None and counted_once < 0.9 * hbm_bytes:
+            notes.append(f"HBM traffic {_gib(hbm_bytes)} per chip with every loop counted by its trip count; "
+                         f"the compiler's own figure counts each loop body once ({_gib(counted_once)})")
+        line = asdict(roofline.estimate(model_flops / devices, executed / devices, hbm_bytes,
                                         traffic.traffic_bytes, chip))
     return Report(
         target=target_name, devices=devices, device_kind=mesh.devices.flat[0].device_kind,

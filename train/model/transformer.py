@@ -31,7 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from upcycler.spec import ModelSpec
 from upcycler.train.config import ModelConfig  # declared with the training options, without JAX
-from upcycler.train.model import expert_parallel, moe, remat
+from upcycler.train.model import expert_parallel, moe, remat, splash
 from upcycler.train.model import layers as nn
 from upcycler.train.model.params import ParamInfo, Params, Run, declare_tree, layer_runs, layers_of_kind
 from upcycler.train.model.placement import ONE_DEVICE, Placement
@@ -61,6 +61,7 @@ class _Context(NamedTuple):
     visible_BLS: jax.Array
     distance_LS: jax.Array
     causal_only: bool  # no segments: plain causal attention unless a layer has a window
+    segment_ids_BL: jax.Array | None  # the packed documents (None: one per row), for attention kernels
     placement: Placement  # where activations live on the devices (`placement.py`)
 
 
@@ -157,7 +158,7 @@ def _context(spec: ModelSpec, B: int, L: int, segment_ids_BL: jax.Array | None,
     inv_freq, factor = nn.rope_frequencies(spec)
     cos_BLR, sin_BLR = nn.rope_tables(positions_BL, inv_freq, factor)
     visible_BLS, distance_LS = nn.attention_mask(segment_ids_BL, B, L)
-    return _Context(cos_BLR, sin_BLR, visible_BLS, distance_LS, segment_ids_BL is None, placement)
+    return _Context(cos_BLR, sin_BLR, visible_BLS, distance_LS, segment_ids_BL is None, segment_ids_BL, placement)
 
 
 def one_layer(x_BLD: jax.Array, p: Params, spec: ModelSpec, cfg: ModelConfig, *, kind: str, window: int) -> jax.Array:
@@ -166,7 +167,7 @@ def one_layer(x_BLD: jax.Array, p: Params, spec: ModelSpec, cfg: ModelConfig, *,
     model one layer at a time (`upcycler.train.evaluation.layerwise`)."""
     B, L, _ = x_BLD.shape
     ctx = _context(spec, B, L, None, None)
-    y_BLD, _ = _layer(x_BLD, (p, jnp.int32(window)), kind=kind, spec=spec, cfg=cfg, ctx=ctx, windowed=window > 0)
+    y_BLD, _ = _layer(x_BLD, (p, jnp.int32(window)), kind=kind, spec=spec, cfg=cfg, ctx=ctx, windows=(window,))
     return y_BLD
 
 
@@ -191,7 +192,7 @@ def _scan_run(stack: Params, x_BLD: jax.Array, run: Run, spec: ModelSpec, cfg: M
     if run.length != len(layers_of_kind(spec, run.kind)):
         stack = jax.tree.map(lambda a: jax.lax.slice_in_dim(a, run.start, run.start + run.length), stack)
     windows = tuple(layer_windows(spec)[i] for i in layer_ids)
-    body = partial(_layer, kind=run.kind, spec=spec, cfg=cfg, ctx=ctx, windowed=any(windows))
+    body = partial(_layer, kind=run.kind, spec=spec, cfg=cfg, ctx=ctx, windows=windows)
     if cfg.remat != "none":
         body = jax.checkpoint(body, prevent_cse=False, policy=remat.policy(cfg.remat))
     return jax.lax.scan(body, x_BLD, (stack, jnp.asarray(windows, jnp.int32)))
@@ -202,21 +203,23 @@ def one_layer_ffn_input(x_BLD: jax.Array, p: Params, spec: ModelSpec, cfg: Model
     """`one_layer`, and the normalised hidden state its FFN (and its router) reads: (output, FFN input)."""
     B, L, _ = x_BLD.shape
     ctx = _context(spec, B, L, None, None)
-    x_BLD, h_BLD = _attention_block(x_BLD, p, spec, cfg, ctx, jnp.int32(window), windowed=window > 0)
+    x_BLD, h_BLD = _attention_block(x_BLD, p, spec, cfg, ctx, jnp.int32(window), windows=(window,))
     y_BLD, _ = _ffn_block(x_BLD, h_BLD, p, kind, spec, cfg)
     return y_BLD, h_BLD
 
 
-def _layer(x_BLD, layer, *, kind: str, spec: ModelSpec, cfg: ModelConfig, ctx: _Context, windowed: bool):
+def _layer(x_BLD, layer, *, kind: str, spec: ModelSpec, cfg: ModelConfig, ctx: _Context, windows: tuple[int, ...]):
     p, window = layer
-    x_BLD, h_BLD = _attention_block(x_BLD, p, spec, cfg, ctx, window, windowed=windowed)
+    x_BLD, h_BLD = _attention_block(x_BLD, p, spec, cfg, ctx, window, windows=windows)
     return _ffn_block(x_BLD, h_BLD, p, kind, spec, cfg, ctx.placement)
 
 
-def _attention_block(x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig, ctx: _Context, window, *, windowed: bool):
-    """The residual stream after the layer's attention, and its normalisation for the FFN."""
+def _attention_block(x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig, ctx: _Context, window, *,
+                     windows: tuple[int, ...]):
+    """The residual stream after the layer's attention, and its normalisation for the FFN; `window` (traced)
+    is one of `windows`, the sliding windows of the layers run with this one (0: full attention)."""
     x_BLD = ctx.placement.constrain(x_BLD, ACTIVATION_AXES)
-    if windowed:
+    if any(windows):
         visible_BLS = nn.window_mask(ctx.visible_BLS, ctx.distance_LS, window)
     else:
         visible_BLS = None if ctx.causal_only else ctx.visible_BLS
@@ -224,7 +227,11 @@ def _attention_block(x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig, ctx: _
         raise ValueError("flexprefill attention chooses its blocks per layer on the host: run it through "
                          "upcycler.train.evaluation.prefill, not the jitted forward")
     q_BLHh, k_BLKh, v_BLKh = _qkv(x_BLD, p, spec, ctx)
-    out_BLHh = nn.attention(q_BLHh, k_BLKh, v_BLKh, visible_BLS, impl=cfg.attention, chunk=cfg.attention_chunk)
+    if cfg.attention == "splash":
+        out_BLHh = splash.attention(q_BLHh, k_BLKh, v_BLKh, segment_ids_BL=ctx.segment_ids_BL, window=window,
+                                    windows=windows, placement=ctx.placement)
+    else:
+        out_BLHh = nn.attention(q_BLHh, k_BLKh, v_BLKh, visible_BLS, impl=cfg.attention, chunk=cfg.attention_chunk)
     return _attention_residual(x_BLD, checkpoint_name(out_BLHh, remat.CONTEXT), p, spec)
 
 

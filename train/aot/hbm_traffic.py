@@ -1,0 +1,167 @@
+"""The HBM traffic of one step, read from a compiled program's optimised HLO with loops counted.
+
+XLA's own figure (`compiled.cost_analysis()["bytes accessed"]`) counts a while loop's body once, so a
+model whose layers run under `lax.scan` is charged one layer's traffic whatever its depth (measured: a
+demo MoE step's figure stays within 4% from 2 to 9 layers). The roofline's memory term needs the traffic
+the step really moves. This module walks the program the way `collectives` does, each computation run as
+often as the loops around it say (`collectives.execution_counts`), and charges every instruction that
+reaches memory with the bytes it reads and writes:
+
+- a fusion (or any other instruction): its operands and its result; the computations a fusion or a
+  reduction calls run on values already read, so they are not walked;
+- an operand a fusion only slices (`dynamic-slice`, `slice`, `gather`): the slices, not the whole array
+  (a scanned layer reads its own layer of a stacked weight);
+- a result written in place (`dynamic-update-slice`, alone or at a fusion's root): the update, and the
+  array it updates is not read (a scanned layer writes its own layer of the stacked activations);
+- an operand a fusion hands through to its result untouched (the TPU compiler's fusions that carry an
+  overlapped collective's buffers): neither read nor written;
+- nothing for what moves no data: parameters, tuples and their elements, constants, bitcasts, the loops,
+  calls and branches themselves (their bodies are walked), the `-done` half of an asynchronous pair;
+- nothing for arrays in an on-chip memory space (`S(1)` in a TPU layout: VMEM), which are not HBM; the
+  copies that bring them there are charged like any other instruction.
+
+It is a model of the traffic, like XLA's, not a measurement: caches, fusion into a consumer's prologue and
+rematerialisation the compiler does after scheduling are not seen. On a program without loops it agrees
+with XLA's figure within a few percent (tested).
+"""
+
+from __future__ import annotations
+
+import re
+
+from upcycler.train.aot.collectives import (
+    Computation,
+    Instr,
+    callees,
+    execution_counts,
+    parse_module,
+    shape_bytes,
+)
+
+_FREE = frozenset({
+    "parameter", "get-tuple-element", "tuple", "constant", "bitcast", "while", "call", "conditional",
+    "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain", "async-done",
+    "async-update", "all-gather-done", "all-reduce-done", "collective-permute-done", "copy-done",
+    "send-done", "recv-done",
+})
+_SLICING = frozenset({"dynamic-slice", "slice", "gather"})
+_IN_PLACE = "dynamic-update-slice"
+_ON_CHIP = re.compile(r"S\((?!0\))\d+\)")  # a non-default memory space in a layout
+_ARRAY = re.compile(r"\b[a-z]+\d*[a-z0-9]*\[[^\]]*\](\{[^}]*\})?")
+
+
+def hbm_bytes(hlo_text: str) -> float:
+    """Bytes one device reads from and writes to HBM in one execution of the HLO module `hlo_text`, loops
+    unrolled by their trip counts (see the module docstring for what is charged)."""
+    computations, entry = parse_module(hlo_text)
+    counts, _ = execution_counts(computations, entry)
+    inner = _called_on_values(computations)
+    total = 0.0
+    for name, runs in counts.items():
+        if runs == 0 or name in inner:
+            continue
+        comp = computations[name]
+        total += runs * sum(_instr_bytes(instr, comp, computations) for instr in comp.instrs.values())
+    return total
+
+
+def hbm_array_bytes(shape: str) -> int:
+    """Bytes of the arrays of `shape` (an HLO shape, maybe a tuple) that live in HBM."""
+    return sum(shape_bytes(m.group(0)) for m in _ARRAY.finditer(shape)
+               if not (m.group(1) and _ON_CHIP.search(m.group(1))))
+
+
+def _called_on_values(computations: dict[str, Computation]) -> set[str]:
+    """Computations that run on values already in registers or on-chip memory: fusion bodies, reducers and
+    comparators (`to_apply`), and everything they call."""
+    inner: set[str] = set()
+    for comp in computations.values():
+        for instr in comp.instrs.values():
+            if instr.opcode == "fusion":
+                inner.update(callees(instr.attrs))
+            elif "to_apply=" in instr.attrs:
+                inner.update(c for c in callees(instr.attrs) if f"to_apply=%{c}" in instr.attrs
+                             or f"to_apply={c}" in instr.attrs)
+    frontier = list(inner)
+    while frontier:
+        comp = computations.get(frontier.pop())
+        for instr in comp.instrs.values() if comp else ():
+            for callee in callees(instr.attrs):
+                if callee not in inner:
+                    inner.add(callee)
+                    frontier.append(callee)
+    return inner
+
+
+def _instr_bytes(instr: Instr, comp: Computation, computations: dict[str, Computation]) -> int:
+    if instr.opcode in _FREE:
+        return 0
+    operands = [comp.instrs.get(name) for name in instr.operands]
+    if instr.opcode in _SLICING:
+        return 2 * hbm_array_bytes(instr.shape)  # read the slice, write it
+    if instr.opcode == _IN_PLACE:
+        update = operands[1] if len(operands) > 1 else None
+        return 2 * (hbm_array_bytes(update.shape) if update else 0)
+    if instr.opcode == "fusion":
+        called = [computations[c] for c in callees(instr.attrs) if c in computations]
+        if called:
+            return _fusion_bytes(instr, operands, called[0])
+    return hbm_array_bytes(instr.shape) + sum(hbm_array_bytes(o.shape) for o in operands if o is not None)
+
+
+def _fusion_bytes(instr: Instr, operands: list[Instr | None], body: Computation) -> int:
+    """A fusion's traffic: each operand as much of it as the body reads, each result less what it updates
+    in place."""
+    params = {inner.name: int(inner.operands[0]) for inner in body.instrs.values()
+              if inner.opcode == "parameter" and inner.operands and inner.operands[0].isdigit()}
+    uses: dict[str, list[tuple[Instr, int]]] = {}
+    for inner in body.instrs.values():
+        for position, operand in enumerate(inner.operands):
+            uses.setdefault(operand, []).append((inner, position))
+    root = body.instrs.get(body.root or "")
+    outputs = [body.instrs.get(n) for n in root.operands] if root is not None and root.opcode == "tuple" else [root]
+    results = [m.group(0) for m in _ARRAY.finditer(instr.shape)]
+    written = 0
+    updated: set[str] = set()  # parameters updated in place
+    for output, result in zip(outputs, results, strict=False):
+        if hbm_array_bytes(result) == 0 or (output is not None and output.opcode == "parameter"):
+            continue  # written on chip, or an operand handed through (a collective's buffer)
+        if output is not None and output.opcode == _IN_PLACE and len(output.operands) > 1:
+            update = body.instrs.get(output.operands[1])
+            written += shape_bytes(update.shape) if update is not None else 0
+            updated.add(output.operands[0])
+        else:
+            written += shape_bytes(result)
+    read = 0
+    for name, number in params.items():
+        operand = operands[number] if number < len(operands) else None
+        if operand is None or hbm_array_bytes(operand.shape) == 0:
+            continue
+        mine = _readers(name, uses)
+        if mine and all(user is root and root.opcode == "tuple" for user, _ in mine):
+            continue  # handed through to the result, not read
+        if name in updated and all(user.opcode == _IN_PLACE and position == 0 for user, position in mine):
+            continue  # the array updated in place is not read
+        read += _bytes_read(name, hbm_array_bytes(operand.shape), uses)
+    return read + written
+
+
+def _bytes_read(name: str, whole: int, uses: dict[str, list[tuple[Instr, int]]]) -> int:
+    """What a fusion body reads of the value `name` (`whole` bytes): the slices it takes when it only
+    slices it (slices of slices: the innermost), else all of it."""
+    readers = _readers(name, uses)
+    if not readers or not all(user.opcode in _SLICING and position == 0 for user, position in readers):
+        return whole
+    return min(whole, sum(_bytes_read(user.name, shape_bytes(user.shape), uses) for user, _ in readers))
+
+
+def _readers(name: str, uses: dict[str, list[tuple[Instr, int]]]) -> list[tuple[Instr, int]]:
+    """The instructions of a fusion body that read the value `name`, seen through bitcasts (which move no
+    data), each with the operand position it is read at."""
+    found = []
+    for user, position in uses.get(name, ()):
+        if user.opcode == "bitcast":
+            found += _readers(user.name, uses)
+        else:
+            found.append((user, position))
+    return found
