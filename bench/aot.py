@@ -4,6 +4,7 @@
     python bench/aot.py --only moe-13b-a2b   # one of them
     python bench/aot.py --no-baseline        # skip the plain-step compile (half the time)
     python bench/aot.py --only moe-13b-a2b --set model.remat=attention   # a config option changed
+    python bench/aot.py --plan --only moe-13b-a2b   # the planner: the best configuration that fits
 
 For each workload (a config in `bench/configs/`, its model a config-only directory), the train step is
 compiled with the config's memory options through `upcycler.train.aot.compile.compile_only`, the same path
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from upcycler.train.aot.compile import compile_only
@@ -65,9 +67,36 @@ def main() -> None:
     parser.add_argument("--no-baseline", action="store_true")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="change a config option of every workload (repeatable), as `--set` in the CLI")
+    parser.add_argument("--plan", action="store_true",
+                        help="search each workload's options for the best bound that fits with 1 GiB to spare "
+                             "(`upcycle continued-pretrain --compile-only --plan`), against the config as written")
+    parser.add_argument("--plan-cache", type=Path, help="with --plan: keep compiled figures here between runs")
     args = parser.parse_args()
     for name in args.only or WORKLOADS:
-        print(json.dumps(measure(name, baseline=not args.no_baseline, changes=tuple(args.set))), flush=True)
+        if args.plan:
+            line = planned(name, tuple(args.set), args.plan_cache)
+        else:
+            line = measure(name, baseline=not args.no_baseline, changes=tuple(args.set))
+        print(json.dumps(line), flush=True)
+
+
+def planned(name: str, changes: tuple[str, ...], cache: Path | None) -> dict:
+    """The plan of a workload: its best configuration, the planning time and every candidate, with the
+    config as written compiled in the same run as the baseline."""
+    from upcycler.train.aot.plan import plan
+
+    path, topology, _ = WORKLOADS[name]
+    config = load_config(ROOT / path, {"model.init": str(ROOT / load_config(ROOT / path).model.init)}, changes)
+    as_written = compile_only(config, topology=topology)
+    found = plan(config, topology, cache=cache, log=lambda line: print(line, file=sys.stderr, flush=True))
+    best = json.loads(found.to_json())
+    written_mfu = as_written.roofline["mfu"] if as_written.roofline and as_written.fits else 0.0
+    return {"workload": name, "topology": topology, "planning_seconds": best["seconds"],
+            "compiles": best["compiles"], "best": best["best"],
+            "as_written": {"fits": as_written.fits, "peak": as_written.memory.peak, "mfu_bound": written_mfu,
+                           "options": as_written.options},
+            "best_vs_as_written": best["best"]["mfu"] / written_mfu if best["best"] and written_mfu else None,
+            "outcomes": best["outcomes"]}
 
 
 if __name__ == "__main__":

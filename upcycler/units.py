@@ -30,6 +30,18 @@ def parse_size(text: str | int, what: str = "size", most: int | None = None) -> 
     return size
 
 
+_COUNT = re.compile(r"^\s*(\d{1,15}(?:\.\d{1,9})?)\s*([KMBT]?)\s*$", re.IGNORECASE)
+
+
+def parse_count(text: str, what: str = "count") -> int:
+    """'2.3B' -> 2_300_000_000, '800M', '12K', '1.2T', '5000' (parameters, tokens); at least one."""
+    m = _COUNT.match(text) if isinstance(text, str) else None
+    count = int(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}[m.group(2).upper()]) if m else 0
+    if count < 1:
+        raise UpcyclerError(f"{what}: {describe(text)} is not a count; use e.g. 2.3B, 800M or 5000")
+    return count
+
+
 def human_count(n: int) -> str:
     """1234567 -> '1.23M' (parameters, tokens)."""
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):

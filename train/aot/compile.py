@@ -58,8 +58,9 @@ def model_spec(path: Path) -> ModelSpec:
 
 
 def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget: int | None = None,
-                 slices: int = 1, save_bandwidth: float | None = None) -> report.Report:
-    """Compile the train step of `config` for `topology` (None: the local devices) and report per device.
+                 slices: int = 1, save_bandwidth: float | None = None, spec: ModelSpec | None = None) -> report.Report:
+    """Compile the train step of `config` for `topology` (None: the local devices) and report per device;
+    `spec` stands for model.init's architecture (a shape not written yet: the upcycling advisor's).
 
     `hbm_budget` replaces the chip's usable HBM as the memory a device has (the only budget there is for
     a device the chip table does not know, such as a CPU). `save_bandwidth` (bytes/s one host writes to
@@ -69,7 +70,7 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
     from upcycler.train.loop import mesh as mesh_lib
     from upcycler.train.loop.train_step import abstract_batch, compile_step, make_train_step, state_layout
 
-    spec = model_spec(config.model.init)
+    spec = spec if spec is not None else model_spec(config.model.init)
     tgt = target(topology, slices)
     mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, spec,
                                microbatches=config.data.microbatches, devices=tgt.devices,

@@ -28,6 +28,8 @@ from upcycler.locations import Location
 from upcycler.schema import options
 from upcycler.train.aot.topology import parse_slice
 from upcycler.train.config import (
+    MOE_DISPATCHES,
+    REMAT_POLICIES,
     RESUME_MODES,
     DistributedConfig,
     MetricsConfig,
@@ -105,15 +107,33 @@ so a scheduler can restart it (a JobSet/Kubernetes podFailurePolicy on exit code
               help="With --compile-only: bytes per second one host writes to the run_dir's storage (e.g. 2GB), "
                    "for the checkpoint save's time bound (default 1GB).")
 @click.option("--json", "as_json", is_flag=True, help="With --compile-only: print the report as one JSON line.")
+@click.option("--plan", "plan_out", metavar="YAML", type=click.Path(dir_okay=False, path_type=Path),
+              help="With --compile-only --topology: search remat policies, microbatches, expert dispatch and "
+                   "attention for the best roofline bound that fits, print the ranked table, and write the "
+                   "winning config to YAML (compiled figures are cached in ~/.cache/upcycler/plan).")
+@click.option("--plan-margin", metavar="SIZE", default="1GiB", show_default=True,
+              help="With --plan: HBM per chip the winner must leave free.")
+@click.option("--plan-remat", metavar="P1,P2,...", help="With --plan: only these remat policies.")
+@click.option("--plan-microbatches", metavar="N1,N2,...", help="With --plan: only these microbatch counts.")
+@click.option("--plan-dispatch", metavar="D1,D2,...",
+              help="With --plan: only these MoE dispatches (default gspmd,all_gather; all_to_all on request).")
 def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_only: bool, topology: str | None,
             slices: int | None, hbm_budget: str | None, save_bandwidth: str | None, as_json: bool,
-            **flags: Any) -> None:
+            plan_out: Path | None, plan_margin: str, plan_remat: str | None, plan_microbatches: str | None,
+            plan_dispatch: str | None, **flags: Any) -> None:
     """Continue pretraining a dense or upcycled MoE checkpoint on prepared data; checkpoints go to run_dir."""
     keys = _flags()
     config = load_config(config_path, {keys[name]: value for name, value in flags.items()}, sets)
     from upcycler.train.loop.remote_inputs import localized
 
     config = localized(config)  # gs:// model inputs: this host's copies
+    if plan_out is not None:
+        narrow = {"policies": _listed(plan_remat, "--plan-remat", REMAT_POLICIES),
+                  "microbatches": _listed(plan_microbatches, "--plan-microbatches", None),
+                  "dispatch": _listed(plan_dispatch, "--plan-dispatch", MOE_DISPATCHES)}
+        _plan(config, compile_only, topology, plan_out, plan_margin, as_json,
+              {k: v for k, v in narrow.items() if v is not None})
+        return
     if compile_only or topology or hbm_budget or as_json or slices or save_bandwidth:
         if slices and not topology:
             raise UpcyclerError("--slices needs --topology (the slice to repeat), e.g. --topology v5e-256 --slices 2")
@@ -131,6 +151,45 @@ def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_
     if result.preempted:
         click.echo(f"preempted: exit status {PREEMPTED_EXIT_STATUS}; run the same command to continue", err=True)
         sys.exit(PREEMPTED_EXIT_STATUS)
+
+
+def _listed(text: str | None, option: str, allowed: tuple[str, ...] | None) -> tuple | None:
+    """A comma-separated option's values (positive integers where `allowed` is None), or None when unset."""
+    if text is None:
+        return None
+    values = tuple(v.strip() for v in text.split(",") if v.strip())
+    if allowed is None:
+        if not values or not all(v.isdigit() and int(v) > 0 for v in values):
+            raise UpcyclerError(f"{option} takes positive integers separated by commas, e.g. 1,2,4; got {text!r}")
+        return tuple(int(v) for v in values)
+    unknown = [v for v in values if v not in allowed]
+    if not values or unknown:
+        raise UpcyclerError(f"{option}: {', '.join(map(repr, unknown)) or 'nothing given'}; "
+                            f"choose from {', '.join(allowed)}")
+    return values
+
+
+def _plan(config: TrainConfig, compile_only: bool, topology: str | None, out: Path, margin: str,
+          as_json: bool, narrow: dict[str, tuple]) -> None:
+    """Print the plan's table (or JSON) and write the best configuration to `out`; exit 1 when nothing fits."""
+    if not compile_only or topology is None:
+        raise UpcyclerError("--plan searches compiled configurations for a TPU slice: add --compile-only and "
+                            "--topology (e.g. --topology v5e-256)")
+    parse_slice(topology)
+    margin_bytes = parse_size(margin, "--plan-margin", most=MAX_HBM_BUDGET)
+    from upcycler.train.aot.plan import configured, plan
+
+    found = plan(config, topology, margin=margin_bytes, cache=Path.home() / ".cache" / "upcycler" / "plan",
+                 log=lambda line: click.echo(line, err=True), **narrow)
+    click.echo(found.to_json() if as_json else found.to_text())
+    if found.best is None:
+        sys.exit(1)
+    import yaml
+
+    partial = out.with_name(f".{out.name}.partial")  # no half-written config where the user looks
+    partial.write_text(yaml.safe_dump(configured(config, found.best.choice).to_dict(), sort_keys=False))
+    partial.replace(out)
+    click.echo(f"wrote {out}: run it with upcycle continued-pretrain --config {out}", err=True)
 
 
 def _compile_only(config: TrainConfig, compile_only: bool, topology: str | None, hbm_budget: str | None,

@@ -120,6 +120,39 @@ def _option(opt: Option) -> Callable:
     return click_option(opt)
 
 
+ADVICE_OPTIONS = ("plan_for", "active_params", "total_params", "train_config", "plan_margin")
+
+
+def _advice_options(fn: Callable) -> Callable:
+    """dense-to-moe's shape advisor (`upcycler.cli.moe_advice`)."""
+    fn = click.option("--plan-margin", metavar="SIZE", default="1GiB", show_default=True,
+                      help="With --plan-for: HBM per chip a proposal must leave free.")(fn)
+    fn = click.option("--train-config", type=LOCAL_PATH, metavar="YAML",
+                      help="With --plan-for: the training run to plan for (its data, batch and sequence; "
+                           "default 4096 tokens × 4 rows per chip).")(fn)
+    fn = click.option("--total-params", metavar="N", help="With --plan-for: total parameters to aim at (e.g. 13B).")(fn)
+    fn = click.option("--active-params", metavar="N",
+                      help="With --plan-for: parameters per token to aim at (e.g. 2.3B; default the source's).")(fn)
+    return click.option("--plan-for", metavar="TOPOLOGY",
+                        help="Propose expert count, width and top-k for training on this TPU slice (e.g. v5e-256), "
+                             "each with its best training configuration, fit and MFU bound (compiled from the "
+                             "source's config.json); writes nothing.")(fn)
+
+
+def _advise(src: Path, out: Path | None, as_json: bool, advice: dict, fixed: dict) -> None:
+    from upcycler.cli.moe_advice import advise
+    from upcycler.train.aot.topology import parse_slice
+    from upcycler.units import parse_count
+
+    if out is not None:
+        raise click.UsageError("--plan-for writes nothing: drop OUT (the proposals print the command that writes)")
+    parse_slice(advice["plan_for"])
+    advise(src, advice["plan_for"], as_json=as_json, train_config=advice["train_config"],
+           active=parse_count(advice["active_params"], "--active-params") if advice["active_params"] else None,
+           total=parse_count(advice["total_params"], "--total-params") if advice["total_params"] else None,
+           margin=parse_size(advice["plan_margin"], "--plan-margin"), fixed=fixed)
+
+
 def finish(p, *, dry_run: bool, as_json: bool, overwrite: bool, no_verify: bool = False) -> None:
     """Print the plan (dry run), or write, then print the notes, how the output was checked and what was
     written.
@@ -217,12 +250,21 @@ def initial_routing(p, out: Path) -> tuple | None:
 
 
 def transform_command(t: Transform) -> click.Command:
-    """The click command of transform `t`: SRC, OUT, its options, the output options and --dry-run."""
+    """The click command of transform `t`: SRC, OUT, its options, the output options and --dry-run (and for
+    dense-to-moe the shape advisor's `--plan-for`)."""
+    advises = t.name == "dense-to-moe"
 
     def callback(src: Path, out: Path | None, dry_run: bool, as_json: bool, no_verify: bool, to: str,
                  family: str | None, dtype: str | None, shard_size: str, overwrite: bool, **values) -> None:
         from upcycler.transforms.recipe import Output, single
 
+        if advises:
+            advice = {k: values.pop(k) for k in ADVICE_OPTIONS}
+            if advice["plan_for"] is not None:
+                fixed = {"experts": values.get("experts"), "topk": values.get("topk"),
+                         "width": values.get("expert_width")}
+                _advise(src, out, as_json, advice, fixed)
+                return
         if out is None and not dry_run:
             raise click.UsageError("missing argument OUT (only --dry-run can do without it)")
         recipe = single(t.name, values, src, Output(out, to, family, dtype, parse_size(shard_size, "--shard-size")))
@@ -230,6 +272,8 @@ def transform_command(t: Transform) -> click.Command:
                no_verify=no_verify)
 
     fn: Callable = run_options(output_options(callback))
+    if advises:
+        fn = _advice_options(fn)
     for info in reversed(t.options()):
         fn = _option(info)(fn)
     fn = click.argument("out", required=False, type=OUTPUT)(fn)

@@ -1,0 +1,84 @@
+"""`upcycle dense-to-moe SRC --plan-for TOPOLOGY`: which MoE to upcycle into for a pod, before a byte is written.
+
+Each shape of `transforms.moe_shapes` is planned for the pod (`train.aot.plan`: the training options that
+fit with the margin and give the best roofline bound), compiled from the spec the upcycle would write, so
+the source needs only its `config.json`. The table gives each shape's parameters, its best configuration,
+fit, peak and bound, and the two commands that make and train it. Bounds, not measurements.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from upcycler.errors import UpcyclerError
+from upcycler.units import human_bytes, human_count
+
+# the training run the shapes are planned for, unless --train-config gives one
+SEQ_LEN = 4096
+ROWS_PER_CHIP = 4
+
+
+def advise(src: Path, topology: str, *, active: int | None, total: int | None, train_config: Path | None,
+           margin: int, as_json: bool, fixed: dict[str, int | None]) -> None:
+    """Print the proposals for upcycling `src` to train on `topology` (`fixed`: the experts, topk and width
+    the user chose); exit 1 when none fits."""
+    from upcycler.io.hf_read import read_spec
+    from upcycler.train.aot.compile import target
+    from upcycler.train.aot.plan import plan
+    from upcycler.train.config import TrainConfig, load_config
+    from upcycler.transforms.moe_shapes import shapes
+
+    source = read_spec(src)
+    proposals = shapes(source, active=active, total=total, **fixed)
+    chips = len(target(topology, 1).devices)
+    config = (load_config(train_config, {"model.init": str(src)}) if train_config is not None
+              else TrainConfig.from_dict(_default_run(src, chips), "the planned run"))
+    rows = []
+    for shape in proposals:
+        click.echo(f"planning {shape.flags()} for {topology}", err=True)
+        found = plan(config, topology, margin=margin, spec=shape.spec, dispatch=("gspmd",),
+                     cache=Path.home() / ".cache" / "upcycler" / "plan", log=lambda line: click.echo(line, err=True))
+        best = found.best
+        rows.append({"experts": shape.experts, "topk": shape.topk, "width": shape.width,
+                     "total_params": shape.spec.total_params(), "active_params": shape.spec.active_params(),
+                     "fits": best is not None, "peak": best.figures.peak if best else None,
+                     "mfu": best.figures.mfu if best else 0.0, "bound": best.figures.bound if best else None,
+                     "sets": list(best.choice.sets()) if best else [],
+                     "upcycle": f"upcycle dense-to-moe {src} OUT {shape.flags()}",
+                     "train": ("upcycle continued-pretrain --config TRAIN.yaml "
+                               + " ".join(f"--set {s}" for s in best.choice.sets())) if best else None,
+                     "compiles": found.compiles, "seconds": round(found.seconds, 1)})
+    rows.sort(key=lambda r: -r["mfu"])
+    if as_json:
+        click.echo(json.dumps({"topology": topology, "proposals": rows}))
+    else:
+        click.echo(f"shapes for {source.family} ({human_count(source.total_params())} parameters) on {topology}, "
+                   f"{config.data.global_batch_size} × {config.data.seq_len} tokens per step; MFU is the roofline's "
+                   "bound, not a measurement")
+        click.echo(f"{'experts':>7} {'top-k':>5} {'width':>6} {'total':>8} {'active':>8} {'fits':<4} {'peak':>10} "
+                   f"{'MFU ≤':>6}  best configuration")
+        for r in rows:
+            peak = human_bytes(r["peak"]) if r["peak"] is not None else "—"
+            config_text = " ".join(s.split("=", 1)[0].split(".")[-1] + "=" + s.split("=", 1)[1] for s in r["sets"])
+            click.echo(f"{r['experts']:>7} {r['topk']:>5} {r['width']:>6} {human_count(r['total_params']):>8} "
+                       f"{human_count(r['active_params']):>8} {'yes' if r['fits'] else 'no':<4} {peak:>10} "
+                       f"{r['mfu']:>6.1%}  {config_text or 'nothing fits'}")
+        for r in rows:
+            if r["fits"]:
+                click.echo(f"  {r['upcycle']}\n    then: {r['train']}")
+    if not any(r["fits"] for r in rows):
+        raise UpcyclerError(f"no proposed shape fits {topology} with {human_bytes(margin)} to spare: a larger "
+                            "slice, a shorter sequence or fewer rows per step (--train-config)")
+
+
+def _default_run(src: Path, chips: int) -> dict:
+    """The run a shape is planned for without --train-config: `SEQ_LEN` tokens, `ROWS_PER_CHIP` rows per
+    chip, bf16 compute and weights, FSDP over every chip, chunked cross-entropy."""
+    return {"run_dir": "runs/planned", "steps": 1,
+            "model": {"init": str(src), "compute_dtype": "bfloat16", "weights_dtype": "bfloat16"},
+            "data": {"dir": "data", "seq_len": SEQ_LEN, "global_batch_size": ROWS_PER_CHIP * chips,
+                     "phases": [{"weights": {"data": 1.0}}]},
+            "loss": {"ce_chunk": 512}, "mesh": {"data": 1, "fsdp": -1, "expert": 1}}
