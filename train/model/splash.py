@@ -13,8 +13,8 @@ sees distances 0 … w−1), and layers of different windows in one scan (one ke
 chosen by the layer's window at run time). q is scaled by h^-½ before the kernel, which does not scale.
 
 The kernel is whole-sequence per device: it runs per device on its own rows of the batch (the
-placement's `per_device`, a `shard_map` on a mesh), never across a split sequence. Off TPU it runs in the
-Pallas interpreter: exact but slow, for tests.
+placement's `per_device`, a `shard_map` on a mesh), never across a split sequence. On CPU it runs in the
+Pallas interpreter (exact but slow, for tests); other platforms are refused.
 """
 
 from __future__ import annotations
@@ -46,7 +46,11 @@ def attention(q_BLHh: jax.Array, k_BSKh: jax.Array, v_BSKh: jax.Array, *, segmen
     distinct windows of the layers run together; 0 is full attention); `placement` runs the kernel per
     device on its rows of the batch.
     """
-    interpret = target_platform() != "tpu"
+    platform = target_platform()
+    if platform not in ("tpu", "cpu"):
+        raise ValueError(f"attention splash is a TPU kernel (interpreted on CPU for tests); on {platform} use "
+                         "attention dot_product")
+    interpret = platform != "tpu"
     if segment_ids_BL is None:
         segment_ids_BL = jnp.zeros(q_BLHh.shape[:2], jnp.int32)
     distinct = tuple(sorted(set(windows)))
