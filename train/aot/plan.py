@@ -185,6 +185,7 @@ def plan(config: TrainConfig, topology: str, *, margin: int = 1 << 30, cache=Non
     outcomes: list[Outcome] = []
     compiled = 0
     best = 0.0
+
     def tried(choice: Choice) -> Outcome | None:
         """The candidate compiled (or found in the cache), recorded; None when the config refuses it."""
         nonlocal compiled
