@@ -6,6 +6,7 @@
     python bench/long_prefill.py --lengths 4k --layers 2 --repeats 1 --dense-above 1   # force the sparse path
     python bench/long_prefill.py --lengths 16k --layers 10 --save-qkv qkv-16k.npz      # keep the real inputs
     python bench/long_prefill.py --qkv qkv-16k.npz      # time them on another machine (no model needed)
+    python bench/long_prefill.py --lengths 32k --topology v5e    # bound it on a TPU chip, compiled here
 
 The model is a Hugging Face checkpoint directory (`--model`; default: the bf16 SmolLM2-135M-Instruct the
 `real_model` tests build in `$UPCYCLER_TEST_CACHE`, default `~/.cache/upcycler-tests`; run
@@ -41,6 +42,11 @@ accelerator host) still times real selections. Off CPU, `dot_product` (`jax.nn.d
 causal, in bfloat16: the platform's fused dense attention, cuDNN's flash attention on a GPU) is timed
 beside the model's own dense path (on a CPU it would materialise every score: skipped).
 
+`--topology v5e` (or v6e, v5p, v4) replaces the timing by bounds on one chip of that TPU, from executables
+compiled here (`bench/prefill_roofline.py`): per layer the selection's and the kernels' FLOPs and bytes,
+the roofline time of FlexPrefill (selection + splash kernel over the selected blocks) against dense splash
+attention, their ratio and the kernels' grid steps; no end-to-end run.
+
 Wall seconds and process CPU seconds are both reported (CPU seconds sum over threads), with the 1-minute
 load average: the machine may be shared.
 """
@@ -74,7 +80,7 @@ from upcycler.train.model.flexprefill import (
     select_blocks_jit,
 )
 
-REAL_MODEL = "smollm2-135m-instruct-bf16"  # the directory tests/real_model.py `smollm2()` builds
+REAL_MODEL = "smollm2-135m-instruct-bf16-v2"  # the directory tests/real_model.py `smollm2()` builds
 END_TO_END_MAX = 16 * 1024  # longest length whose end-to-end prefill runs without --end-to-end-all
 SEED = 0
 
@@ -103,6 +109,9 @@ def parse_args() -> argparse.Namespace:
                         help=f"time whole prefills too, for lengths <= {END_TO_END_MAX} (default: on)")
     parser.add_argument("--save-qkv", type=Path, default=None, help="keep the captured q, k, v in this npz")
     parser.add_argument("--qkv", type=Path, default=None, help="time the attention op on a --save-qkv file")
+    parser.add_argument("--topology", default=None,
+                        help="a TPU generation (v5e, v6e, v5p, v4): instead of timing here, bound the attention "
+                             "on one chip from compiled executables (bench/prefill_roofline.py)")
     parser.add_argument("--end-to-end-all", action="store_true",
                         help="time whole prefills at every length (a dense 32k prefill takes ~30 min)")
     args = parser.parse_args()
@@ -252,6 +261,18 @@ def end_to_end(flex: PrefillModel, ids: np.ndarray, answer: np.ndarray, repeats:
     }
 
 
+def tpu_bounds(qkv: dict[int, tuple[jax.Array, ...]], opts: FlexPrefillOptions, topology: str) -> dict:
+    """`prefill_roofline.layer_bound` of each layer, and the median ratio and mean density over them."""
+    from prefill_roofline import layer_bound
+
+    chip = topology.split("-")[0].split(":")[0]
+    compiled: dict = {}
+    per_layer = {str(layer): layer_bound(q, k, opts, chip, compiled) for layer, (q, k, _) in qkv.items()}
+    return {"chip": chip, "per_layer": per_layer,
+            "median_ratio": round(statistics.median(e["ratio"] for e in per_layer.values()), 3),
+            "mean_density": round(float(np.mean([e["density"] for e in per_layer.values()])), 4)}
+
+
 def main() -> None:
     args = parse_args()
     cfg = ModelConfig(attention="flexprefill", prefill_gamma=args.gamma, prefill_tau=args.tau,
@@ -264,7 +285,9 @@ def main() -> None:
             "bench": "long_prefill", "length": length, "qkv": args.qkv.name, "layers": sorted(qkv),
             "device": jax.devices()[0].platform, "options": dataclasses.asdict(options),
             "dtype": "float32 (inputs stored as float16)", "repeats": args.repeats,
-            "attention": attention_op(qkv, options, args.repeats), "load_1min": os.getloadavg()[0],
+            **({"tpu": tpu_bounds(qkv, options, args.topology)} if args.topology
+               else {"attention": attention_op(qkv, options, args.repeats)}),
+            "load_1min": os.getloadavg()[0],
         }), flush=True)
         return
     model = PrefillModel.load(args.model, cfg)
@@ -281,10 +304,11 @@ def main() -> None:
             "bench": "long_prefill", "length": length, "model": str(args.model), "layers": args.layers,
             "options": dataclasses.asdict(model.options), "dtype": cfg.compute_dtype, "repeats": args.repeats,
             "capture_s": round(capture_s, 2),
-            "attention": attention_op(qkv, model.options, args.repeats),
+            **({"tpu": tpu_bounds(qkv, model.options, args.topology)} if args.topology
+               else {"attention": attention_op(qkv, model.options, args.repeats)}),
         }
         del qkv
-        if args.end_to_end and (length <= END_TO_END_MAX or args.end_to_end_all):
+        if args.end_to_end and not args.topology and (length <= END_TO_END_MAX or args.end_to_end_all):
             result["end_to_end"] = end_to_end(model, ids, answer, args.repeats)
         result["load_1min"] = os.getloadavg()[0]
         print(json.dumps(result), flush=True)

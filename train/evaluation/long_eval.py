@@ -12,8 +12,9 @@ Three tasks, each a list of `Item`s (prompt token ids of an exact length, option
   read with `upcycler.train.data.sources.open_source`), the windows spread over its sources in turn.
 - prompts (`read_prompts`): the user's own JSONL prompts, `{"prompt": ..., "answer": ... (optional)}`.
 
-Scoring (`evaluate`) calls a runner with `run(ids, answer) -> .last_logits, .answer_logits, .stats` and
-`next_token_logprobs(ids) -> (logprobs, stats)` (`upcycler.train.evaluation.prefill.PrefillModel`) and keeps per
+Scoring (`evaluate`) calls a runner with batches of prompts of one shape, `run_batch(ids, answers)` ->
+[.last_logits, .answer_logits, .stats] and `next_token_logprobs_batch(ids)` -> [(logprobs, stats)], up to
+its `batch_size` at a time (`upcycler.train.evaluation.prefill.PrefillModel`), and keeps per
 item what the summary needs: top-1, whether greedy decoding retrieves the answer (`greedy_retrieves`),
 the last-token log-distribution when a second model is compared, NLL per position, and the fraction of
 key blocks the attention computed. `upcycler.train.evaluation.long_eval_report` turns the outcomes into
@@ -399,32 +400,57 @@ def evaluate(model: Any, task: str, items: Sequence[Item], *, name: str = "the m
     """Per item, what one model does: `top1`, `retrieved` (None without an answer), `logp` (the last
     token's log-distribution, float32, with `keep_distribution`), `nll` (perplexity: per target token) and
     `density` (per layer, mean over heads: fraction of causal key blocks computed). Non-finite logits (NaN
-    or inf weights) are an error naming `name`."""
+    or inf weights) are an error naming `name`.
+
+    Items go to the model in batches of up to `model.batch_size` consecutive items of one shape (prompt
+    length, answer length): `run_batch` and `next_token_logprobs_batch`."""
     out = []
-    for item in items:
+    for group in _batches(items, model.batch_size):
         if task == "perplexity":
-            logprobs, stats = model.next_token_logprobs(item.ids)
-            record: dict[str, Any] = {"nll": -np.asarray(logprobs, dtype=np.float64)}
-            finite = np.isfinite(record["nll"]).all()
+            results = model.next_token_logprobs_batch(np.stack([item.ids for item in group]))
         else:
-            res = model.run(item.ids, item.answer)
-            stats = res.stats
-            last = np.asarray(res.last_logits)
-            finite = np.isfinite(last).all() and np.isfinite(np.asarray(res.answer_logits)).all()
-        if not finite:
-            raise UpcyclerError(f"{name}: the model's logits are not finite on a {item.length}-token prompt "
-                                "(NaN or inf weights?); check the checkpoint with `upcycle verify`")
-        if task != "perplexity":
-            retrieved = (None if item.answer is None
-                         else greedy_retrieves(last, np.asarray(res.answer_logits), item.answer))
-            record = {"top1": int(np.argmax(last)), "retrieved": retrieved}
-            if keep_distribution:
-                record["logp"] = log_softmax(last).astype(np.float32)
-        record["density"] = np.asarray(stats.density, dtype=np.float64).reshape(
-            np.shape(stats.density)[0], -1).mean(axis=1)
-        out.append(record)
-        advance()
+            answers = None if group[0].answer is None else np.stack([item.answer for item in group])
+            results = model.run_batch(np.stack([item.ids for item in group]), answers)
+        for item, result in zip(group, results, strict=True):
+            out.append(_score(task, item, result, name, keep_distribution))
+            advance()
     return out
+
+
+def _batches(items: Sequence[Item], size: int) -> list[list[Item]]:
+    """Runs of up to `size` consecutive items sharing a prompt length and an answer length."""
+    shape = lambda item: (item.length, None if item.answer is None else len(item.answer))
+    groups: list[list[Item]] = []
+    for item in items:
+        if groups and len(groups[-1]) < size and shape(groups[-1][0]) == shape(item):
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    return groups
+
+
+def _score(task: str, item: Item, result: Any, name: str, keep_distribution: bool) -> dict[str, Any]:
+    """One item's record from what the model returned for it (see `evaluate`)."""
+    if task == "perplexity":
+        logprobs, stats = result
+        record: dict[str, Any] = {"nll": -np.asarray(logprobs, dtype=np.float64)}
+        finite = np.isfinite(record["nll"]).all()
+    else:
+        stats = result.stats
+        last = np.asarray(result.last_logits)
+        finite = np.isfinite(last).all() and np.isfinite(np.asarray(result.answer_logits)).all()
+    if not finite:
+        raise UpcyclerError(f"{name}: the model's logits are not finite on a {item.length}-token prompt "
+                            "(NaN or inf weights?); check the checkpoint with `upcycle verify`")
+    if task != "perplexity":
+        retrieved = (None if item.answer is None
+                     else greedy_retrieves(last, np.asarray(result.answer_logits), item.answer))
+        record = {"top1": int(np.argmax(last)), "retrieved": retrieved}
+        if keep_distribution:
+            record["logp"] = log_softmax(last).astype(np.float32)
+    record["density"] = np.asarray(stats.density, dtype=np.float64).reshape(
+        np.shape(stats.density)[0], -1).mean(axis=1)
+    return record
 
 
 def kl_and_agreement(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, bool]:

@@ -10,6 +10,10 @@ the two halves the host chooses how the prompt attends:
   when the prompt is short or the selection is dense anyway. Sliding-window layers run dense.
 - anything else: dense causal attention, by chunks of queries over the keys they can see.
 
+On a TPU (or with `device=True`), FlexPrefill runs instead as one compiled program per batch of prompts of
+one length (`upcycler.train.evaluation.device_prefill`: selection, fallbacks and the splash attention
+kernel on device, no host round-trip), `batch_size` prompts at a time (`run_batch`).
+
 Answer tokens (teacher-forced after the prompt) always attend densely to the prompt and to each other,
 as a decode step would: FlexPrefill only changes how the prompt itself is computed. Logits are taken for
 the rows asked for only, so a 32k prompt never holds [N, V] logits. Everything runs in the compute
@@ -28,14 +32,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec
 from upcycler.train.config import ModelConfig
 from upcycler.train.model import layers as nn
 from upcycler.train.model.flexprefill import FlexPrefillOptions, causal_attention_jit, flexprefill_attention
+from upcycler.train.model.flexprefill_splash import LANES
 from upcycler.train.model.params import Params, layer_kind, layers_of_kind
 from upcycler.train.model.transformer import layer_output, layer_qkv, layer_windows, unembed
 
 _LOGITS_ROWS = 1024  # rows of logits alive at a time when scoring every position
+DEVICE_BATCH = 4  # prompts of one length prefilled together on a TPU
 
 
 class PrefillStats(NamedTuple):
@@ -57,21 +64,68 @@ class PrefillResult(NamedTuple):
 class PrefillModel:
     """A checkpoint's weights held for prefills, with how to attend (`ModelConfig.attention` and `prefill_*`)."""
 
-    def __init__(self, spec: ModelSpec, params: Params, cfg: ModelConfig = ModelConfig()):
+    def __init__(self, spec: ModelSpec, params: Params, cfg: ModelConfig = ModelConfig(), *,
+                 device: bool | None = None, interpret: bool = False):
+        """`device`: prefill through `device_prefill` (default: when JAX's backend is a TPU; `interpret` runs
+        its kernel in the Pallas interpreter, for tests off TPU)."""
         self.spec, self.params, self.cfg = spec, params, cfg
         self.options = FlexPrefillOptions.of(cfg)
+        self.device = jax.default_backend() == "tpu" if device is None else device
+        self.interpret = interpret
+        self.batch_size = DEVICE_BATCH if self.device else 1
+        if self.device and cfg.attention == "flexprefill" and cfg.prefill_block % LANES:
+            raise UpcyclerError(f"--prefill-block {cfg.prefill_block}: on a TPU FlexPrefill's blocks are the splash "
+                                f"kernel's tiles and must be a multiple of {LANES}; pass --prefill-block 128")
         # what the jitted halves of a layer are specialised on: not how the prompt attends
         self._layer_cfg = replace(cfg, attention="einsum", **{k: v for k, v in vars(ModelConfig()).items()
                                                               if k.startswith("prefill_")})
 
     @classmethod
-    def load(cls, path: str | Path, cfg: ModelConfig = ModelConfig()) -> PrefillModel:
+    def load(cls, path: str | Path, cfg: ModelConfig = ModelConfig(), **kwargs) -> PrefillModel:
         """The checkpoint at `path` (HF or Orbax), its weights in the compute dtype."""
         from upcycler.io import read_checkpoint
         from upcycler.train.model.params import from_tensors
 
         ckpt = read_checkpoint(path)
-        return cls(ckpt.spec, from_tensors(ckpt.spec, ckpt.tensors, dtype=np.dtype(cfg.compute_dtype)), cfg)
+        return cls(ckpt.spec, from_tensors(ckpt.spec, ckpt.tensors, dtype=np.dtype(cfg.compute_dtype)), cfg,
+                   **kwargs)
+
+    def run_batch(self, prompts: np.ndarray, answers: np.ndarray | None = None) -> list[PrefillResult]:
+        """`run` of each prompt [B, N] with its answer [B, m] (one length each): on a device in one program."""
+        if not self.device:
+            return [self.run(p, None if answers is None else a)
+                    for p, a in zip(prompts, [None] * len(prompts) if answers is None else answers, strict=True)]
+        prompts = np.asarray(prompts, np.int32)
+        answers = np.zeros((len(prompts), 0), np.int32) if answers is None else np.asarray(answers, np.int32)
+        m, N = answers.shape[1], prompts.shape[1]
+        padded = np.resize(answers.T, (1 << (m - 1).bit_length(), len(prompts))).T if m else answers
+        out = self._device_prefill(prompts, padded)
+        logits = np.asarray(_batch_logits_jit(self.params, out.hidden_BLD[:, N - 1:N + m], self.spec))
+        return [PrefillResult(logits[b, 0], logits[b, 1:], self._stats(out, b)) for b in range(len(prompts))]
+
+    def next_token_logprobs_batch(self, ids: np.ndarray) -> list[tuple[np.ndarray, PrefillStats]]:
+        """`next_token_logprobs` of each sequence [B, N] (one length): on a device in one program."""
+        if not self.device:
+            return [self.next_token_logprobs(row) for row in ids]
+        ids = np.asarray(ids, np.int32)
+        out = self._device_prefill(ids, np.zeros((len(ids), 0), np.int32))
+        return [(self._score(out.hidden_BLD[b], ids[b]), self._stats(out, b)) for b in range(len(ids))]
+
+    def _device_prefill(self, prompts: np.ndarray, answers: np.ndarray):
+        from upcycler.train.evaluation.device_prefill import prefill
+
+        with jax.default_matmul_precision("highest"):
+            return prefill(self.params, jnp.asarray(prompts), jnp.asarray(answers), spec=self.spec,
+                           cfg=self._device_cfg, opts=self.options, interpret=self.interpret)
+
+    @property
+    def _device_cfg(self) -> ModelConfig:
+        """The layer config of the device program, attending as the user asked."""
+        return replace(self._layer_cfg, attention=self.cfg.attention)
+
+    @staticmethod
+    def _stats(out, b: int) -> PrefillStats:
+        return PrefillStats(np.asarray(out.density_LBH[:, b], np.float64), np.asarray(out.query_aware_LBH[:, b]))
 
     def run(self, prompt_ids: np.ndarray, answer_ids: np.ndarray | None = None) -> PrefillResult:
         """Prefill `prompt_ids` [N], then `answer_ids` [m] teacher-forced: logits after the last prompt token
@@ -90,12 +144,16 @@ class PrefillModel:
         """log p(ids[t+1] | ids[..t]) for t = 0..N−2 [N−1], with the whole sequence prefilled as one prompt."""
         ids = np.asarray(ids, np.int32)
         hidden_LD, stats = self.hidden(ids, np.zeros(0, np.int32))
+        return self._score(hidden_LD, ids), stats
+
+    def _score(self, hidden_LD: jax.Array, ids: np.ndarray) -> np.ndarray:
+        """log p(ids[t+1] | ids[..t]) from the hidden states of the sequence, `_LOGITS_ROWS` rows at a time."""
         out = []
         for start in range(0, len(ids) - 1, _LOGITS_ROWS):
             end = min(len(ids) - 1, start + _LOGITS_ROWS)
             out.append(np.asarray(_target_logprobs_jit(self.params, hidden_LD[start:end], jnp.asarray(ids[start + 1:end + 1]),
                                                        self.spec)))
-        return np.concatenate(out), stats
+        return np.concatenate(out)
 
     def hidden(self, prompt_ids: np.ndarray, answer_ids: np.ndarray, *,
                observe: Callable[[int, jax.Array, jax.Array, jax.Array], None] | None = None,
@@ -157,6 +215,11 @@ def _answer_attention_jit(q_mHh, k_SKh, v_SKh, prompt_len: int, window: int):
 @partial(jax.jit, static_argnames="spec")
 def _logits_jit(params, hidden_LD, spec):
     return unembed(params, hidden_LD[None], spec)[0]
+
+
+@partial(jax.jit, static_argnames="spec")
+def _batch_logits_jit(params, hidden_BLD, spec):
+    return unembed(params, hidden_BLD, spec)
 
 
 @partial(jax.jit, static_argnames="spec")

@@ -115,9 +115,9 @@ def select_blocks(q_NHh: jax.Array, k_NKh: jax.Array, opts: FlexPrefillOptions) 
     visible_PN = jnp.arange(N)[None, :] <= (N - P + jnp.arange(P))[:, None]
     probs_HPN = jax.nn.softmax(jnp.where(visible_PN, scores_HPN, -jnp.inf), axis=-1)
     vertical_HN = probs_HPN.mean(1)
-    # slash index i holds distance N − 1 − i: key j seen from probe row p lands at j + P − 1 − p
-    slash_index_PN = jnp.clip(jnp.arange(N)[None, :] + (P - 1 - jnp.arange(P))[:, None], 0, N - 1)
-    slash_HN = jax.vmap(lambda a: jax.ops.segment_sum(a.ravel(), slash_index_PN.ravel(), N))(probs_HPN) / P
+    # slash index i holds distance N − 1 − i: key j seen from probe row p lands at j + P − 1 − p (< N: the
+    # probe row sees no key past itself)
+    slash_HN = _shift_rows_right(probs_HPN[:, ::-1]).sum(1)[:, :N] / P
 
     vertical_Hn, slash_Hn = _sum_pool(vertical_HN, bs), _sum_pool(slash_HN, bs)
     lo, hi = max(1, opts.blocks(opts.min_budget)), min(opts.blocks(opts.max_budget) if opts.max_budget else nb, nb)
@@ -145,6 +145,14 @@ def select_blocks(q_NHh: jax.Array, k_NKh: jax.Array, opts: FlexPrefillOptions) 
     pooled_Hnn = _pooled_blocks(q_NHh, key_means_nHh, causal_nn, opts.gamma, bs)
     mask_Hnn = mask_Hnn | (query_aware_H[:, None, None] & pooled_Hnn)
     return Selection(mask_Hnn, query_aware_H, vertical_Hn)
+
+
+def _shift_rows_right(x_HPN: jax.Array) -> jax.Array:
+    """Row p of each [P, N] matrix moved p places right, in a [P, N + P − 1] matrix padded with zeros (a
+    reshape, no scatter: rows of N + P zeros-padded entries read back with rows one entry shorter)."""
+    H, P, N = x_HPN.shape
+    flat = jnp.pad(x_HPN, ((0, 0), (0, 0), (0, P))).reshape(H, P * (N + P))[:, : P * (N + P - 1)]
+    return flat.reshape(H, P, N + P - 1)
 
 
 def _sum_pool(x_HN: jax.Array, bs: int) -> jax.Array:
@@ -273,7 +281,8 @@ def bucketed_attention(q_NHh, k_NKh, v_NKh, mask_Hnn, counts_Hn: np.ndarray, blo
     One compile per (slots, group size)."""
     N, H, h = q_NHh.shape
     nb = counts_Hn.shape[1]
-    slots_F = np.maximum(1, 1 << np.ceil(np.log2(np.maximum(counts_Hn.ravel(), 1))).astype(np.int64))
+    # a power of two, but never more slots than there are key blocks (nb need not be a power of two)
+    slots_F = np.minimum(nb, 1 << np.ceil(np.log2(np.maximum(counts_Hn.ravel(), 1))).astype(np.int64))
     outs, order = [], []
     for slots in np.unique(slots_F):
         items = np.flatnonzero(slots_F == slots)

@@ -1,0 +1,192 @@
+"""FlexPrefill on TPU: the selected key blocks computed by JAX's splash attention kernel, batched, on device.
+
+`flexprefill.flexprefill_attention` is shaped for a CPU: the block counts go to the host to choose a
+bucket, and the keys of every (head, query block) are gathered. Here the whole prefill attention of a
+batch of prompts stays one jit-able function with one compile per prompt length:
+
+1. The selection is `flexprefill.select_blocks`, unchanged, one prompt after another (`lax.map`).
+2. Fallbacks are decided on device, per prompt: a prompt whose mean density exceeds `dense_above`
+   attends through the causal block mask, i.e. dense attention in the same kernel; a short prompt (a
+   static decision) runs `dense_attention`.
+3. The kernel is splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) with block
+   metadata written from the selection directly, never from a token mask: per (head, query block) the
+   listed key blocks, the diagonal first (`flexprefill.block_lists`), become the kernel's kv steps
+   (`data_next`). Off-diagonal blocks are whole (no mask is read), the diagonal reads the one causal tile
+   every head shares. JAX's own dynamic-mask entry point (`process_dynamic_mask`) would materialise a
+   [heads, N, N] token mask instead: 9.7 GB for SmolLM2's 9 heads at 32k, 155 GB at 128k.
+4. The kernel's grid has a static number of kv steps per query block. It is chosen on device among
+   `step_widths(nb)` (nb, nb/2, nb/4, nb/8 key blocks) as the smallest that holds the densest row
+   (`lax.switch`): every width is compiled into the one executable, the work follows the selection.
+5. The batch is folded into the heads (prompt b's query head i is kernel head b·H + i, its key head
+   b·K + i // G). The kernel keeps its step tables in the TPU's 1 MiB of scalar memory, so it is called
+   once per key head's query heads and run of query blocks whose tables fit (`lax.map`: one compile).
+
+What it preserves: the selection and its masks are those of the CPU path, and the attention over them is
+the same exact softmax over the listed blocks (tested against `flexprefill.sparse_attention` in the
+interpreter). Lengths that are not a multiple of the block are padded at the end: padded keys come after
+every real query, so causality alone hides them. The block must be a multiple of 128 (TPU lanes).
+
+Shapes: q [B, N, H, h], k and v [B, N, K, h] after RoPE, before the h^-½ scale (applied here); n counts
+blocks, F folded heads (B·H).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from upcycler.train.model.flexprefill import FlexPrefillOptions, block_lists, select_blocks
+
+LANES = 128  # a kernel tile's sides must be multiples of this
+WIDTH_FRACTIONS = (1, 2, 4, 8)  # kv steps per query block: nb / these
+DENSE_TILE = 512  # dense causal attention's tiles (splash's largest: fewer, fuller kernel steps)
+SMEM_ENTRIES = 96 * 1024  # step-table entries per kernel call (4 bytes each, in the TPU's 1 MiB scalar memory)
+
+
+class BatchResult(NamedTuple):
+    """The attention [B, N, H, h]; per prompt and head, the fraction of causal key blocks computed (1 when
+    dense) and whether the head was query-aware. All on device."""
+
+    out_BNHh: jax.Array
+    density_BH: jax.Array
+    query_aware_BH: jax.Array
+
+
+def check_block(block: int) -> None:
+    """The kernel tiles by the FlexPrefill block: it must be a positive multiple of 128."""
+    if block <= 0 or block % LANES:
+        raise ValueError(f"prefill_block {block} cannot tile the TPU kernel: use a multiple of {LANES} "
+                         "(128 is the paper's)")
+
+
+def step_widths(nb: int) -> tuple[int, ...]:
+    """The kv step counts compiled for nb key blocks, smallest first (distinct, each ≥ 1)."""
+    return tuple(sorted({max(1, math.ceil(nb / f)) for f in WIDTH_FRACTIONS}))
+
+
+def flexprefill_attention(q_BNHh, k_BNKh, v_BNKh, opts: FlexPrefillOptions, *, interpret: bool = False
+                          ) -> BatchResult:
+    """FlexPrefill attention of a batch of prompts of one length through the splash kernel (jit-able)."""
+    B, N, H, _ = q_BNHh.shape
+    check_block(opts.block)
+    nb = opts.blocks(N)
+    if opts.runs_dense(N):
+        return BatchResult(dense_attention(q_BNHh, k_BNKh, v_BNKh, interpret=interpret),
+                           jnp.ones((B, H), jnp.float32), jnp.zeros((B, H), bool))
+    # one prompt at a time: the probe's [H, block, N] scores dominate the memory, not the batch's work
+    selection = jax.lax.map(lambda qk: select_blocks(*qk, opts), (q_BNHh, k_BNKh))
+    causal_blocks = nb * (nb + 1) / 2
+    dense_B = selection.mask_Hnn.sum((-1, -2)).mean(-1) / causal_blocks > opts.dense_above
+    mask_BHnn = jnp.where(dense_B[:, None, None, None], jnp.tril(jnp.ones((nb, nb), bool)), selection.mask_Hnn)
+    query_aware_BH = selection.query_aware_H & ~dense_B[:, None]
+    density_BH = mask_BHnn.sum((-1, -2)) / causal_blocks
+    out = block_sparse_attention(q_BNHh, k_BNKh, v_BNKh, mask_BHnn, opts.block, interpret=interpret)
+    return BatchResult(out, density_BH, query_aware_BH)
+
+
+def block_sparse_attention(q_BNHh, k_BNKh, v_BNKh, mask_BHnn, block: int, *, interpret: bool = False) -> jax.Array:
+    """Causal attention of every query block over the key blocks `mask_BHnn` selects (c ≤ r; the diagonal is
+    always computed): [B, N, H, h], the exact softmax over the selected keys, in fp32 on chip."""
+    check_block(block)
+    B, _, H, _ = q_BNHh.shape
+    nb = mask_BHnn.shape[-1]
+    q_FPh, k_KPh, v_KPh = _fold(q_BNHh, k_BNKh, v_BNKh, nb * block)
+    ids_Fns, valid_Fns = block_lists(mask_BHnn.reshape(B * H, nb, nb), nb)
+    template = _template(block, interpret)
+    kernels = [partial(_run, template=template, width=w, block=block) for w in step_widths(nb)]
+    densest = valid_Fns.sum(-1).max()
+    branch = sum((densest > w).astype(jnp.int32) for w in step_widths(nb)[:-1])
+    out_FPh = jax.lax.switch(branch, kernels, q_FPh, k_KPh, v_KPh, ids_Fns, valid_Fns)
+    return _unfold(out_FPh, q_BNHh)
+
+
+def dense_attention(q_BNHh, k_BNKh, v_BNKh, *, window: int = 0, block: int = LANES, interpret: bool = False
+                    ) -> jax.Array:
+    """Dense causal attention [B, N, H, h] through the splash kernel: causal in tiles of `DENSE_TILE` (the
+    causal block mask through `block_sparse_attention`, so its step tables fit scalar memory at any
+    length), or a sliding window of `window` keys (distances 0 … window − 1) in tiles of `block` with the
+    kernel's static local mask. FlexPrefill's dense fallback, and the baseline its sparsity is measured
+    against."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    B, N, H, _ = q_BNHh.shape
+    if window <= 0:
+        nb = math.ceil(N / DENSE_TILE)
+        causal = jnp.broadcast_to(jnp.tril(jnp.ones((nb, nb), bool)), (B, H, nb, nb))
+        return block_sparse_attention(q_BNHh, k_BNKh, v_BNKh, causal, DENSE_TILE, interpret=interpret)
+    check_block(block)
+    P = math.ceil(N / block) * block
+    local = splash.LocalMask((P, P), window_size=(window - 1, 0), offset=0)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block)
+    kernel = splash.make_splash_mha(splash.MultiHeadMask([local] * (B * H)), block_sizes=sizes, head_shards=1,
+                                    q_seq_shards=1, interpret=interpret)
+    return _unfold(kernel(*_fold(q_BNHh, k_BNKh, v_BNKh, P)), q_BNHh)
+
+
+def _fold(q_BNHh, k_BNKh, v_BNKh, padded: int):
+    """q scaled by h^-½, then q, k, v padded to `padded` positions with the batch folded into the heads:
+    [B·H, P, h], [B·K, P, h] (prompt b's query head i reads kernel key head b·K + i // G)."""
+    h = q_BNHh.shape[-1]
+    fold = lambda x: jnp.pad(x, ((0, 0), (0, padded - x.shape[1]), (0, 0), (0, 0))).transpose(0, 2, 1, 3).reshape(
+        -1, padded, h)
+    return fold(q_BNHh * jnp.asarray(h**-0.5, q_BNHh.dtype)), fold(k_BNKh), fold(v_BNKh)
+
+
+def _unfold(out_FPh, q_BNHh) -> jax.Array:
+    B, N, H, h = q_BNHh.shape
+    return out_FPh.reshape(B, H, -1, h)[:, :, :N].transpose(0, 2, 1, 3).astype(q_BNHh.dtype)
+
+
+def _template(block: int, interpret: bool):
+    """A splash kernel of the right tiles and options, whose settings the selection's kernels reuse."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block)
+    return splash.make_splash_mha(splash.MultiHeadMask([splash.CausalMask((block, block))]), block_sizes=sizes,
+                                  head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def _run(q_FPh, k_KPh, v_KPh, ids_Fns, valid_Fns, *, template, width: int, block: int) -> jax.Array:
+    """The splash kernel over `width` kv steps per query block: step s of (head f, query block r) computes
+    key block ids[f, r, s] if valid (the diagonal through the shared causal tile, others whole).
+
+    The kernel keeps its step tables in scalar memory (1 MiB on TPU), so it runs once per kv head's query
+    heads and per run of query blocks whose tables fit `SMEM_ENTRIES` (`lax.map`, one compile)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mask_info
+
+    F, P, h = q_FPh.shape
+    groups, nb = k_KPh.shape[0], ids_Fns.shape[1]
+    G = F // groups
+    rows = max(1, min(nb, SMEM_ENTRIES // (G * width)))
+    chunks = math.ceil(nb / rows)
+    ids = jnp.pad(ids_Fns[..., :width], ((0, 0), (0, chunks * rows - nb), (0, 0)))
+    valid = jnp.pad(valid_Fns[..., :width], ((0, 0), (0, chunks * rows - nb), (0, 0)))
+    q_FPh = jnp.pad(q_FPh, ((0, 0), (0, chunks * rows * block - P), (0, 0)))
+    row_ids = jnp.arange(chunks * rows)[None, :, None]
+    # unused steps repeat the last listed block, so the kernel's pipeline fetches nothing new for them
+    last = jnp.take_along_axis(ids, jnp.maximum(valid.sum(-1, keepdims=True) - 1, 0), axis=-1)
+    small = jnp.int16 if nb <= jnp.iinfo(jnp.int16).max else jnp.int32
+    data_next = jnp.where(valid, ids, last).astype(small)
+    block_mask = jnp.where(valid, jnp.where(ids == row_ids, 1, 2), 0).astype(jnp.int8)
+    diagonal = jnp.tril(jnp.ones((1, block, block), bool))
+    kwargs = {**template.kwargs, "mask_function": None}
+
+    def one_call(index):
+        group, chunk = index // chunks, index % chunks
+        heads = jax.lax.dynamic_slice_in_dim(jnp.arange(F), group * G, G)
+        pick = lambda t: jax.lax.dynamic_slice_in_dim(t[heads], chunk * rows, rows, axis=1)
+        info = mask_info.MaskInfo(data_next=pick(data_next), mask_next=jnp.zeros((G, rows, width), jnp.int8),
+                                  block_mask=pick(block_mask), partial_mask_blocks=diagonal, q_sequence=None,
+                                  is_dynamic_mask=False)
+        q = jax.lax.dynamic_slice_in_dim(q_FPh[heads], chunk * rows * block, rows * block, axis=1)
+        k, v = (jax.lax.dynamic_slice_in_dim(x, group, 1) for x in (k_KPh, v_KPh))
+        return kernel.SplashAttentionKernel(info, None, None, **kwargs)(q, k, v)
+
+    out_cGRh = jax.lax.map(one_call, jnp.arange(groups * chunks))
+    out_FPh = out_cGRh.reshape(groups, chunks, G, rows * block, h).transpose(0, 2, 1, 3, 4).reshape(F, -1, h)
+    return out_FPh[:, :P]
