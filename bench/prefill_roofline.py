@@ -96,13 +96,15 @@ def layer_bound(q_NHh, k_NKh, opts: FlexPrefillOptions, chip_name: str, compiled
     programs = compiled[key]
     chip = programs["select"][1]
 
-    sparse_steps = int(causal * H) if fallback else int(mask_Hnn.sum())
-    densest = nb if fallback else int(mask_Hnn.sum(-1).max())
-    width = next(w for w in fs.step_widths(nb) if w >= densest)
-    sparse_flops, sparse_bytes = _kernel_work(sparse_steps, H * nb, opts.block, h)
     T = fs.DENSE_TILE
     nt = math.ceil(N / T)
     dense_flops, dense_bytes = _kernel_work(int(H * nt * (nt + 1) / 2), H * nt, T, h)
+    if fallback:  # one prompt: a fallback runs the dense kernel
+        sparse_flops, sparse_bytes, sparse_grid = dense_flops, dense_bytes, H * nt * nt
+    else:
+        width = next(w for w in fs.step_widths(nb) if w >= int(mask_Hnn.sum(-1).max()))
+        sparse_flops, sparse_bytes = _kernel_work(int(mask_Hnn.sum()), H * nb, opts.block, h)
+        sparse_grid = H * nb * width
     select = _costs(programs["select"][0])
     select_s = _roofline(select["compiler_flops"], select["hbm_bytes"], chip)
     sparse_s, dense_s = _roofline(sparse_flops, sparse_bytes, chip), _roofline(dense_flops, dense_bytes, chip)
@@ -116,8 +118,8 @@ def layer_bound(q_NHh, k_NKh, opts: FlexPrefillOptions, chip_name: str, compiled
         "roofline_s": {"selection": select_s, "sparse_kernel": sparse_s, "flexprefill": select_s + sparse_s,
                        "dense": dense_s},
         "ratio": round(dense_s / (select_s + sparse_s), 3),
-        "grid_steps": {"flexprefill": H * nb * width, "dense": H * nt * nt},
-        "with_step_cost_s": {"flexprefill": select_s + sparse_s + STEP_COST_S * H * nb * width,
+        "grid_steps": {"flexprefill": sparse_grid, "dense": H * nt * nt},
+        "with_step_cost_s": {"flexprefill": select_s + sparse_s + STEP_COST_S * sparse_grid,
                              "dense": dense_s + STEP_COST_S * H * nt * nt},
         "temp_gib": {name: _costs(programs[name][0])["temp_gib"] for name in programs},
         "compile_s": {name: round(programs[name][2], 1) for name in programs},

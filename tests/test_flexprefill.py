@@ -495,6 +495,26 @@ def test_block_lists_put_the_diagonal_first_and_mark_padding() -> None:
             assert sorted(ids[h, r][valid[h, r]]) == list(np.flatnonzero(mask[h, r]))
 
 
+@pytest.mark.parametrize("n", [1024, 1100])
+def test_pooled_slash_equals_the_pooled_distance_sums(n) -> None:
+    """The slash distribution pooled in one pass over the probe equals the per-distance sums (a numpy loop
+    over probe rows and keys) pooled into blocks, on and off the block grid."""
+    block = 128
+    rng = np.random.default_rng(21)
+    logits = rng.standard_normal((3, block, n))
+    visible = np.arange(n)[None, :] <= (n - block + np.arange(block))[:, None]
+    probs = np.where(visible, np.exp(logits), 0.0)
+    probs /= probs.sum(-1, keepdims=True)
+    slash = np.zeros((3, n))
+    for p in range(block):
+        slash[:, block - 1 - p:] += probs[:, p, : n - (block - 1 - p)]
+    nb = blocks_of(n, block)
+    want = np.pad(slash / block, ((0, 0), (0, nb * block - n))).reshape(3, nb, block).sum(-1)
+    vertical = fp._sum_pool(jnp.asarray(probs.mean(1), jnp.float32), block)
+    got = fp._pooled_slash(jnp.asarray(probs, jnp.float32), vertical, block)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_zero_pooled_vertical_deviation_is_as_documented() -> None:
     """A key block the probe never sees (fp32 softmax underflows to 0 over the whole block) gives the
     official code a NaN distance, so that head is never query-aware; ours counts 0·log 0 as 0 (a documented

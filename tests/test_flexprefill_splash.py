@@ -8,6 +8,7 @@ prefill; and the program compiles for TPU chips ahead of time and fits a v5e at 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import jax
@@ -112,6 +113,12 @@ def test_batched_selection_and_fallbacks_are_the_hosts_per_prompt():
         np.testing.assert_allclose(got.out_BNHh[b], want.out_NHh, **FP32)
         np.testing.assert_allclose(got.density_BH[b], want.density_H, rtol=1e-6)
         np.testing.assert_array_equal(got.query_aware_BH[b], want.query_aware_H)
+    every_prompt_dense = dataclasses.replace(opts, dense_above=0.0)  # the dense kernel's own tiles
+    got = jax.jit(lambda *a: fs.flexprefill_attention(*a, every_prompt_dense, interpret=True))(q, k, v)
+    for b in range(2):
+        want = fp.flexprefill_attention(q[b], k[b], v[b], every_prompt_dense)
+        np.testing.assert_allclose(got.out_BNHh[b], want.out_NHh, **FP32)
+        assert (np.asarray(got.density_BH[b]) == 1).all() and (want.density_H == 1).all()
 
 
 @pytest.fixture(scope="module")

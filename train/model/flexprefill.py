@@ -115,11 +115,11 @@ def select_blocks(q_NHh: jax.Array, k_NKh: jax.Array, opts: FlexPrefillOptions) 
     visible_PN = jnp.arange(N)[None, :] <= (N - P + jnp.arange(P))[:, None]
     probs_HPN = jax.nn.softmax(jnp.where(visible_PN, scores_HPN, -jnp.inf), axis=-1)
     vertical_HN = probs_HPN.mean(1)
+    vertical_Hn = _sum_pool(vertical_HN, bs)
     # slash index i holds distance N − 1 − i: key j seen from probe row p lands at j + P − 1 − p (< N: the
     # probe row sees no key past itself)
-    slash_HN = _shift_rows_right(probs_HPN[:, ::-1]).sum(1)[:, :N] / P
-
-    vertical_Hn, slash_Hn = _sum_pool(vertical_HN, bs), _sum_pool(slash_HN, bs)
+    slash_HN = _shift_rows_right(probs_HPN[:, ::-1]).sum(1)[:, :N] / P if opts.budget_rule == "reference" or P < bs else None
+    slash_Hn = _sum_pool(slash_HN, bs) if slash_HN is not None else _pooled_slash(probs_HPN, vertical_Hn, bs)
     lo, hi = max(1, opts.blocks(opts.min_budget)), min(opts.blocks(opts.max_budget) if opts.max_budget else nb, nb)
     if opts.budget_rule == "reference":
         n_vertical_H = _reference_count(vertical_HN, opts.gamma)
@@ -145,6 +145,18 @@ def select_blocks(q_NHh: jax.Array, k_NKh: jax.Array, opts: FlexPrefillOptions) 
     pooled_Hnn = _pooled_blocks(q_NHh, key_means_nHh, causal_nn, opts.gamma, bs)
     mask_Hnn = mask_Hnn | (query_aware_H[:, None, None] & pooled_Hnn)
     return Selection(mask_Hnn, query_aware_H, vertical_Hn)
+
+
+def _pooled_slash(probs_HPN: jax.Array, vertical_Hn: jax.Array, bs: int) -> jax.Array:
+    """The slash distribution sum-pooled into blocks of `bs` [H, nb], from a probe of P = bs rows and its
+    pooled vertical, without the per-distance array: probe row p moves its keys P − 1 − p places, so of
+    key block c the first p + 1 keys land in pooled block c and the rest in block c + 1 (one pass over the
+    probe, no shifted copies)."""
+    P, N = probs_HPN.shape[1:]
+    stays_PN = jnp.arange(N)[None, :] % bs <= jnp.arange(P)[:, None]
+    stay_Hn = _sum_pool(jnp.einsum("hpn,pn->hn", probs_HPN, stays_PN.astype(probs_HPN.dtype), precision="highest"), bs)
+    move_Hn = P * vertical_Hn - stay_Hn
+    return (stay_Hn + jnp.pad(move_Hn[:, :-1], ((0, 0), (1, 0)))) / P
 
 
 def _shift_rows_right(x_HPN: jax.Array) -> jax.Array:

@@ -6,8 +6,9 @@ batch of prompts stays one jit-able function with one compile per prompt length:
 
 1. The selection is `flexprefill.select_blocks`, unchanged, one prompt after another (`lax.map`).
 2. Fallbacks are decided on device, per prompt: a prompt whose mean density exceeds `dense_above`
-   attends through the causal block mask, i.e. dense attention in the same kernel; a short prompt (a
-   static decision) runs `dense_attention`.
+   attends through the causal block mask, i.e. dense attention in the same kernel; when every prompt of
+   the batch falls back, and for short prompts (a static decision), `dense_attention` runs instead, in
+   the dense kernel's larger tiles.
 3. The kernel is splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) with block
    metadata written from the selection directly, never from a token mask: per (head, query block) the
    listed key blocks, the diagonal first (`flexprefill.block_lists`), become the kernel's kv steps
@@ -83,8 +84,12 @@ def flexprefill_attention(q_BNHh, k_BNKh, v_BNKh, opts: FlexPrefillOptions, *, i
     dense_B = selection.mask_Hnn.sum((-1, -2)).mean(-1) / causal_blocks > opts.dense_above
     mask_BHnn = jnp.where(dense_B[:, None, None, None], jnp.tril(jnp.ones((nb, nb), bool)), selection.mask_Hnn)
     query_aware_BH = selection.query_aware_H & ~dense_B[:, None]
-    density_BH = mask_BHnn.sum((-1, -2)) / causal_blocks
-    out = block_sparse_attention(q_BNHh, k_BNKh, v_BNKh, mask_BHnn, opts.block, interpret=interpret)
+    density_BH = jnp.where(dense_B[:, None], 1.0, selection.mask_Hnn.sum((-1, -2)) / causal_blocks)
+    # every prompt dense: the dense kernel's larger tiles; else the selection's blocks (causal for a prompt
+    # that fell back)
+    out = jax.lax.cond(dense_B.all(),
+                       lambda: dense_attention(q_BNHh, k_BNKh, v_BNKh, interpret=interpret),
+                       lambda: block_sparse_attention(q_BNHh, k_BNKh, v_BNKh, mask_BHnn, opts.block, interpret=interpret))
     return BatchResult(out, density_BH, query_aware_BH)
 
 
