@@ -2,8 +2,8 @@
 interpreter here, computes what the CPU path computes on the same block masks (grouped-query and
 multi-head, lengths on and off the block grid, every width branch, step tables split across kernel
 calls); full masks equal dense; sliding windows equal the windowed dense path; the batched selection and
-its fallbacks are the host's per prompt; a whole model prefilled on device equals the layer-by-layer host
-prefill; and the program compiles for TPU chips ahead of time and fits a v5e at 32k tokens.
+its fallbacks are the host's per prompt; a whole model prefilled on device (sliding-window layers; a dense
+first layer before MoE layers) equals the layer-by-layer host prefill; and the program compiles for TPU chips ahead of time and fits a v5e at 32k tokens.
 """
 
 from __future__ import annotations
@@ -148,6 +148,23 @@ def test_device_prefill_equals_the_host_prefill(tiny_models):
                                 strict=True):
         np.testing.assert_allclose(g, w, **FP32)
         np.testing.assert_allclose(gs.density, ws.density, rtol=1e-6)
+
+
+def test_device_prefill_equals_the_host_prefill_on_a_moe_with_a_dense_first_layer():
+    """Two runs of layers (one dense, then MoE) scanned one after the other, equal to the host's layers."""
+    spec = tiny_spec(moe=True, max_position_embeddings=4096)
+    params = init_params(spec, jax.random.key(1))
+    cfg = ModelConfig(compute_dtype="float32", attention="flexprefill", prefill_min_budget=BLOCK, prefill_gamma=0.3,
+                      prefill_tau=0.0, prefill_dense_above=1.0)
+    rng = np.random.default_rng(7)
+    prompts, answers = rng.integers(0, spec.vocab_size, (2, 700)), rng.integers(0, spec.vocab_size, (2, 2))
+    got = PrefillModel(spec, params, cfg, device=True, interpret=True).run_batch(prompts, answers)
+    want = PrefillModel(spec, params, cfg, device=False).run_batch(prompts, answers)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.last_logits, w.last_logits, **FP32)
+        np.testing.assert_allclose(g.answer_logits, w.answer_logits, **FP32)
+        np.testing.assert_allclose(g.stats.density, w.stats.density, rtol=1e-6)
+        assert (w.stats.density < 1).any()
 
 
 class _BatchRecorder:
