@@ -17,7 +17,8 @@ seen. Model FLOPs are the trainer's analytical count (`upcycler.train.reporting.
 matmul parameters plus causal attention), so the one-hot path's wasted expert FLOPs are not useful work.
 
 `--model DIR` takes the architecture from an HF config.json instead (weights are random), `--layers N`
-keeps its first N layers: the reference MoE's layer shapes at a size one accelerator holds.
+keeps its first N layers: the reference MoE's layer shapes at a size one accelerator holds. A dense model
+(no `moe` in its spec) has one path, reported as `dense`.
 
 Prints one JSON line.
 """
@@ -184,9 +185,9 @@ def main() -> None:
         "model": {
             "layers": spec.num_layers,
             "d_model": spec.hidden_size,
-            "experts": spec.moe.num_experts,
-            "top_k": spec.moe.top_k,
-            "expert_width": spec.moe.expert_width,
+            "experts": spec.moe.num_experts if spec.moe else None,
+            "top_k": spec.moe.top_k if spec.moe else None,
+            "expert_width": spec.moe.expert_width if spec.moe else None,
             "vocab": spec.vocab_size,
             "active_params": spec.active_params(),
             "total_params": spec.total_params(),
@@ -196,12 +197,13 @@ def main() -> None:
         "model_flops_per_step": flops_step,
         "config": {o: getattr(args, o) for o in ("compute_dtype", "weights_dtype", "attention", "remat", "gmm_backend")},
     }
-    impl = {"dropless": "dropless", "onehot": "reference"}
-    for name in args.paths.split(","):
+    impl = {"dropless": "dropless", "onehot": "reference", "dense": "dropless"}
+    paths = args.paths.split(",") if spec.moe else ["dense"]  # a dense model has one path
+    for name in paths:
         cfg = model_lib.ModelConfig(moe_impl=impl[name], **out["config"])
         out[name] = bench_path(spec, cfg, batch, seq_len, steps, peak)
     out["peak_flops"] = round(peak.best / 1e9, 2) * 1e9
-    for name in args.paths.split(","):
+    for name in paths:
         best = flops_step / out[name]["step_s"] / (peak.best * jax.device_count())
         out[name]["mfu_best_peak"] = round(best, 4)
     print(json.dumps(out))
