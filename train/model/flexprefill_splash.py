@@ -93,18 +93,24 @@ def flexprefill_attention(q_BNHh, k_BNKh, v_BNKh, opts: FlexPrefillOptions, *, i
     return BatchResult(out, density_BH, query_aware_BH)
 
 
-def block_sparse_attention(q_BNHh, k_BNKh, v_BNKh, mask_BHnn, block: int, *, interpret: bool = False) -> jax.Array:
+def block_sparse_attention(q_BNHh, k_BNKh, v_BNKh, mask_BHnn, block: int, *, interpret: bool = False,
+                           full_rows: bool = False) -> jax.Array:
     """Causal attention of every query block over the key blocks `mask_BHnn` selects (c ≤ r; the diagonal is
-    always computed): [B, N, H, h], the exact softmax over the selected keys, in fp32 on chip."""
+    always computed): [B, N, H, h], the exact softmax over the selected keys, in fp32 on chip.
+
+    The grid's kv steps are the narrowest of `step_widths` that holds the densest row, chosen on device
+    among kernels of each width; `full_rows` (the mask has a full row, as the causal mask's last) compiles
+    the widest kernel alone."""
     check_block(block)
     B, _, H, _ = q_BNHh.shape
     nb = mask_BHnn.shape[-1]
     q_FPh, k_KPh, v_KPh = _fold(q_BNHh, k_BNKh, v_BNKh, nb * block)
     ids_Fns, valid_Fns = block_lists(mask_BHnn.reshape(B * H, nb, nb), nb)
     template = _template(block, interpret)
-    kernels = [partial(_run, template=template, width=w, block=block) for w in step_widths(nb)]
+    widths = step_widths(nb)[-1:] if full_rows else step_widths(nb)
+    kernels = [partial(_run, template=template, width=w, block=block) for w in widths]
     densest = valid_Fns.sum(-1).max()
-    branch = sum((densest > w).astype(jnp.int32) for w in step_widths(nb)[:-1])
+    branch = sum((densest > w).astype(jnp.int32) for w in widths[:-1])
     out_FPh = jax.lax.switch(branch, kernels, q_FPh, k_KPh, v_KPh, ids_Fns, valid_Fns)
     return _unfold(out_FPh, q_BNHh)
 
@@ -122,7 +128,8 @@ def dense_attention(q_BNHh, k_BNKh, v_BNKh, *, window: int = 0, block: int = LAN
     if window <= 0:
         nb = math.ceil(N / DENSE_TILE)
         causal = jnp.broadcast_to(jnp.tril(jnp.ones((nb, nb), bool)), (B, H, nb, nb))
-        return block_sparse_attention(q_BNHh, k_BNKh, v_BNKh, causal, DENSE_TILE, interpret=interpret)
+        return block_sparse_attention(q_BNHh, k_BNKh, v_BNKh, causal, DENSE_TILE, interpret=interpret,
+                                      full_rows=True)
     check_block(block)
     P = math.ceil(N / block) * block
     local = splash.LocalMask((P, P), window_size=(window - 1, 0), offset=0)

@@ -23,6 +23,7 @@ import logging
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import suppress
@@ -141,7 +142,8 @@ def _save_params(path: Path, tensors: TensorMap, groups: list[list[ParamDecl]], 
 
     Group k+1 is read while group k is written and hashed (on a worker thread, from memory), but two
     groups are in memory together only when they fit in `budget` bytes; otherwise the next group is read
-    after the previous one is done. On an error, no save is left running when this returns.
+    after the previous one is done. On an error, no save is left running and nothing is
+    still writing under `path` when this raises.
     """
     import orbax.checkpoint.experimental.v1 as ocp
 
@@ -170,11 +172,33 @@ def _save_params(path: Path, tensors: TensorMap, groups: list[list[ParamDecl]], 
                 digests.update(_finish(pending))
                 pending = None
             ocp.partial.finalize(path)
-    finally:
+    except BaseException:
         if pending is not None:  # an error left a save running: let it stop before the directory goes
             with suppress(Exception):  # the first error is the one reported
                 pending[0].result()
+        _settle(path)
+        raise
     return digests
+
+
+def _settle(path: Path, quiet: float = 0.5, limit: float = 20.0) -> None:
+    """Wait until nothing under `path` has changed for `quiet` seconds (at most `limit`): a failed save's
+    result arrives while its other writes may still be running on tensorstore's threads, which create
+    files (and their parent directories) afterwards; the staged output is removed only once they stop."""
+    def state() -> list[tuple[str, int, int]]:
+        out = []
+        for p in path.rglob("*") if path.exists() else ():
+            with suppress(OSError):
+                st = p.stat()
+                out.append((str(p), st.st_size, st.st_mtime_ns))
+        return sorted(out)
+
+    deadline, last, since = time.monotonic() + limit, state(), time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - since < quiet:
+        time.sleep(0.05)
+        now = state()
+        if now != last:
+            last, since = now, time.monotonic()
 
 
 def _finish(pending: tuple[Any, Future[dict[str, str]]]) -> dict[str, str]:
