@@ -254,3 +254,35 @@ def test_relative_output_path_works_from_the_cli(tiny_dir, tmp_path, monkeypatch
     run_cli("convert", "rel-orbax", "rel-hf", "--to", "hf")
     ids = random_ids()
     np.testing.assert_array_equal(logits(src, ids), logits(tmp_path / "rel-hf", ids))
+
+
+def test_a_failed_save_waits_for_writes_still_running_before_its_output_is_removed(tmp_path):
+    """A failed Orbax save reports its error while other writes of it still create files (and their parent
+    directories) on tensorstore's threads; `_settle` returns only once nothing under the save has changed
+    for a moment, so the staged output removed after it stays removed."""
+    import threading
+    import time
+
+    from upcycler.io.orbax_write import _settle
+
+    path = tmp_path / "params"
+    path.mkdir()
+    writing_until = time.monotonic() + 0.6
+
+    def late_writes():
+        i = 0
+        while time.monotonic() < writing_until:
+            (path / f"chunk-{i // 5}").mkdir(exist_ok=True)
+            (path / f"chunk-{i // 5}" / f"{i}").write_bytes(b"x")
+            i += 1
+            time.sleep(0.02)
+
+    writer = threading.Thread(target=late_writes)
+    writer.start()
+    _settle(path, quiet=0.2)
+    returned = time.monotonic()
+    writer.join()
+    assert returned >= writing_until  # not before the last write
+    shutil.rmtree(path)
+    time.sleep(0.1)
+    assert not path.exists()
