@@ -5,6 +5,7 @@
     python bench/aot.py --no-baseline        # skip the plain-step compile (half the time)
     python bench/aot.py --only moe-13b-a2b --set model.remat=attention   # a config option changed
     python bench/aot.py --plan --only moe-13b-a2b   # the planner: the best configuration that fits
+    python bench/aot.py --only moe-13b-a2b --breakdown   # where the HBM traffic goes, per layer
 
 For each workload (a config in `bench/configs/`, its model a config-only directory), the train step is
 compiled with the config's memory options through `upcycler.train.aot.compile.compile_only`, the same path
@@ -37,7 +38,7 @@ PLAIN = ("model.remat=none", "model.weights_dtype=float32", "model.attention=ein
          "data.microbatches=1")
 
 
-def measure(name: str, baseline: bool, changes: tuple[str, ...] = ()) -> dict:
+def measure(name: str, baseline: bool, changes: tuple[str, ...] = (), breakdown: bool = False) -> dict:
     path, topology, target = WORKLOADS[name]
     config = load_config(ROOT / path, {"model.init": str(ROOT / load_config(ROOT / path).model.init)}, changes)
     report = compile_only(config, topology=topology)
@@ -51,8 +52,11 @@ def measure(name: str, baseline: bool, changes: tuple[str, ...] = ()) -> dict:
         "flops_per_step": report.flops["per_step"], "flops_per_token": report.flops["per_token"],
         "collective_traffic_bytes": {k: v["traffic_bytes"] for k, v in report.collectives.items()},
         "roofline": report.roofline, "mfu_bound": report.roofline["mfu"] if report.roofline else None,
+        "moe_layer_hbm_bytes": report.moe_layer_bytes,
         "mfu_target": target, "compile_seconds": round(report.compile_seconds, 1),
     }
+    if breakdown:
+        line["hbm_sources"] = report.traffic_sources
     if baseline:
         plain = compile_only(load_config(ROOT / path, {"model.init": config.model.init}, PLAIN), topology=topology)
         line["baseline_plain"] = {"fits": plain.fits, "peak": plain.memory.peak, "failure": plain.failure,
@@ -65,6 +69,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=sorted(WORKLOADS), action="append")
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="add the largest sources of HBM traffic (line of code or kernel), per layer")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="change a config option of every workload (repeatable), as `--set` in the CLI")
     parser.add_argument("--plan", action="store_true",
@@ -76,7 +82,7 @@ def main() -> None:
         if args.plan:
             line = planned(name, tuple(args.set), args.plan_cache)
         else:
-            line = measure(name, baseline=not args.no_baseline, changes=tuple(args.set))
+            line = measure(name, baseline=not args.no_baseline, changes=tuple(args.set), breakdown=args.breakdown)
         print(json.dumps(line), flush=True)
 
 

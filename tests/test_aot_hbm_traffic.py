@@ -118,3 +118,38 @@ def test_slices_in_place_updates_and_on_chip_arrays():
     scalars = 8 * 12 + 9 * 9 + 8 * 2 * 4
     assert hbm_bytes(HLO) == 8 * (row + row) + scalars
     assert hbm_array_bytes("(f32[4]{0:S(1)}, f32[2]{0}, bf16[8]{0:T(8)S(0)})") == 8 + 16
+
+
+def test_a_pallas_kernel_is_charged_its_own_cost_estimate():
+    """A megablox grouped matmul compiled for v5e with tiles (512, 256, 256): 4096 rows of 512 against 8
+    groups of [512, 1024] bf16 weights. Its operands and result are 21 MB, but with 4 column tiles the
+    rows are read 4 times and, over 4096/512 + 8 - 1 = 15 row tiles, one group's 1 MiB weight once per
+    tile: 4·4 MiB + 15·1 MiB + 8 MiB out. That is what the kernel's estimate in the HLO says and what the
+    walker charges it, and the breakdown names the kernel."""
+    pytest.importorskip("libtpu", reason="TPU compiles need libtpu (the [tpu] extra)")
+    import importlib
+    import re
+
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from upcycler.train.aot.compile import without_persistent_cache
+    from upcycler.train.aot.hbm_traffic import breakdown, charges
+    from upcycler.train.aot.topology import parse_slice, tpu_devices
+
+    kernels = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+    mesh = Mesh([tpu_devices(parse_slice("v5e-4"))[0]], ("chip",))
+    on_chip = NamedSharding(mesh, PartitionSpec())
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=on_chip)
+            for shape, dtype in (((4096, 512), jnp.bfloat16), ((8, 512, 1024), jnp.bfloat16), ((8,), jnp.int32))]
+    step = jax.jit(lambda x, w, sizes: kernels.gmm(x, w, sizes, jnp.bfloat16, (512, 256, 256)))
+    with jax.set_mesh(mesh), without_persistent_cache():  # a v5e executable cannot be loaded back here
+        hlo = step.lower(*args).compile().as_text()
+    mib = 1 << 20
+    estimate = 4 * 4 * mib + 15 * mib + 8 * mib
+    assert re.findall(r'"bytes_accessed":"(\d+)"', hlo) == [str(estimate)]  # XLA's dump carries the same figure
+    (kernel,) = [c for c in charges(hlo) if c.is_kernel]
+    assert kernel.bytes == kernel.estimate == estimate
+    assert kernel.operand_bytes == pytest.approx(4 * mib + 8 * mib + 8 * mib, abs=4096)  # + the group tables
+    top = breakdown(hlo)[0]
+    assert top.name.startswith("kernel gmm") and top.bytes == estimate
+    assert top.kernel_estimate == estimate - kernel.operand_bytes

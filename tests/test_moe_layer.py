@@ -169,7 +169,8 @@ def _layer_case(name: str, backend: str | None):
     return _layer_with_grads(kind, k, backend)(_layer_params(), jnp.asarray(bias, jnp.float32), cotangent)
 
 
-LAYER_CASES = [(name, "tiled") for name in ROUTINGS] + [("random_renormalized", "ragged_dot")]
+LAYER_CASES = [(name, "tiled") for name in ROUTINGS] + [("random_renormalized", "ragged_dot"),
+                                                          ("experts_without_tokens", "megablox")]
 
 
 @pytest.mark.parametrize("name,backend", LAYER_CASES)

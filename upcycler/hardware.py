@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 GiB = 1 << 30
+MiB = 1 << 20
 GB = 10**9
 TFLOPS = 10**12
 
@@ -41,6 +42,9 @@ class Chip:
     hbm_bandwidth: float  # bytes/s
     ici_bandwidth: float  # bytes/s, bidirectional, all links of the chip together
     source: str
+    # the VMEM a Pallas kernel may allocate on a TPU core when it asks for no limit of its own (the compiler's
+    # default scoped limit, measured: "Scoped allocation with size … and limit 16.00M exceeded"); None: no TPU
+    scoped_vmem_bytes: int | None = None
 
     @property
     def hbm_budget_bytes(self) -> int:
@@ -85,6 +89,7 @@ CHIPS: tuple[Chip, ...] = (
         ici_bandwidth=6 * 2 * 50 * GB,  # 6 links, 50 GB/s each way (the v4 page gives no per-chip figure)
         source=f"{_TPU_PAGES}v4 (275 TFLOPs bf16, 32 GiB, 1200 GBps); ICI: 6 links of 50 GB/s per direction, "
         f"TPU v4 paper, https://arxiv.org/abs/2304.01433{_USABLE} (a TensorCore), times two",
+        scoped_vmem_bytes=16 * MiB,
     ),
     Chip(
         name="TPU v5e",
@@ -96,6 +101,7 @@ CHIPS: tuple[Chip, ...] = (
         ici_bandwidth=400 * GB,
         source=f"{_TPU_PAGES}v5e (197 TFLOPs bf16, 16 GB, 819 GBps, bidirectional ICI 400 GBps per chip)"
         + _USABLE,
+        scoped_vmem_bytes=16 * MiB,
     ),
     Chip(
         name="TPU v5p",
@@ -107,6 +113,7 @@ CHIPS: tuple[Chip, ...] = (
         ici_bandwidth=1200 * GB,
         source=f"{_TPU_PAGES}v5p (459 TFLOPs bf16, 95 GiB, 2765 GBps, bidirectional ICI 1200 GBps per chip)"
         + _USABLE,
+        scoped_vmem_bytes=16 * MiB,
     ),
     Chip(
         name="TPU v6e",
@@ -118,6 +125,7 @@ CHIPS: tuple[Chip, ...] = (
         ici_bandwidth=800 * GB,
         source=f"{_TPU_PAGES}v6e (918 TFLOPs bf16, 32 GB, 1638 GBps, bidirectional ICI 800 GBps per chip)"
         + _USABLE,
+        scoped_vmem_bytes=32 * MiB,
     ),
     Chip(
         name="H100 SXM",

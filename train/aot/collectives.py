@@ -122,6 +122,7 @@ class Instr:
     attrs: str  # structural attributes (metadata and backend_config cut off)
     backend_config: str
     op_name: str
+    frame: int = 0  # the metadata's stack_frame_id (0: none): `hlo_sources` turns it into file and line
 
 
 @dataclass
@@ -514,14 +515,16 @@ def _parse_instr(name: str, rest: str) -> Instr | None:
     backend = ""
     if (cut := attrs.find(", backend_config=")) >= 0:
         attrs, backend = attrs[:cut], attrs[cut:]
-    op_name = ""
+    op_name, frame = "", 0
     if (cut := attrs.find(", metadata={")) >= 0:
         meta = re.search(r'op_name="([^"]*)"', attrs[cut:])
         op_name = meta.group(1) if meta else ""
+        frame_id = re.search(r"stack_frame_id=(\d+)", attrs[cut:])
+        frame = int(frame_id.group(1)) if frame_id else 0
         attrs = attrs[:cut]
     operands = [o.strip().lstrip("%") for o in _split_top(operand_text[1:-1])]
     operands = [o.split(" ")[-1].lstrip("%") for o in operands if o]  # `f32[] %x` in long form
-    return Instr(name, shape, m.group(1), operands, attrs, backend, op_name)
+    return Instr(name, shape, m.group(1), operands, attrs, backend, op_name, frame)
 
 
 def _balanced(text: str, open_: str, close: str) -> str:

@@ -9,8 +9,9 @@ The step fits when the compiled peak is within the device's HBM budget (the chip
 `hardware`, or a budget given by the user). FLOPs are analytic (`upcycler.train.reporting.metrics.flops_per_token`:
 6 · active matmul parameters + causal attention, per token), never the compiler's count; the executed
 FLOPs add what the memory options recompute. Collective traffic (`collectives`) and HBM traffic
-(`hbm_traffic`) are read from the compiled HLO, every loop counted by its trip count, and `roofline` turns
-FLOPs and the two traffics into a step-time and MFU bound.
+(`hbm_traffic`, Pallas kernels charged at least their own cost estimates) are read from the compiled HLO,
+every loop counted by its trip count, and `roofline` turns FLOPs and the two traffics into a step-time and
+MFU bound; the report lists the largest sources of HBM traffic by line of code and kernel, per layer.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from upcycler.train.reporting.metrics import flops_per_token, matmul_params
 from upcycler.units import human_count
 
 GIB = 1 << 30
+SOURCES_KEPT = 12  # the largest HBM traffic sources a report lists
+# the sources that belong to the routed experts' layer (`hbm_traffic.breakdown` names): its code and kernels
+MOE_SOURCES = ("model/moe.py", "model/gmm", "model/expert_parallel.py", "model/comm.py", "kernel gmm ",
+               "kernel tgmm ")
 _CUTS = ("options that cut memory: model.remat full, loss.ce_chunk, model.weights_dtype bfloat16, "
          "model.attention dot_product, data.microbatches")
 
@@ -92,6 +97,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
     save: save_time.SaveBound | None = None  # the checkpoint save's lower bound on this target
     slices: int = 1  # TPU slices joined by the data-center network (`dcn_traffic_bytes` of each kind crosses it)
+    traffic_sources: list[dict[str, Any]] = field(default_factory=list)  # the largest HBM sources, per layer
+    moe_layer_bytes: float | None = None  # HBM traffic of one routed-expert layer (`MOE_SOURCES`), per chip
 
     @property
     def margin(self) -> int | None:
@@ -130,12 +137,26 @@ def build(config: TrainConfig, spec: ModelSpec, mesh, layout, batch, compiled, *
     kinds = {k: asdict(v) for k, v in traffic.kinds.items()} if traffic else {}
     notes = []
     line = None
+    sources: list[dict[str, Any]] = []
+    moe_bytes = None
     if compiled is not None and chip is not None:
-        hbm_bytes = hbm_traffic.hbm_bytes(compiled.as_text())
+        text = compiled.as_text()
+        rows = hbm_traffic.breakdown(text)
+        hbm_bytes = float(sum(row.bytes for row in rows))
+        sources = [{"source": row.name, "bytes_per_layer": row.bytes / spec.num_layers, "bytes": row.bytes,
+                    "executions": row.executions, "kernel_estimate_bytes": row.kernel_estimate}
+                   for row in rows[:SOURCES_KEPT]]
         counted_once = _bytes_accessed(compiled)
         if counted_once is not None and counted_once < 0.9 * hbm_bytes:
             notes.append(f"HBM traffic {_gib(hbm_bytes)} per chip with every loop counted by its trip count; "
                          f"the compiler's own figure counts each loop body once ({_gib(counted_once)})")
+        moe_layers = len(spec.moe_layers)
+        moe_bytes = sum(row.bytes for row in rows if row.name.startswith(MOE_SOURCES)) / moe_layers \
+            if moe_layers else None
+        beyond = sum(row.kernel_estimate for row in rows)
+        if beyond:
+            notes.append(f"kernels are charged their own cost estimates: {_gib(beyond)} of the HBM traffic is what "
+                         "they re-read beyond their operands (tiles)")
         line = asdict(roofline.estimate(model_flops / devices, executed / devices, hbm_bytes,
                                         traffic.traffic_bytes, chip))
     return Report(
@@ -153,6 +174,7 @@ def build(config: TrainConfig, spec: ModelSpec, mesh, layout, batch, compiled, *
         save=save_time.save_bound((layout.abstract.params, layout.abstract.opt_state, layout.abstract.ema),
                                   mesh.devices, save_bandwidth),
         slices=len({getattr(d, "slice_index", 0) for d in mesh.devices.flat}),
+        traffic_sources=sources, moe_layer_bytes=moe_bytes,
     )
 
 
@@ -274,6 +296,10 @@ def _text_lines(r: Report) -> list[str]:
         lines.append(f"roofline compute {rl['compute_s']:.3f} s, memory {rl['memory_s']:.3f} s, communication "
                      f"{rl['communication_s']:.3f} s → step ≥ {rl['step_s']:.3f} s ({rl['bound']}-bound), "
                      f"MFU ≤ {rl['mfu']:.1%} on {rl['chip']}")
+    if r.traffic_sources:
+        moe = f"; one MoE layer's code and kernels {_gib(r.moe_layer_bytes)}" if r.moe_layer_bytes else ""
+        lines.append(f"hbm      largest sources, per layer (of {r.model['layers']}){moe}:")
+        lines.extend(f"  {_gib(row['bytes_per_layer']):>10}  {row['source']}" for row in r.traffic_sources[:6])
     if r.save is not None:
         lines.append(save_time.describe(r.save))
     lines.extend(f"note     {n}" for n in r.notes)

@@ -11,9 +11,10 @@ The weight layout is `[G, in, out]` (input dimension first, like a Flax kernel).
 projections as `[out, in]`; a caller holding weights in that orientation swaps the last two axes first.
 
 Backends:
-- `"megablox"`: the Pallas TPU kernel `jax.experimental.pallas.ops.tpu.megablox.gmm`, through the
-  adapter in `gmm_megablox.py` (padding to TPU tiles, masking rows past the groups). It computes only
-  the row tiles that hold some group's rows. On a platform other than TPU it runs in the Pallas
+- `"megablox"`: the Pallas TPU kernels of `jax.experimental.pallas.ops.tpu.megablox` (`gmm`, `tgmm`),
+  through the adapter in `gmm_megablox.py` (padding to TPU tiles, masking rows past the groups, tiles
+  chosen per kernel from the chip's VMEM by `gmm_tiles.py`). It computes only the row tiles that hold
+  some group's rows. On a platform other than TPU it runs in the Pallas
   interpreter: correct but very slow, for tests only.
 - `"ragged_dot"`: `jax.lax.ragged_dot`. On an NVIDIA H200 (JAX 0.11.2) its forward is 3.8× the one-hot
   reference's time and its weight gradient compiles to a masked product over all G groups: one layer's
@@ -79,12 +80,15 @@ def gmm(
     *,
     backend: Backend = "auto",
     tile_rows: tuple[int, ...] = DEFAULT_TILE_ROWS,
+    all_rows_grouped: bool = False,
 ) -> jax.Array:
     """Grouped matmul: rows of group g of `x_sorted` times `w[g]` (`w` is `[G, in, out]`).
 
     Returns `[M, out]` in `x_sorted.dtype` (products accumulate in fp32). Rows past `sum(group_sizes)`
     come out zero. Differentiable (reverse mode) in `x_sorted` and `w`; `tile_rows` only affects the
-    `"tiled"` backend's speed, never its result.
+    `"tiled"` backend's speed, never its result. `all_rows_grouped` is the caller's promise that
+    sum(group_sizes) == M (the dropless layer's buffer): the kernels then skip the passes that zero rows
+    past the groups, as there are none.
     """
     _check_shapes(x_sorted, w, group_sizes)
     group_sizes = group_sizes.astype(jnp.int32)
@@ -101,7 +105,7 @@ def gmm(
                 f"jax.shard_map over every axis of the mesh {jax.sharding.get_abstract_mesh()}, on a "
                 'one-device mesh, or use backend "auto" or "ragged_dot"'
             )
-        return megablox_gmm(x_sorted, w, group_sizes, interpret=interpret)
+        return megablox_gmm(x_sorted, w, group_sizes, interpret=interpret, all_rows_grouped=all_rows_grouped)
     if resolved == "mosaic_gpu":
         if platform != "gpu":
             raise ValueError(f"the mosaic_gpu gmm backend is a Pallas kernel for NVIDIA Hopper GPUs and cannot run "
@@ -112,7 +116,7 @@ def gmm(
                 f"jax.shard_map over every axis of the mesh {jax.sharding.get_abstract_mesh()}, on a "
                 'one-device mesh, or use backend "auto"'
             )
-        return mosaic_gpu_gmm(x_sorted, w, group_sizes)
+        return mosaic_gpu_gmm(x_sorted, w, group_sizes, all_rows_grouped=all_rows_grouped)
     if resolved == "ragged_dot":
         out = lax.ragged_dot(x_sorted, w, group_sizes, preferred_element_type=jnp.float32)
         return out.astype(x_sorted.dtype)

@@ -1,76 +1,122 @@
-"""The `"megablox"` grouped-matmul backend: JAX's Pallas TPU kernel behind the contract of `gmm.py`.
+"""The `"megablox"` grouped-matmul backend: JAX's Pallas TPU kernels behind the contract of `gmm.py`.
 
-`jax.experimental.pallas.ops.tpu.megablox.gmm` computes only the tiles that hold rows of some group (a
-tile crossing a group boundary is visited once per group it holds) and brings its own VJP: dx is the
-same kernel against the transposed weights and dW a transposed grouped matmul (`tgmm`). This module only
-fits our arguments to what the kernel accepts and its result to the contract:
+`jax.experimental.pallas.ops.tpu.megablox` computes only the tiles that hold rows of some group (a tile
+crossing a group boundary is visited once per group it holds): `gmm` for the forward product and for dx
+(against the transposed weights), `tgmm` for dW. This module calls those two kernels with a VJP of its own,
+so each of the three gets tiles chosen for its shape and the chip's VMEM (`gmm_tiles`), and fits our
+arguments to what the kernels accept:
 
-- Shapes. The kernel wants the rows a multiple of the row tile `tm`, and the in/out widths multiples of
-  their tiles `tk`/`tn`, which TPU wants to be multiples of 128. Widths are zero-padded up to a multiple
-  of 128 (zero columns of x against zero rows of w add nothing: exact) and rows up to a multiple of 128
-  (the padded rows lie past sum(group_sizes), so no group reads them); the padding is sliced off the
-  result. Each tile is the largest of 512, 256, 128 dividing its padded dimension, rows included. With 512
-  everywhere, the double-buffered fp32 operand and output tiles plus the accumulator take about 7 MiB
-  of VMEM, under the default scoped limit (an fp32 compile for v5e with all three tiles at 512
-  succeeds); larger tiles would approach it. Large tiles mean few grid steps and full MXU passes; the
-  cost of a large row tile is the shared tile at each group boundary, computed once per group it holds:
-  at most (G - 1) extra tiles over the whole matrix.
-- Rows past sum(group_sizes). The kernel never writes them (they hold whatever the buffer held, NaN in
-  interpret mode), and the dx it computes has the same hole. The output is masked to zero there and the
-  cotangent reaching x is masked the same way, so neither the result nor a gradient sees those values.
-  dW needs nothing: `tgmm` selects (not multiplies) the rows of each group.
+- Shapes. The kernels want the rows a multiple of the row tile, and the in/out widths multiples of their
+  tiles, which TPU wants to be multiples of 128. Widths are zero-padded up to a multiple of 128 (zero
+  columns of x against zero rows of w add nothing: exact) and rows up to a multiple of 128 (the padded
+  rows lie past sum(group_sizes), so no group reads them); the padding is sliced off the result. With the
+  rows and widths of the reference MoE nothing is padded and these are no-ops.
+- Rows past sum(group_sizes). The kernels never write them (they hold whatever the buffer held, NaN in
+  interpret mode), and the dx they compute has the same hole. When some rows of the buffer may lie past
+  the groups (a capacity buffer, expert parallelism's worst-case buffers), the output is masked to zero
+  there and so is the cotangent reaching x. When the caller knows every row belongs to a group
+  (`all_rows_grouped`: the dropless layer, whose buffer holds exactly its T·k token copies), the only
+  rows past the groups are the padding, which the slices drop: no mask, no pass over the rows. dW needs
+  nothing: `tgmm` selects (not multiplies) the rows of each group.
 - Precision. The kernels accumulate in an fp32 scratch whatever their output dtype, so the output is
   asked for in x's dtype directly. That also keeps the cotangent of the backward pass in x's dtype (as
   the tiled backend casts dy): with bf16 activations and weights, dx and dW run as bf16 products with
-  fp32 accumulation; an fp32 output would make them fp32 products (mixed operands are upcast) and double
-  the output's memory traffic. Inputs must be float32 or bfloat16 (the kernels' dtypes).
-- `interpret=True` runs the kernel through the Pallas interpreter on any platform. It is for tests on
+  fp32 accumulation. Inputs must be float32 or bfloat16 (the kernels' dtypes).
+- `interpret=True` runs the kernels through the Pallas interpreter on any platform. It is for tests on
   hosts without a TPU, and slow; `gmm.gmm` sets it whenever the target platform is not TPU.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import os
+import re
+
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.megablox import ops as megablox_ops
 
 from upcycler.train.model.gmm_rows import round_up, zero_cotangent_past, zero_rows_past
+from upcycler.train.model.gmm_tiles import LANE, DEFAULT_SCOPED_VMEM, PhaseTiles, phase_tiles
 
-LANE = 128  # TPU tiles of the minor dimensions are multiples of this
-TILE_SIZES: tuple[int, ...] = (512, 256, 128)  # tried largest first, for rows and both widths
+# the kernels themselves (the package's `gmm` name is the op with megablox's own VJP, which would give the
+# three kernels one tiling)
+_kernels = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def megablox_gmm(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, *, interpret: bool) -> jax.Array:
-    """`gmm.gmm`'s contract on the megablox kernel: rows of group g times `w[g]`, rows past the groups 0.
+def megablox_gmm(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, *, interpret: bool,
+                 all_rows_grouped: bool = False, vmem: int | None = None) -> jax.Array:
+    """`gmm.gmm`'s contract on the megablox kernels: rows of group g times `w[g]`, rows past the groups 0.
 
-    `x_sorted` [M, in], `w` [G, in, out], `group_sizes` [G] int32 with sum <= M; returns [M, out] in
-    `x_sorted.dtype` (products accumulate in fp32). Differentiable (reverse mode) in `x_sorted` and `w`,
-    with finite gradients for rows past sum(group_sizes) (zero for x, no contribution to w). Any M, in,
-    out: padding is added and removed here, never visible in the result.
+    `x_sorted` [M, in], `w` [G, in, out], `group_sizes` [G] int32 with sum <= M (== M when
+    `all_rows_grouped`, which the caller promises); returns [M, out] in `x_sorted.dtype` (products
+    accumulate in fp32). Differentiable (reverse mode) in `x_sorted` and `w`, with finite gradients for
+    rows past sum(group_sizes) (zero for x, no contribution to w). Any M, in, out: padding is added and
+    removed here, never visible in the result. `vmem`: the scoped VMEM the tiles may use (default: the
+    target chip's, `scoped_vmem`).
     """
     for name, arr in (("x_sorted", x_sorted), ("w", w)):
         if jnp.dtype(arr.dtype) not in KERNEL_DTYPES:
             raise ValueError(f"the megablox gmm backend takes float32 or bfloat16 {name}, not {arr.dtype}")
     m, k, n = x_sorted.shape[0], w.shape[1], w.shape[2]
     m_pad, k_pad, n_pad = (round_up(d, LANE) for d in (m, k, n))
-    tiling = (tile_for(m_pad), tile_for(k_pad), tile_for(n_pad))
+    itemsize = jnp.dtype(x_sorted.dtype).itemsize
+    tiles = phase_tiles(m_pad, k_pad, n_pad, w.shape[0], in_bytes=max(itemsize, jnp.dtype(w.dtype).itemsize),
+                        out_bytes=itemsize, vmem=scoped_vmem() if vmem is None else vmem)
     group_sizes = group_sizes.astype(jnp.int32)
-    total = jnp.sum(group_sizes)
 
-    x_padded = jnp.pad(x_sorted, ((0, m_pad - m), (0, k_pad - k)))
-    w_padded = jnp.pad(w, ((0, 0), (0, k_pad - k), (0, n_pad - n)))
-    x_padded = zero_cotangent_past(x_padded, total)
-    # positional: the kernel's custom VJP marks (preferred_element_type, tiling, transpose_rhs, interpret)
-    # as non-differentiable by position; group_offset and existing_out stay None
-    out_padded = megablox_ops.gmm(
-        x_padded, w_padded, group_sizes, x_sorted.dtype, tiling, None, None, False, interpret
-    )
+    x_padded = _pad_to(x_sorted, (m_pad, k_pad))
+    w_padded = _pad_to(w, (w.shape[0], k_pad, n_pad))
+    if all_rows_grouped:
+        return _grouped(x_padded, w_padded, group_sizes, tiles, interpret)[:m, :n]
+    total = jnp.sum(group_sizes)
+    out_padded = _grouped(zero_cotangent_past(x_padded, total), w_padded, group_sizes, tiles, interpret)
     return zero_rows_past(out_padded, total)[:m, :n]
 
 
-def tile_for(size: int) -> int:
-    """The largest of `TILE_SIZES` dividing `size` (a multiple of `LANE`, so at least `LANE` fits)."""
-    if size % LANE:
-        raise ValueError(f"tile_for wants a multiple of {LANE}, got {size}")
-    return next(t for t in TILE_SIZES if size % t == 0)
+def scoped_vmem() -> int:
+    """The scoped VMEM of the TPU being compiled for: the limit set in `LIBTPU_INIT_ARGS`
+    (`--xla_tpu_scoped_vmem_limit_kib=N`, which the kernels obey too) when there is one, else the chip's
+    default (the mesh's device kind, else this host's first device), `DEFAULT_SCOPED_VMEM` when it is not
+    a TPU the chip table knows (the interpreter)."""
+    from upcycler.hardware import chip_for
+
+    if found := re.search(r"--xla_tpu_scoped_vmem_limit_kib=(\d+)", os.environ.get("LIBTPU_INIT_ARGS", "")):
+        return int(found.group(1)) << 10
+
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+    kind = getattr(device, "device_kind", None) or jax.devices()[0].device_kind
+    chip = chip_for(kind)
+    return chip.scoped_vmem_bytes if chip is not None and chip.scoped_vmem_bytes else DEFAULT_SCOPED_VMEM
+
+
+def _pad_to(a: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    if a.shape == tuple(shape):
+        return a
+    return jnp.pad(a, [(0, want - have) for have, want in zip(a.shape, shape)])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped(x, w, group_sizes, tiles: PhaseTiles, interpret: bool):
+    """The forward kernel; the VJP runs dx and dW with their own tiles."""
+    return _kernels.gmm(x, w, group_sizes, x.dtype, tiles.forward, None, None, transpose_rhs=False,
+                        interpret=interpret)
+
+
+def _grouped_fwd(x, w, group_sizes, tiles, interpret):
+    return _grouped(x, w, group_sizes, tiles, interpret), (x, w, group_sizes)
+
+
+def _grouped_bwd(tiles, interpret, residuals, dy):
+    x, w, group_sizes = residuals
+    dy = dy.astype(x.dtype)
+    dx = _kernels.gmm(dy, w, group_sizes, x.dtype, tiles.dx, None, None, transpose_rhs=True, interpret=interpret)
+    # tgmm takes x as [in, M] and transposes it back inside: the two swaps cancel, no copy is made
+    dw = _kernels.tgmm(x.swapaxes(0, 1), dy, group_sizes, w.dtype, tiles.dw, None, w.shape[0],
+                       interpret=interpret)
+    return dx, dw, None
+
+
+_grouped.defvjp(_grouped_fwd, _grouped_bwd)

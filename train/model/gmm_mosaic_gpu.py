@@ -36,12 +36,15 @@ TILE = 128  # rows and both widths are padded to a multiple of this
 KERNEL_OPTIONS = {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1}
 
 
-def mosaic_gpu_gmm(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def mosaic_gpu_gmm(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                   all_rows_grouped: bool = False) -> jax.Array:
     """`gmm.gmm`'s contract on the Mosaic GPU kernels: rows of group g times `w[g]`, rows past the groups 0.
 
     `x_sorted` [M, in] and `w` [G, in, out], both bfloat16 or float16; `group_sizes` [G] int32 with
     sum <= M. Returns [M, out] in `x_sorted.dtype` (fp32 accumulation). Differentiable (reverse mode) in
-    `x_sorted` and `w`; dW in `w`'s dtype. Any M, in, out.
+    `x_sorted` and `w`; dW in `w`'s dtype. Any M, in, out. `all_rows_grouped` (sum(group_sizes) == M,
+    promised by the caller): the only rows past the groups are the padding, which the slices drop, so the
+    masks are left out.
     """
     for name, arr in (("x_sorted", x_sorted), ("w", w)):
         if jnp.dtype(arr.dtype) not in KERNEL_DTYPES:
@@ -53,25 +56,31 @@ def mosaic_gpu_gmm(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array) ->
     m, k, n = x_sorted.shape[0], w.shape[1], w.shape[2]
     m_pad, k_pad, n_pad = (round_up(d, TILE) for d in (m, k, n))
     group_sizes = group_sizes.astype(jnp.int32)
-    total = jnp.sum(group_sizes)
-    x_padded = zero_cotangent_past(jnp.pad(x_sorted, ((0, m_pad - m), (0, k_pad - k))), total)
+    x_padded = jnp.pad(x_sorted, ((0, m_pad - m), (0, k_pad - k)))
     w_padded = jnp.pad(w, ((0, 0), (0, k_pad - k), (0, n_pad - n)))
-    return zero_rows_past(_grouped(x_padded, w_padded, group_sizes), total)[:m, :n]
+    if all_rows_grouped:
+        return _grouped(x_padded, w_padded, group_sizes, True)[:m, :n]
+    total = jnp.sum(group_sizes)
+    x_padded = zero_cotangent_past(x_padded, total)
+    return zero_rows_past(_grouped(x_padded, w_padded, group_sizes, False), total)[:m, :n]
 
 
-@jax.custom_vjp
-def _grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """x [M, in] @ w[g] per group on padded shapes; rows past the groups unwritten (masked by the caller)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _grouped(x: jax.Array, w: jax.Array, group_sizes: jax.Array, all_rows_grouped: bool) -> jax.Array:
+    """x [M, in] @ w[g] per group on padded shapes; rows past the groups unwritten (masked by the caller).
+    With `all_rows_grouped` the only rows past the groups are padding, whose cotangent is already zero."""
     return _ragged_dot(x, w, group_sizes, transpose_rhs=False)
 
 
-def _grouped_fwd(x, w, group_sizes):
-    return _grouped(x, w, group_sizes), (x, w, group_sizes)
+def _grouped_fwd(x, w, group_sizes, all_rows_grouped):
+    return _grouped(x, w, group_sizes, all_rows_grouped), (x, w, group_sizes)
 
 
-def _grouped_bwd(residuals, dy):
+def _grouped_bwd(all_rows_grouped, residuals, dy):
     x, w, group_sizes = residuals
-    dy = zero_rows_past(dy.astype(x.dtype), jnp.sum(group_sizes))
+    dy = dy.astype(x.dtype)
+    if not all_rows_grouped:
+        dy = zero_rows_past(dy, jnp.sum(group_sizes))
     dx = _ragged_dot(dy, w, group_sizes, transpose_rhs=True)  # dy_g @ w[g]ᵀ; rows past the groups unwritten
     dw = _transposed_ragged_dot(x, dy, group_sizes)  # Σ over rows of g: x_gᵀ dy_g
     return dx, dw.astype(w.dtype), None

@@ -18,6 +18,7 @@ Pipeline of `dropless_moe` (Megablocks-style, no capacity, no dropped tokens):
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal, NamedTuple
 
 import jax
@@ -27,7 +28,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from upcycler.spec import ROUTER_KINDS, RouterKind
 from upcycler.train.model.gmm import DEFAULT_TILE_ROWS, Backend, gmm
-from upcycler.train.model.remat import EXPERT_OUT, FFN_HIDDEN, MOE_DISPATCHED
+from upcycler.train.model.remat import EXPERT_OUT, FFN_HIDDEN, MOE_DISPATCHED, MOE_ROUTING
 
 LossScope = Literal["batch", "sequence"]
 
@@ -44,7 +45,8 @@ class Dispatch(NamedTuple):
 
     Copy c = t·k + j. `pos_C[c]` is its row in the buffer; `copy_X[x]` is the copy held by row x. Rows
     hold experts 0, 1, ... in order, `group_sizes_E` rows each. The gathers below read an out-of-range
-    index (a row past the buffer, a copy past C) as 0.
+    index (a row past the buffer, a copy past C) as 0, unless told every index is in range (`in_bounds`:
+    the dropless buffer, one row per copy), which spares the fill's select.
     """
 
     group_sizes_E: jax.Array
@@ -112,67 +114,72 @@ def plan_dispatch(expert_Tk: jax.Array, num_experts: int) -> Dispatch:
     return Dispatch(counts_E, pos_C, order_C)
 
 
-def take_rows(src: jax.Array, index: jax.Array) -> jax.Array:
-    """src[index] along the first axis, with 0 for out-of-range indices."""
+def take_rows(src: jax.Array, index: jax.Array, in_bounds: bool = False) -> jax.Array:
+    """src[index] along the first axis (index of any shape), with 0 for out-of-range indices; with
+    `in_bounds` the caller promises every index is in range and the gather has no fill."""
+    if in_bounds:
+        return src.at[index].get(mode="promise_in_bounds")
     return jnp.take(src, index, axis=0, mode="fill", fill_value=0)
 
 
-def _sum_rows(src: jax.Array, index_Tk: jax.Array, weight_Tk: jax.Array | None = None) -> jax.Array:
-    """Σ_k weight_Tk[:, k] · src[index_Tk[:, k]] in fp32, one k at a time (no [T, k, D] intermediate)."""
-    total_TD = None
-    for k in range(index_Tk.shape[1]):
-        rows_TD = take_rows(src, index_Tk[:, k]).astype(jnp.float32)
-        if weight_Tk is not None:
-            rows_TD = rows_TD * weight_Tk[:, k, None].astype(jnp.float32)
-        total_TD = rows_TD if total_TD is None else total_TD + rows_TD
-    return total_TD
+def _sum_rows(src: jax.Array, index_Tk: jax.Array, weight_Tk: jax.Array | None, in_bounds: bool) -> jax.Array:
+    """Σ_k weight_Tk[:, k] · src[index_Tk[:, k]] in fp32: one gather of the T·k rows and one reduction."""
+    rows_TkD = take_rows(src, index_Tk, in_bounds).astype(jnp.float32)
+    if weight_Tk is None:
+        return jnp.sum(rows_TkD, axis=1)
+    return jnp.sum(rows_TkD * weight_Tk.astype(jnp.float32)[:, :, None], axis=1)
 
 
-@jax.custom_vjp
-def dispatch_rows(x_TD: jax.Array, copy_X: jax.Array, pos_Tk: jax.Array) -> jax.Array:
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def dispatch_rows(x_TD: jax.Array, copy_X: jax.Array, pos_Tk: jax.Array, in_bounds: bool = False) -> jax.Array:
     """The expert-sorted buffer x_XD: row x holds the token of copy `copy_X[x]`.
 
     `pos_Tk` must be the inverse map (the row of copy t·k + j); the backward pass uses it to sum each
-    token's k row gradients with gathers instead of a scatter-add.
+    token's k row gradients with a gather instead of a scatter-add. `in_bounds`: every index of both maps
+    is in range (see `Dispatch`).
     """
-    return take_rows(x_TD, copy_X // pos_Tk.shape[1])
+    return take_rows(x_TD, copy_X // pos_Tk.shape[1], in_bounds)
 
 
-def _dispatch_rows_fwd(x_TD, copy_X, pos_Tk):
-    return dispatch_rows(x_TD, copy_X, pos_Tk), pos_Tk
+def _dispatch_rows_fwd(x_TD, copy_X, pos_Tk, in_bounds):
+    return dispatch_rows(x_TD, copy_X, pos_Tk, in_bounds), pos_Tk
 
 
-def _dispatch_rows_bwd(pos_Tk, g_XD):
-    return _sum_rows(g_XD, pos_Tk).astype(g_XD.dtype), None, None
+def _dispatch_rows_bwd(in_bounds, pos_Tk, g_XD):
+    return _sum_rows(g_XD, pos_Tk, None, in_bounds).astype(g_XD.dtype), None, None
 
 
 dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
 
 
-@jax.custom_vjp
-def combine_rows(y_XD: jax.Array, weight_Tk: jax.Array, pos_Tk: jax.Array, copy_X: jax.Array) -> jax.Array:
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def combine_rows(y_XD: jax.Array, weight_Tk: jax.Array, pos_Tk: jax.Array, copy_X: jax.Array,
+                 in_bounds: bool = False) -> jax.Array:
     """y_TD[t] = Σ_k weight_Tk[t, k] · y_XD[pos_Tk[t, k]] in fp32 (an out-of-range pos adds 0).
 
     Undoes the expert sort and applies the combine weights in one gather-and-reduce. The backward pass is
-    gathers too: d y_XD[x] = weight(copy_X[x]) · g_TD[token(copy_X[x])], d weight_Tk = <y_XD[pos], g_TD>.
+    gathers too, in y's dtype: d y_XD[x] = weight(copy_X[x]) · g_TD[token(copy_X[x])] (the cotangent
+    rounded to y's dtype once, before its rows are gathered: the layer's output is in that dtype, so its
+    cotangent is too), d weight_Tk = <y_XD[pos], g_TD> in fp32, from the same gathered rows.
     """
-    return _sum_rows(y_XD, pos_Tk, weight_Tk)
+    return _sum_rows(y_XD, pos_Tk, weight_Tk, in_bounds)
 
 
-def _combine_rows_fwd(y_XD, weight_Tk, pos_Tk, copy_X):
-    return combine_rows(y_XD, weight_Tk, pos_Tk, copy_X), (y_XD, weight_Tk, pos_Tk, copy_X)
+def _combine_rows_fwd(y_XD, weight_Tk, pos_Tk, copy_X, in_bounds):
+    return combine_rows(y_XD, weight_Tk, pos_Tk, copy_X, in_bounds), (y_XD, weight_Tk, pos_Tk, copy_X)
 
 
-def _combine_rows_bwd(residuals, g_TD):
+def _combine_rows_bwd(in_bounds, residuals, g_TD):
     y_XD, weight_Tk, pos_Tk, copy_X = residuals
     top_k = pos_Tk.shape[1]
-    g_TD = g_TD.astype(jnp.float32)
-    weight_X = take_rows(weight_Tk.reshape(-1).astype(jnp.float32), copy_X)
-    d_y_XD = (take_rows(g_TD, copy_X // top_k) * weight_X[:, None]).astype(y_XD.dtype)
-    d_weight_k = [
-        jnp.sum(take_rows(y_XD, pos_Tk[:, k]).astype(jnp.float32) * g_TD, axis=-1) for k in range(top_k)
-    ]
-    return d_y_XD, jnp.stack(d_weight_k, axis=1).astype(weight_Tk.dtype), None, None
+    weight_X = take_rows(weight_Tk.reshape(-1).astype(jnp.float32), copy_X, in_bounds)
+    g_rows_XD = take_rows(g_TD.astype(y_XD.dtype), copy_X // top_k, in_bounds).astype(jnp.float32)
+    d_y_XD = (g_rows_XD * weight_X[:, None]).astype(y_XD.dtype)
+    # <y_XD[x], g of x's token> row by row, in buffer order, then put in token order: the rows of y are
+    # read where they lie rather than gathered into a [T, k, D] copy
+    d_weight_X = jnp.sum(y_XD.astype(jnp.float32) * g_rows_XD, axis=-1)
+    d_weight_Tk = take_rows(d_weight_X, pos_Tk, in_bounds)
+    return d_y_XD, d_weight_Tk.astype(weight_Tk.dtype), None, None
 
 
 combine_rows.defvjp(_combine_rows_fwd, _combine_rows_bwd)
@@ -197,15 +204,16 @@ def swiglu(h_XU: jax.Array) -> jax.Array:
     """silu(gate) * up for rows holding [gate | up] side by side: [..., 2F] -> [..., F].
 
     The custom VJP keeps only `h_XU` for the backward pass and recomputes the sigmoid there, so no
-    [..., F] sigmoid or silu is stored; forward and backward are each one pass over memory.
+    [..., F] sigmoid or silu is stored; forward and backward are each one pass over memory. The halves are
+    read as slices and the gradient written as one concatenation (no [..., 2, F] relayout copy).
     """
     gate, up = _halves(h_XU)
     return jax.nn.silu(gate) * up
 
 
 def _halves(h_XU: jax.Array) -> tuple[jax.Array, jax.Array]:
-    h_X2F = h_XU.reshape(*h_XU.shape[:-1], 2, h_XU.shape[-1] // 2)
-    return h_X2F[..., 0, :], h_X2F[..., 1, :]
+    width = h_XU.shape[-1] // 2
+    return h_XU[..., :width], h_XU[..., width:]
 
 
 def _swiglu_fwd(h_XU):
@@ -217,8 +225,8 @@ def _swiglu_bwd(h_XU, g_XF):
     g = g_XF.astype(jnp.float32)
     # sigmoid written through tanh so XLA does not share it with the forward pass and store it
     sig = 0.5 + 0.5 * jnp.tanh(0.5 * gate)
-    d_gate_up = jnp.stack([g * up * sig * (1 + gate * (1 - sig)), g * gate * sig], axis=-2)
-    return (d_gate_up.reshape(h_XU.shape).astype(h_XU.dtype),)
+    d_gate, d_up = g * up * sig * (1 + gate * (1 - sig)), g * gate * sig
+    return (jnp.concatenate([d_gate, d_up], axis=-1).astype(h_XU.dtype),)
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
@@ -240,14 +248,14 @@ def dropless_moe(
     """
     _check_expert_shapes(x_TD, w_gate_up_EDU, w_down_EFD, routing)
     t, top_k = routing.expert_Tk.shape
-    plan = plan_dispatch(routing.expert_Tk, w_gate_up_EDU.shape[0])
+    plan = Dispatch(*(checkpoint_name(a, MOE_ROUTING) for a in plan_dispatch(routing.expert_Tk, w_gate_up_EDU.shape[0])))
     pos_Tk = plan.pos_C.reshape(t, top_k)
-    x_XD = checkpoint_name(dispatch_rows(x_TD, plan.copy_X, pos_Tk), MOE_DISPATCHED)
-    h_XU = checkpoint_name(gmm(x_XD, w_gate_up_EDU, plan.group_sizes_E, backend=backend, tile_rows=tile_rows),
-                           FFN_HIDDEN)
-    y_XD = checkpoint_name(gmm(swiglu(h_XU), w_down_EFD, plan.group_sizes_E, backend=backend, tile_rows=tile_rows),
-                           EXPERT_OUT)
-    y_TD = combine_rows(y_XD, routing.weight_Tk, pos_Tk, plan.copy_X)
+    # every copy has its row and every row its copy: no gather needs a fill, no kernel a row mask
+    x_XD = checkpoint_name(dispatch_rows(x_TD, plan.copy_X, pos_Tk, True), MOE_DISPATCHED)
+    grouped = partial(gmm, group_sizes=plan.group_sizes_E, backend=backend, tile_rows=tile_rows, all_rows_grouped=True)
+    h_XU = checkpoint_name(grouped(x_XD, w_gate_up_EDU), FFN_HIDDEN)
+    y_XD = checkpoint_name(grouped(swiglu(h_XU), w_down_EFD), EXPERT_OUT)
+    y_TD = combine_rows(y_XD, routing.weight_Tk, pos_Tk, plan.copy_X, True)
     return y_TD.astype(x_TD.dtype)
 
 

@@ -19,8 +19,10 @@ the layer scan always keeps. From most memory to least:
 - `offload_attention`, `offload_attention_and_ffn_input`: the same sets, held in host memory
   (`pinned_host`) between the forward and the backward pass instead of on the device.
 
-Every policy computes the same loss and gradients; only what is alive at once, and the recomputation,
-differ.
+Every policy but `none` also keeps the MoE's dispatch plan (`MOE_ROUTING`: rows per expert and the two
+maps between token copies and rows, a few int32 per token copy), so the recomputed forward pass does not
+sort the copies again. Every policy computes the same loss and gradients; only what is alive at once, and
+the recomputation, differ.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ FFN_HIDDEN = "ffn_hidden"  # gate and up outputs, dense or per expert (before th
 ROUTER_LOGITS = "router_logits"
 MOE_DISPATCHED = "moe_dispatched"  # the token rows sorted by expert, the grouped matmul's input
 EXPERT_OUT = "expert_out"  # the experts' down_proj outputs before they are combined per token
+MOE_ROUTING = "moe_routing"  # the dispatch plan: rows per expert, each copy's row, each row's copy (int32)
 FFN_OUT = "ffn_out"  # the FFN's (or MoE block's) output, before the residual add
 
 ATTENTION = (QUERY, KEY, VALUE, CONTEXT)
@@ -57,19 +60,22 @@ _NAMED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 
 
 def policy(name: str) -> Callable | None:
-    """The `jax.checkpoint` policy of `ModelConfig.remat` = `name` ("none" is not one: no checkpoint)."""
+    """The `jax.checkpoint` policy of `ModelConfig.remat` = `name` ("none" is not one: no checkpoint).
+    `full` keeps only the MoE's dispatch plan."""
+    policies = jax.checkpoint_policies
     if name == "full":
-        return None
+        return policies.save_only_these_names(MOE_ROUTING)
     if name == "dots":
-        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        return policies.save_from_both_policies(policies.dots_with_no_batch_dims_saveable,
+                                                policies.save_only_these_names(MOE_ROUTING))
     if name not in _NAMED:
         raise ValueError(f"remat must be one of {', '.join(REMAT_POLICIES)}, not {name!r}")
     kept, offloaded = _NAMED[name]
     if offloaded:
-        return jax.checkpoint_policies.save_and_offload_only_these_names(
-            names_which_can_be_saved=list(kept), names_which_can_be_offloaded=list(offloaded),
+        return policies.save_and_offload_only_these_names(
+            names_which_can_be_saved=[*kept, MOE_ROUTING], names_which_can_be_offloaded=list(offloaded),
             offload_src="device", offload_dst="pinned_host")
-    return jax.checkpoint_policies.save_only_these_names(*kept)
+    return policies.save_only_these_names(*kept, MOE_ROUTING)
 
 
 # per policy, the forward work of a layer the backward pass does again, by part: "projections" (q, k, v),
