@@ -153,3 +153,34 @@ def test_a_pallas_kernel_is_charged_its_own_cost_estimate():
     top = breakdown(hlo)[0]
     assert top.name.startswith("kernel gmm") and top.bytes == estimate
     assert top.kernel_estimate == estimate - kernel.operand_bytes
+
+
+NESTED = """HloModule n, entry_computation_layout={()->f32[1,1024]{1,0}}
+
+%inner (r0: f32[8,1024], r1: s32[]) -> f32[1,1024] {
+  %r0 = f32[8,1024]{1,0} parameter(0)
+  %r1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  ROOT %ds = f32[1,1024]{1,0} dynamic-slice(%r0, %r1, %zero), dynamic_slice_sizes={1,1024}
+}
+
+%outer (p0: f32[8,1024], p1: s32[]) -> f32[1,1024] {
+  %p0 = f32[8,1024]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %row = f32[1,1024]{1,0} fusion(%p0, %p1), kind=kLoop, calls=%inner
+  ROOT %neg = f32[1,1024]{1,0} negate(%row)
+}
+
+ENTRY %main () -> f32[1,1024] {
+  %stack = f32[8,1024]{1,0} constant({...})
+  %i = s32[] constant(3)
+  ROOT %out = f32[1,1024]{1,0} fusion(%stack, %i), kind=kLoop, calls=%outer
+}
+"""
+
+
+def test_a_slice_taken_by_a_nested_fusion_is_charged_as_a_slice():
+    """The TPU compiler nests fusions: a scanned layer's weight-gradient fusion reads its layer of the
+    stacked activations through an inner fusion that slices them. Charged: the 4 KiB row read (and the
+    scalar index), the 4 KiB row written; not the 32 KiB stack."""
+    assert hbm_bytes(NESTED) == 4096 + 4 + 4096

@@ -323,3 +323,41 @@ def test_z_loss_and_expert_load_match_numpy() -> None:
     load = expert_load(topk, mask, E)
     np.testing.assert_array_equal(load, np.bincount(np.asarray(topk)[np.asarray(mask)].ravel(), minlength=E))
     assert load.dtype == jnp.int32
+
+
+def _primitive_count(jaxpr, name: str) -> int:
+    """How often primitive `name` appears in `jaxpr` and every jaxpr nested in it."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == name
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += _primitive_count(inner, name)
+    return count
+
+
+@pytest.mark.parametrize("policy", ["full", "qkv"])
+def test_remat_keeps_the_dispatch_plan_so_the_backward_does_not_sort_again(policy: str) -> None:
+    from upcycler.train.model import remat
+
+    params = _layer_params()
+    weights = (params["w_gate_up_EDU"], params["w_down_EFD"])
+
+    def loss(x_TD, remat_policy):
+        routing = _routing({**params, "x_TD": x_TD}, "renormalized", 2, jnp.zeros(E))
+        layer = lambda x: moe.dropless_moe(x, *weights, routing, backend="tiled", tile_rows=SMALL_TILES)  # noqa: E731
+        if remat_policy is not None:
+            layer = jax.checkpoint(layer, policy=remat_policy, prevent_cse=False)
+        return jnp.sum(layer(x_TD) ** 2)
+
+    plain = jax.make_jaxpr(jax.grad(lambda x: loss(x, None)))(params["x_TD"]).jaxpr
+    kept = jax.make_jaxpr(jax.grad(lambda x: loss(x, remat.policy(policy))))(params["x_TD"]).jaxpr
+    recomputed_all = jax.make_jaxpr(jax.grad(lambda x: loss(x, jax.checkpoint_policies.nothing_saveable)))
+    assert _primitive_count(plain, "sort") >= 1
+    assert _primitive_count(kept, "sort") == _primitive_count(plain, "sort")
+    # what keeping the plan saves: without it the recomputed forward pass sorts the copies again
+    assert _primitive_count(recomputed_all(params["x_TD"]).jaxpr, "sort") > _primitive_count(plain, "sort")
+    np.testing.assert_allclose(jax.grad(lambda x: loss(x, remat.policy(policy)))(params["x_TD"]),
+                               jax.grad(lambda x: loss(x, None))(params["x_TD"]), **TOL)

@@ -10,8 +10,8 @@ reaches memory with the bytes it reads and writes:
 - a fusion (or any other instruction): its operands and its result; the computations a fusion or a
   reduction calls run on values already read, so they are not walked;
 - an operand a fusion only slices (`dynamic-slice`, `slice`, `gather`): the slices, not the whole array
-  (a scanned layer reads its own layer of a stacked weight); a slice brought into on-chip memory is the
-  slice read, nothing written;
+  (a scanned layer reads its own layer of a stacked weight), also when a fusion nested in the fusion
+  takes the slice; a slice brought into on-chip memory is the slice read, nothing written;
 - an asynchronous op (`async-start` calling a computation): what the computation it wraps is charged,
   once (the start's own operands and result are that computation's);
 - a result written in place (`dynamic-update-slice`, alone or at a fusion's root): the update, and the
@@ -19,7 +19,8 @@ reaches memory with the bytes it reads and writes:
 - an operand a fusion hands through to its result untouched (the TPU compiler's fusions that carry an
   overlapped collective's buffers): neither read nor written;
 - nothing for what moves no data: parameters, tuples and their elements, constants, bitcasts, the loops,
-  calls and branches themselves (their bodies are walked), the `-done` half of an asynchronous pair;
+  calls and branches themselves (their bodies are walked), the `-done` half of an asynchronous pair, the
+  TPU's buffer reservations and the concatenations it reads off them (`AllocateBuffer`, `ConcatBitcast`);
 - nothing for arrays in an on-chip memory space (`S(1)` in a TPU layout: VMEM), which are not HBM; the
   copies that bring them there are charged like any other instruction;
 - a Pallas/Mosaic kernel (`tpu_custom_call`): at least what the kernel's own cost estimate says it moves
@@ -60,6 +61,9 @@ _FREE = frozenset({
     "send-done", "recv-done",
 })
 _SLICING = frozenset({"dynamic-slice", "slice", "gather"})
+# TPU custom calls that move no data: a buffer reserved for operands written into it in place, their
+# concatenation read off that buffer, an annotation on gather indices
+_FREE_TARGETS = re.compile(r'custom_call_target="(AllocateBuffer|ConcatBitcast|AssumeGatherIndicesInBound)"')
 _IN_PLACE = "dynamic-update-slice"
 _ON_CHIP = re.compile(r"S\((?!0\))\d+\)")  # a non-default memory space in a layout
 _ARRAY = re.compile(r"\b[a-z]+\d*[a-z0-9]*\[[^\]]*\](\{[^}]*\})?")
@@ -157,6 +161,8 @@ def _instr_bytes(instr: Instr, comp: Computation, computations: dict[str, Comput
     if instr.opcode in _FREE:
         return 0
     operands = [comp.instrs.get(name) for name in instr.operands]
+    if instr.opcode == "custom-call" and _FREE_TARGETS.search(instr.attrs):
+        return 0
     if instr.opcode == "async-start" and callees(instr.attrs):
         return 0  # the wrapped computation (an asynchronous slice, copy …) is walked and charged itself
     if instr.opcode in _SLICING:
@@ -169,19 +175,16 @@ def _instr_bytes(instr: Instr, comp: Computation, computations: dict[str, Comput
     if instr.opcode == "fusion":
         called = [computations[c] for c in callees(instr.attrs) if c in computations]
         if called:
-            return _fusion_bytes(instr, operands, called[0])
+            return _fusion_bytes(instr, operands, called[0], computations)
     return hbm_array_bytes(instr.shape) + sum(hbm_array_bytes(o.shape) for o in operands if o is not None)
 
 
-def _fusion_bytes(instr: Instr, operands: list[Instr | None], body: Computation) -> int:
+def _fusion_bytes(instr: Instr, operands: list[Instr | None], body: Computation,
+                  computations: dict[str, Computation]) -> int:
     """A fusion's traffic: each operand as much of it as the body reads, each result less what it updates
     in place."""
-    params = {inner.name: int(inner.operands[0]) for inner in body.instrs.values()
-              if inner.opcode == "parameter" and inner.operands and inner.operands[0].isdigit()}
-    uses: dict[str, list[tuple[Instr, int]]] = {}
-    for inner in body.instrs.values():
-        for position, operand in enumerate(inner.operands):
-            uses.setdefault(operand, []).append((inner, position))
+    params = _parameters(body)
+    uses = _uses(body)
     root = body.instrs.get(body.root or "")
     outputs = [body.instrs.get(n) for n in root.operands] if root is not None and root.opcode == "tuple" else [root]
     results = [m.group(0) for m in _ARRAY.finditer(instr.shape)]
@@ -206,17 +209,47 @@ def _fusion_bytes(instr: Instr, operands: list[Instr | None], body: Computation)
             continue  # handed through to the result, not read
         if name in updated and all(user.opcode == _IN_PLACE and position == 0 for user, position in mine):
             continue  # the array updated in place is not read
-        read += _bytes_read(name, hbm_array_bytes(operand.shape), uses)
+        read += _bytes_read(name, hbm_array_bytes(operand.shape), uses, computations)
     return read + written
 
 
-def _bytes_read(name: str, whole: int, uses: dict[str, list[tuple[Instr, int]]]) -> int:
+def _bytes_read(name: str, whole: int, uses: dict[str, list[tuple[Instr, int]]],
+                computations: dict[str, Computation]) -> int:
     """What a fusion body reads of the value `name` (`whole` bytes): the slices it takes when it only
-    slices it (slices of slices: the innermost), else all of it."""
+    slices it (slices of slices: the innermost; a nested fusion: what that fusion's body reads of it),
+    else all of it."""
     readers = _readers(name, uses)
-    if not readers or not all(user.opcode in _SLICING and position == 0 for user, position in readers):
+    if not readers:
         return whole
-    return min(whole, sum(_bytes_read(user.name, shape_bytes(user.shape), uses) for user, _ in readers))
+    total = 0
+    for user, position in readers:
+        if user.opcode in _SLICING and position == 0:
+            total += _bytes_read(user.name, shape_bytes(user.shape), uses, computations)
+        elif user.opcode == "fusion" and (inner := _called_body(user, computations)) is not None:
+            param = next((n for n, number in _parameters(inner).items() if number == position), None)
+            total += whole if param is None else _bytes_read(param, whole, _uses(inner), computations)
+        else:
+            return whole
+    return min(whole, total)
+
+
+def _called_body(instr: Instr, computations: dict[str, Computation]) -> Computation | None:
+    return next((computations[c] for c in callees(instr.attrs) if c in computations), None)
+
+
+def _parameters(body: Computation) -> dict[str, int]:
+    """A computation's parameters: name -> parameter number."""
+    return {inner.name: int(inner.operands[0]) for inner in body.instrs.values()
+            if inner.opcode == "parameter" and inner.operands and inner.operands[0].isdigit()}
+
+
+def _uses(body: Computation) -> dict[str, list[tuple[Instr, int]]]:
+    """Value name -> the instructions of `body` that take it, with the operand position."""
+    uses: dict[str, list[tuple[Instr, int]]] = {}
+    for inner in body.instrs.values():
+        for position, operand in enumerate(inner.operands):
+            uses.setdefault(operand, []).append((inner, position))
+    return uses
 
 
 def _readers(name: str, uses: dict[str, list[tuple[Instr, int]]]) -> list[tuple[Instr, int]]:

@@ -32,11 +32,15 @@ larger margin, a longer table) compiles only what is new.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec
@@ -256,9 +260,21 @@ def _compile(config: TrainConfig, topology: str, chip, spec: ModelSpec) -> Figur
                    line.get("bound", "out of memory"), round(report.compile_seconds, 1), report.failure)
 
 
+@functools.cache
+def _code_digest() -> str:
+    """A digest of the trainer package's Python sources (the model, its kernels' tiles, the step, how the
+    report charges traffic): figures compiled by other code are not reused."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 class _Cache:
     """Compiled figures on disk, one JSON file per compile, keyed by the topology, the architecture and the
-    whole config but its paths and run options."""
+    whole config but its paths and run options, and by what else sets the figures: this code (the model,
+    its kernels' tiles, how traffic is charged), JAX's version and libtpu's flags."""
 
     def __init__(self, root):
         self.root = root
@@ -266,7 +282,10 @@ class _Cache:
     def key(self, topology: str, config: TrainConfig, spec: ModelSpec) -> str:
         what = json.dumps([topology, repr(spec), repr(config.model.run_config()),
                            repr(config.loss), repr(config.mesh), config.data.global_batch_size,
-                           config.data.seq_len, config.data.microbatches, repr(config.optimizer)], sort_keys=True)
+                           config.data.seq_len, config.data.microbatches, repr(config.optimizer),
+                           _code_digest(), importlib.metadata.version("jax"),
+                           os.environ.get("LIBTPU_INIT_ARGS", "")],
+                          sort_keys=True)
         return hashlib.sha256(what.encode()).hexdigest()[:32]
 
     def get(self, key: str) -> Figures | None:
