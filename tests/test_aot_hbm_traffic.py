@@ -184,3 +184,26 @@ def test_a_slice_taken_by_a_nested_fusion_is_charged_as_a_slice():
     stacked activations through an inner fusion that slices them. Charged: the 4 KiB row read (and the
     scalar index), the 4 KiB row written; not the 32 KiB stack."""
     assert hbm_bytes(NESTED) == 4096 + 4 + 4096
+
+
+ASYNC_SLICE = """HloModule a, entry_computation_layout={()->f32[1,1024]{1,0}}
+
+%negate_row (p: f32[1,1024]) -> f32[1,1024] {
+  %p = f32[1,1024]{1,0:S(1)} parameter(0)
+  ROOT %n = f32[1,1024]{1,0} negate(%p)
+}
+
+ENTRY %main () -> f32[1,1024] {
+  %stack = f32[8,1024]{1,0} constant({...})
+  %start = ((f32[8,1024]{1,0}), f32[1,1024]{1,0:S(1)}, s32[]{:S(2)}) slice-start(%stack), slice={[3:4], [0:1024]}
+  %row = f32[1,1024]{1,0:S(1)} slice-done(%start)
+  ROOT %out = f32[1,1024]{1,0} fusion(%row), kind=kLoop, calls=%negate_row
+}
+"""
+
+
+def test_an_asynchronous_slice_is_charged_its_slice():
+    """`Compiled.as_text()` prints an asynchronous slice in short form, its shape holding the whole operand
+    beside the slice. Charged: the 4 KiB row read into on-chip memory, then written back by the fusion
+    (4 KiB); not the 32 KiB operand, twice."""
+    assert hbm_bytes(ASYNC_SLICE) == 4096 + 4096

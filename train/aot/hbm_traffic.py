@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from upcycler.train.aot.collectives import (
     Computation,
     Instr,
+    _split_top,
     callees,
     execution_counts,
     parse_module,
@@ -61,6 +62,9 @@ _FREE = frozenset({
     "send-done", "recv-done",
 })
 _SLICING = frozenset({"dynamic-slice", "slice", "gather"})
+# asynchronous slices and copies in the printer's short form (`slice-start(%x), slice={…}`, `copy-start(%x)`),
+# as `Compiled.as_text()` prints them; their `-done` halves move nothing more
+_ASYNC_START = re.compile(r"^(slice|dynamic-slice|copy)-start$")
 # TPU custom calls that move no data: a buffer reserved for operands written into it in place, their
 # concatenation read off that buffer, an annotation on gather indices
 _FREE_TARGETS = re.compile(r'custom_call_target="(AllocateBuffer|ConcatBitcast|AssumeGatherIndicesInBound)"')
@@ -165,6 +169,10 @@ def _instr_bytes(instr: Instr, comp: Computation, computations: dict[str, Comput
         return 0
     if instr.opcode == "async-start" and callees(instr.attrs):
         return 0  # the wrapped computation (an asynchronous slice, copy …) is walked and charged itself
+    if instr.opcode.endswith(("-done", "-update")) and _ASYNC_START.match(instr.opcode.rsplit("-", 1)[0] + "-start"):
+        return 0
+    if started := _ASYNC_START.match(instr.opcode):
+        return _async_start_bytes(started.group(1), instr, operands)
     if instr.opcode in _SLICING:
         source = operands[0] if operands else None
         read = shape_bytes(instr.shape) if source is None or hbm_array_bytes(source.shape) else 0
@@ -177,6 +185,20 @@ def _instr_bytes(instr: Instr, comp: Computation, computations: dict[str, Comput
         if called:
             return _fusion_bytes(instr, operands, called[0], computations)
     return hbm_array_bytes(instr.shape) + sum(hbm_array_bytes(o.shape) for o in operands if o is not None)
+
+
+def _async_start_bytes(op: str, instr: Instr, operands: list[Instr | None]) -> int:
+    """An asynchronous slice or copy in short form: what it reads (the slice; for a copy, its operand) and
+    what it writes to HBM. Its shape is a tuple holding the operands as well as the result, which a plain
+    charge would count twice: (operands, result, context) for a slice, (result, operand, context) for a
+    copy."""
+    parts = _split_top(instr.shape[1:-1]) if instr.shape.startswith("(") else [instr.shape]
+    result = parts[0] if op == "copy" else (parts[1] if len(parts) > 1 else parts[0])
+    source = operands[0] if operands else None
+    in_hbm = source is None or hbm_array_bytes(source.shape) > 0
+    read = (hbm_array_bytes(source.shape) if source is not None else 0) if op == "copy" else \
+        (shape_bytes(result) if in_hbm else 0)
+    return read + hbm_array_bytes(result)
 
 
 def _fusion_bytes(instr: Instr, operands: list[Instr | None], body: Computation,
