@@ -289,6 +289,28 @@ def test_tpu_overlapped_collective_counts_once_and_ragged_all_to_all_counts_its_
     assert (exchanged.ops, exchanged.bytes, exchanged.traffic_bytes) == (1, 8 * 16 * 4, 8 * 16 * 4 * 3 / 4)
 
 
+# The same ragged all-to-all as the TPU compiler of JAX 0.12 prints it: an asynchronous pair whose start
+# holds (operands), the result and two contexts.
+RAGGED_ASYNC_MODULE = """\
+HloModule ragged, num_partitions=4
+
+ENTRY %main (rows: f32[8,16], out: f32[64,16], offs: s32[4]) -> f32[64,16] {
+  %rows = f32[8,16]{1,0} parameter(0)
+  %out = f32[64,16]{1,0} parameter(1)
+  %offs = s32[4]{0} parameter(2)
+  %rs = ((f32[8,16]{1,0}, f32[64,16]{1,0}, s32[4]{0}, s32[4]{0}, s32[4]{0}, s32[4]{0}), f32[64,16]{1,0}, \
+u32[], u32[]) ragged-all-to-all-start(%rows, %out, %offs, %offs, %offs, %offs), channel_id=9, \
+replica_groups={{0,1,2,3}}
+  ROOT %rd = f32[64,16]{1,0} ragged-all-to-all-done(%rs)
+}
+"""
+
+
+def test_asynchronous_ragged_all_to_all_counts_its_rows_once():
+    exchanged = collective_traffic(RAGGED_ASYNC_MODULE).kinds["all-to-all"]
+    assert (exchanged.ops, exchanged.bytes, exchanged.traffic_bytes) == (1, 8 * 16 * 4, 8 * 16 * 4 * 3 / 4)
+
+
 MULTISLICE = """HloModule jit_step, num_partitions=4
 
 ENTRY %main (p: f32[8,128]) -> f32[8,128] {

@@ -61,10 +61,11 @@ def test_chip_for_topology_devices(slice_name):
 @pytest.mark.parametrize("slice_name", SLICES)
 def test_usable_hbm_is_the_compilers_limit(slice_name):
     """What the table records as usable per device is what the compiler refuses to exceed (the error
-    prints GiB to two decimals)."""
+    prints GiB to two decimals), or 0.01 GiB under it: the table keeps the smaller figure of the libtpu
+    releases that differ (JAX 0.10's and 0.12's, on v5p and v6e)."""
     devices = tpu_devices_of(slice_name)
-    budget = for_devices(devices).hbm_budget_bytes
-    assert compiler_hbm_limit_gib(devices[0]) == pytest.approx(budget / GiB, abs=0.006)
+    budget = for_devices(devices).hbm_budget_bytes / GiB
+    assert budget - 0.006 <= compiler_hbm_limit_gib(devices[0]) <= budget + 0.016
 
 
 def test_table():

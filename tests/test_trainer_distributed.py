@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import trainer_fixtures as F
-from xla_flags import with_devices
+from xla_flags import CLASSIC_EMITTERS, with_devices
 
 from upcycler.train.config import TrainConfig
 from upcycler.train.loop.preflight import committed_steps
@@ -34,7 +34,8 @@ def one_device_run(ws, model: str, root, **changes) -> tuple[list, dict]:
 def start(path, *args: str, devices: int, host: Path | None = None):
     """The CLI in a child process that sees `devices` CPU devices; with `host`, a simulated host of its own
     (working directory, HOME and temporary directory in `host`)."""
-    env = {**os.environ, "XLA_FLAGS": with_devices(devices, fast_compile=True)}
+    # compiled fast only where that keeps results within rounding of the in-process run (xla_flags)
+    env = {**os.environ, "XLA_FLAGS": with_devices(devices, fast_compile=CLASSIC_EMITTERS)}
     if host is not None:
         (host / "tmp").mkdir(parents=True, exist_ok=True)
         env.update(HOME=str(host), TMPDIR=str(host / "tmp"), UPCYCLER_CACHE=str(host / "cache"))

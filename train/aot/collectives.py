@@ -27,10 +27,11 @@ receives over the interconnect, for ring algorithms:
 - reduce-scatter: bytes = the operand (result × n); traffic = bytes·(n−1)/n
 - all-reduce: bytes = the buffer; traffic = 2·bytes·(n−1)/n (a reduce-scatter then an all-gather)
 - all-to-all: bytes = the buffer; traffic = bytes·(n−1)/n
-- ragged-all-to-all (counted as all-to-all): bytes = the smaller of the rows it may send (its operand) and
-  the rows it may receive (its output buffer), traffic = bytes·(n−1)/n. Which rows travel is decided at
-  run time; the buffers of a dropless layer are sized for the worst case, the smaller one is what a
-  device moves when routing is balanced.
+- ragged-all-to-all (counted as all-to-all; newer TPU compilers, libtpu with JAX 0.12, print it as an
+  asynchronous pair `ragged-all-to-all-start` … `-done`): bytes = the smaller of the rows it may send (its
+  operand) and the rows it may receive (its output buffer), traffic = bytes·(n−1)/n. Which rows travel is
+  decided at run time; the buffers of a dropless layer are sized for the worst case, the smaller one is
+  what a device moves when routing is balanced.
 - collective-permute: bytes = the buffer; traffic = bytes (0 when every device sends to itself)
 """
 
@@ -51,6 +52,7 @@ _OPCODES = {
     "all-reduce-start": "all-reduce",
     "all-to-all": "all-to-all",
     "ragged-all-to-all": "all-to-all",
+    "ragged-all-to-all-start": "all-to-all",
     "collective-permute": "collective-permute",
     "collective-permute-start": "collective-permute",
 }
@@ -239,7 +241,7 @@ def _collective_op(
         )
         shape = done.shape if done is not None else _start_result(instr)
     size = shape_bytes(shape)
-    if instr.opcode == "ragged-all-to-all" and instr.operands:
+    if instr.opcode.startswith("ragged-all-to-all") and instr.operands:
         sent = comp.instrs.get(instr.operands[0])
         if sent is not None:
             size = min(size, shape_bytes(sent.shape))
@@ -281,11 +283,11 @@ def _dcn_op(instr: Instr, transfer: str, comp: Computation, runs: int) -> Collec
 def _start_result(instr: Instr) -> str:
     """The result part of a `-start` op's shape when its `-done` is not found: all-reduce-start returns
     the result itself, all-gather-start (operands, results), collective-permute-start (operand, result,
-    contexts…)."""
+    contexts…), ragged-all-to-all-start ((operands), result, contexts…)."""
     if not instr.shape.startswith("(") or instr.opcode == "all-reduce-start":
         return instr.shape
     parts = _split_top(instr.shape[1:-1])
-    if instr.opcode == "collective-permute-start":
+    if instr.opcode in ("collective-permute-start", "ragged-all-to-all-start"):
         return parts[1] if len(parts) > 1 else parts[0]
     return "(" + ", ".join(parts[len(parts) // 2:]) + ")"
 
