@@ -347,7 +347,7 @@ def test_remat_keeps_the_dispatch_plan_so_the_backward_does_not_sort_again(polic
 
     def loss(x_TD, remat_policy):
         routing = _routing({**params, "x_TD": x_TD}, "renormalized", 2, jnp.zeros(E))
-        layer = lambda x: moe.dropless_moe(x, *weights, routing, backend="tiled", tile_rows=SMALL_TILES)  # noqa: E731
+        layer = lambda x: moe.dropless_moe(x, *weights, routing, backend="tiled", tile_rows=SMALL_TILES)
         if remat_policy is not None:
             layer = jax.checkpoint(layer, policy=remat_policy, prevent_cse=False)
         return jnp.sum(layer(x_TD) ** 2)

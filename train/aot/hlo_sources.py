@@ -51,10 +51,8 @@ class SourceTables:
             current[int(entry.group(1))] = entry.group(2)
         self._files = {k: v.strip('"') for k, v in tables["FileNames"].items()}
         self._functions = {k: v.strip('"') for k, v in tables["FunctionNames"].items()}
-        self._locations = {k: dict((f, int(n)) for f, n in _FIELD.findall(v))
-                           for k, v in tables["FileLocations"].items()}
-        self._frames = {k: dict((f, int(n)) for f, n in _FIELD.findall(v))
-                        for k, v in tables["StackFrames"].items()}
+        self._locations = {k: _fields(v) for k, v in tables["FileLocations"].items()}
+        self._frames = {k: _fields(v) for k, v in tables["StackFrames"].items()}
 
     def stack(self, frame_id: int) -> list[Frame]:
         """The frames of `frame_id`, innermost first; empty for 0 or an id the tables do not hold."""
@@ -68,3 +66,8 @@ class SourceTables:
                              self._functions.get(location.get("function_name_id", 0), "?")))
             frame_id = frame.get("parent_frame_id", 0)
         return out
+
+
+def _fields(entry: str) -> dict[str, int]:
+    """`{file_name_id=3 line=12 …}` as a dict of its integer fields."""
+    return {name: int(value) for name, value in _FIELD.findall(entry)}

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from upcycler.train.model.gmm_rows import round_up, zero_cotangent_past, zero_rows_past
-from upcycler.train.model.gmm_tiles import LANE, DEFAULT_SCOPED_VMEM, PhaseTiles, phase_tiles
+from upcycler.train.model.gmm_tiles import DEFAULT_SCOPED_VMEM, LANE, PhaseTiles, phase_tiles
 
 # the kernels themselves (the package's `gmm` name is the op with megablox's own VJP, which would give the
 # three kernels one tiling)
