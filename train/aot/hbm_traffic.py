@@ -13,7 +13,9 @@ reaches memory with the bytes it reads and writes:
   (a scanned layer reads its own layer of a stacked weight), also when a fusion nested in the fusion
   takes the slice; a slice brought into on-chip memory is the slice read, nothing written;
 - an asynchronous op (`async-start` calling a computation): what the computation it wraps is charged,
-  once (the start's own operands and result are that computation's);
+  once (the start's own operands and result are that computation's); in the short form `Compiled.as_text`
+  prints (`slice-start`, `copy-start`, whose tuple shape holds the operand beside the result): the slice
+  read (a copy: its operand) and the result written, once;
 - a result written in place (`dynamic-update-slice`, alone or at a fusion's root): the update, and the
   array it updates is not read (a scanned layer writes its own layer of the stacked activations);
 - an operand a fusion hands through to its result untouched (the TPU compiler's fusions that carry an
