@@ -8,6 +8,7 @@ needed) and read the compiled HLO; they are skipped when libtpu is not installed
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 import jax
@@ -225,17 +226,19 @@ def test_the_dropless_layer_on_v5e_has_no_row_masks() -> None:
     assert "gather" in hlo and not fills, fills
 
 
-@pytest.mark.parametrize("chip", ["v5e", "v6e"])
-def test_the_tiles_chosen_for_the_reference_moe_compile_within_the_chips_vmem(chip: str) -> None:
+@pytest.mark.parametrize("chip,vmem_mib", [("v5e", 64), ("v6e", 64), ("v4", 16)])
+def test_the_tiles_chosen_for_the_reference_moe_compile_within_the_chips_vmem(chip: str, vmem_mib: int) -> None:
     """The reference MoE's gate/up product per chip (131072 rows of 1792 against 64 experts' [1792, 2304]
-    in bf16), forward and both gradients, compiled for one chip: every kernel's tiles fit its scoped VMEM
-    (16 MiB on v5e, 32 MiB on v6e; a tile that does not fit fails the compile), and together the three
-    kernels' own estimates are under half of what the tiles used before moved (23.8 GB)."""
+    in bf16), forward and both gradients, compiled for one chip: every kernel's tiles fit the scoped VMEM
+    the product gives it (64 MiB on v5e and v6e; v4's cores hold only 16 MiB, so its tiles keep to that
+    under the same setting; a tile that does not fit fails the compile), and together the three kernels'
+    own estimates are under half of what the tiles used before moved (23.8 GB)."""
     pytest.importorskip("libtpu", reason="TPU compiles need libtpu (the [tpu] extra)")
     from upcycler.train.aot.hbm_traffic import charges
     from upcycler.train.aot.topology import parse_slice, tpu_devices
+    from upcycler.train.model.gmm_megablox import scoped_vmem
 
-    mesh = Mesh(np.array(tpu_devices(parse_slice(f"{chip}-4"))[:1]), ("chip",))
+    mesh = Mesh(np.array(tpu_devices(parse_slice(f"{chip}-8"))[:1]), ("chip",))
     on_chip = NamedSharding(mesh, P())
     m, k, n, g = 131072, 1792, 2304, 64
     args = [jax.ShapeDtypeStruct(shape, dtype, sharding=on_chip) for shape, dtype in
@@ -246,7 +249,43 @@ def test_the_tiles_chosen_for_the_reference_moe_compile_within_the_chips_vmem(ch
         return out, vjp(cotangent)
 
     with jax.set_mesh(mesh), without_persistent_cache():
+        assert scoped_vmem() == vmem_mib << 20
         hlo = jax.jit(step).lower(*args).compile().as_text()
     kernels = [c for c in charges(hlo) if c.is_kernel]
     assert len(kernels) == 3
     assert sum(c.estimate for c in kernels) < 0.5 * (7_465_992_192 + 7_331_774_464 + 8_984_199_168)
+
+
+def test_libtpu_is_given_the_kernels_vmem_unless_the_user_chose(monkeypatch) -> None:
+    """`libtpu_defaults` raises the scoped VMEM for the chips that take it (on a host without chips: for the
+    compiles), keeps a limit the user set, leaves v4 and unknown accelerators to libtpu; the tiles read
+    the limit back, capped at a core's whole VMEM, and ignore it off TPU."""
+    from upcycler.hardware import chip_for
+    from upcycler.train.aot import topology
+    from upcycler.train.model.gmm_megablox import scoped_vmem_of
+
+    def given(env: dict[str, str], attached: bool) -> str | None:
+        for key in ("LIBTPU_INIT_ARGS", "TPU_ACCELERATOR_TYPE"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        monkeypatch.setattr(topology.glob, "glob", lambda pattern: ["/dev/accel0"] if attached else [])
+        topology.libtpu_defaults()
+        return os.environ.get("LIBTPU_INIT_ARGS")
+
+    flag = "--xla_tpu_scoped_vmem_limit_kib"
+    assert given({}, attached=False) == f"{flag}=65536"
+    assert given({"LIBTPU_INIT_ARGS": "--xla_enable_async_all_gather=true"}, attached=False) == \
+        f"--xla_enable_async_all_gather=true {flag}=65536"
+    assert given({"LIBTPU_INIT_ARGS": f"{flag}=16384"}, attached=False) == f"{flag}=16384"
+    assert given({"TPU_ACCELERATOR_TYPE": "v6e-256"}, attached=True) == f"{flag}=65536"
+    assert given({"TPU_ACCELERATOR_TYPE": "v5litepod-16"}, attached=True) == f"{flag}=65536"
+    assert given({"TPU_ACCELERATOR_TYPE": "v4-32"}, attached=True) is None
+    assert given({"TPU_ACCELERATOR_TYPE": "v9x-8"}, attached=True) is None
+
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", f"{flag}=65536")
+    assert scoped_vmem_of(chip_for("TPU v5 lite")) == 64 << 20
+    assert scoped_vmem_of(chip_for("TPU v4")) == 16 << 20
+    assert scoped_vmem_of(chip_for("cpu")) == scoped_vmem_of(None) == 16 << 20
+    monkeypatch.delenv("LIBTPU_INIT_ARGS")
+    assert scoped_vmem_of(chip_for("TPU v6 lite")) == 32 << 20  # libtpu's own default

@@ -71,7 +71,7 @@ def test_the_search_compiles_what_can_win_and_picks_the_best_that_fits(demo_moe,
         compiled.append(key)
         fits = key[1] >= fits_at[key[0]]
         return Figures(10 << 30 if fits else 20 << 30, 1e9, 1e8, mfu.get(key, 0.3) if fits else 0.0, 1.0,
-                       "memory", 0.0, None)
+                       "compute", 0.0, None)
 
     monkeypatch.setattr(plan_lib, "_compile", fake_compile)
     config = load_config(demo_moe[0])
@@ -86,6 +86,32 @@ def test_the_search_compiles_what_can_win_and_picks_the_best_that_fits(demo_moe,
     found = plan_lib.plan(config, "v5e-4", policies=("full", "attention", "none"), microbatches=(1, 2, 4, 8))
     assert compiled == [("none", 8), ("none", 2), ("none", 4), ("attention", 2), ("attention", 1)]
     assert found.best.choice.remat == "attention"
+
+
+def test_a_memory_bound_fit_lets_more_recomputation_try_the_same_count(demo_moe, monkeypatch):
+    """Made-up figures of the reference MoE's shape: keeping the attention fits at 1 microbatch but is
+    memory-bound; recomputing the projections (`qkv`) also fits at 1 and moves fewer bytes. A
+    compute-bound fit at 1 would end the walk; a memory-bound one lets `qkv` try 1 too, and it wins."""
+    bound = {"attention": "memory", "qkv": "memory"}
+    mfu = {"attention": 0.646, "qkv": 0.651}
+    compiled = []
+
+    def fake_compile(config, topology, chip, spec):
+        key = (config.model.remat, config.data.microbatches)
+        compiled.append(key)
+        return Figures(10 << 30, 1e9, 1e8, mfu[key[0]] - 0.01 * (key[1] - 1), 1.0, bound[key[0]], 0.0, None)
+
+    monkeypatch.setattr(plan_lib, "_compile", fake_compile)
+    monkeypatch.setattr(plan_lib, "_ceiling", lambda config, spec, policy: 1.0)
+    config = load_config(demo_moe[0])
+    found = plan_lib.plan(config, "v5e-4", policies=("qkv", "attention"), microbatches=(1, 2))
+    assert compiled == [("attention", 2), ("attention", 1), ("qkv", 1)]
+    assert found.best.choice.remat == "qkv" and found.best.mfu == 0.651
+    # the same walk with compute-bound figures stops after `attention` at 1
+    compiled.clear()
+    bound.update(attention="compute")
+    found = plan_lib.plan(config, "v5e-4", policies=("qkv", "attention"), microbatches=(1, 2))
+    assert compiled == [("attention", 2), ("attention", 1)] and found.best.choice.remat == "attention"
 
 
 def test_the_plan_fits_its_yaml_compiles_to_the_same_figures_and_it_is_cached(demo_moe, tmp_path):

@@ -47,6 +47,9 @@ class Chip:
     # the VMEM a Pallas kernel may allocate on a TPU core when it asks for no limit of its own (the compiler's
     # default scoped limit, measured: "Scoped allocation with size … and limit 16.00M exceeded"); None: no TPU
     scoped_vmem_bytes: int | None = None
+    # a core's whole VMEM where a compile showed it ("would exceed memory (size=…)"), the most any scoped
+    # limit can give; None: not measured (no limit raised so far reached it)
+    vmem_bytes: int | None = None
 
     @property
     def hbm_budget_bytes(self) -> int:
@@ -92,6 +95,7 @@ CHIPS: tuple[Chip, ...] = (
         source=f"{_TPU_PAGES}v4 (275 TFLOPs bf16, 32 GiB, 1200 GBps); ICI: 6 links of 50 GB/s per direction, "
         f"TPU v4 paper, https://arxiv.org/abs/2304.01433{_USABLE} (a TensorCore), times two",
         scoped_vmem_bytes=16 * MiB,
+        vmem_bytes=16 * MiB,
     ),
     Chip(
         name="TPU v5e",

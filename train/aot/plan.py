@@ -24,7 +24,9 @@ following from what a candidate can change:
   allowed are compiled first (if they do not fit, no count does: the peak falls as microbatches grow),
   then the fewest that fit are found by bisection;
 - a later policy, recomputing more, is tried only with fewer microbatches than the best so far, so a
-  policy that fits with one microbatch ends the walk for its dispatch.
+  policy that fits with one microbatch ends the walk for its dispatch; unless that best is memory-bound:
+  recomputing can then move fewer bytes than keeping (remat `qkv` re-reads less than `attention` keeps
+  and reloads), so the next policy is tried at the same count too.
 
 Each compile's figures are cached on disk under everything that was compiled, so planning again (a
 larger margin, a longer table) compiles only what is new.
@@ -236,7 +238,8 @@ def plan(config: TrainConfig, topology: str, *, margin: int = 1 << 30, cache=Non
                 else:
                     lo = mid + 1
             best = max(best, fit.figures.mfu)
-            fewest = fit.choice.microbatches
+            # a memory-bound fit can lose to more recomputation at its own count
+            fewest = fit.choice.microbatches + (fit.figures.bound == "memory")
     outcomes.sort(key=lambda o: (not o.fits, -o.mfu, o.figures.peak if o.figures.peak is not None else float("inf")))
     return Plan(topology, budget, margin, outcomes, time.perf_counter() - started, compiled)
 

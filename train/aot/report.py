@@ -28,6 +28,7 @@ from upcycler.spec import ModelSpec
 from upcycler.train.aot import collectives, hbm_traffic, roofline, save_time
 from upcycler.train.config import LossConfig, ModelConfig, TrainConfig
 from upcycler.train.model import remat
+from upcycler.train.model.gmm_megablox import scoped_vmem_of
 from upcycler.train.reporting.metrics import flops_per_token, matmul_params
 from upcycler.units import human_count
 
@@ -156,7 +157,8 @@ def build(config: TrainConfig, spec: ModelSpec, mesh, layout, batch, compiled, *
         beyond = sum(row.kernel_estimate for row in rows)
         if beyond:
             notes.append(f"kernels are charged their own cost estimates: {_gib(beyond)} of the HBM traffic is what "
-                         "they re-read beyond their operands (tiles)")
+                         f"they re-read beyond their operands (tiles chosen for {scoped_vmem_of(chip) >> 20} MiB "
+                         "of scoped VMEM)")
         line = asdict(roofline.estimate(model_flops / devices, executed / devices, hbm_bytes,
                                         traffic.traffic_bytes, chip))
     return Report(

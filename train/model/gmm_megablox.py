@@ -76,20 +76,27 @@ def megablox_gmm(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, *, i
 
 
 def scoped_vmem() -> int:
-    """The scoped VMEM of the TPU being compiled for: the limit set in `LIBTPU_INIT_ARGS`
-    (`--xla_tpu_scoped_vmem_limit_kib=N`, which the kernels obey too) when there is one, else the chip's
-    default (the mesh's device kind, else this host's first device), `DEFAULT_SCOPED_VMEM` when it is not
-    a TPU the chip table knows (the interpreter)."""
+    """The scoped VMEM of the TPU being compiled for (`scoped_vmem_of`): the mesh's device kind, else this
+    host's first device."""
     from upcycler.hardware import chip_for
-
-    if found := re.search(r"--xla_tpu_scoped_vmem_limit_kib=(\d+)", os.environ.get("LIBTPU_INIT_ARGS", "")):
-        return int(found.group(1)) << 10
 
     mesh = jax.sharding.get_abstract_mesh()
     device = None if mesh.empty else getattr(mesh, "abstract_device", None)
     kind = getattr(device, "device_kind", None) or jax.devices()[0].device_kind
-    chip = chip_for(kind)
-    return chip.scoped_vmem_bytes if chip is not None and chip.scoped_vmem_bytes else DEFAULT_SCOPED_VMEM
+    return scoped_vmem_of(chip_for(kind))
+
+
+def scoped_vmem_of(chip) -> int:
+    """The VMEM a kernel may allocate on `chip` (a `hardware.Chip`): the limit in `LIBTPU_INIT_ARGS`
+    (`--xla_tpu_scoped_vmem_limit_kib=N`, which the kernels obey too; the product sets it,
+    `topology.libtpu_defaults`) when there is one, at most the chip's whole VMEM, else the chip's default;
+    `DEFAULT_SCOPED_VMEM` for what is not a TPU the chip table knows (the interpreter, whatever the flag)."""
+    if chip is None or not chip.scoped_vmem_bytes:
+        return DEFAULT_SCOPED_VMEM
+    if found := re.search(r"--xla_tpu_scoped_vmem_limit_kib=(\d+)", os.environ.get("LIBTPU_INIT_ARGS", "")):
+        limit = int(found.group(1)) << 10
+        return min(limit, chip.vmem_bytes) if chip.vmem_bytes else limit
+    return chip.scoped_vmem_bytes
 
 
 def _pad_to(a: jax.Array, shape: tuple[int, ...]) -> jax.Array:

@@ -20,7 +20,7 @@ import click
 
 from upcycler.cli.remote_locations import with_remote_locations
 from upcycler.errors import UpcyclerError
-from upcycler.train.aot.topology import quiet_libtpu_without_chips
+from upcycler.train.aot.topology import libtpu_defaults
 from upcycler.untrusted import escape
 
 _MAX_MESSAGE = 2000
@@ -59,7 +59,7 @@ class _Group(click.Group):
 
     def main(self, *args, **kwargs):
         kwargs.pop("standalone_mode", None)
-        quiet_libtpu_without_chips()  # before any command starts JAX
+        libtpu_defaults()  # before any command starts JAX
         try:
             super().main(*args, standalone_mode=False, **kwargs)
             return
