@@ -19,10 +19,12 @@ from transform_helpers import (
 )
 
 from upcycler.cli.demo import demo_assets
+from upcycler.errors import UpcyclerError
 from upcycler.io import read_checkpoint
 from upcycler.spec import MoESpec
 from upcycler.tensors import LazyTensor, TensorMap
 from upcycler.transforms import transform_named
+from upcycler.transforms.moe_write_check import write_check_for
 
 # name: (source family, source overrides, dense-to-moe options, expected family)
 CASES = {
@@ -79,6 +81,55 @@ def test_function_preserved(case, upcycled):
     assert p.exact and json.loads((out / "upcycler.json").read_text())["lineage"][-1]["function_preserving"]
     assert max_logit_diff(src, out) <= TOLERANCE
 
+
+
+# every dense family the library saves, into every MoE target: True where the target holds the parent
+# exactly (checked in transformers), else the target's own refusal names what it cannot hold
+PARENT_INTO_TARGET = {
+    "llama": {"mixtral": True, "qwen2_moe": True, "qwen3_moe": "q/k norms", "glm4_moe": True},
+    "mistral": {"mixtral": True, "qwen2_moe": True, "qwen3_moe": "q/k norms", "glm4_moe": True},
+    "qwen2": {"mixtral": "attention biases", "qwen2_moe": True, "qwen3_moe": "q/k norms", "glm4_moe": True},
+    "qwen3": {"mixtral": "q/k norms", "qwen2_moe": "q/k norms", "qwen3_moe": True, "glm4_moe": True},
+}
+
+
+@pytest.mark.parametrize("parent", PARENT_INTO_TARGET)
+def test_every_parent_family_into_every_target(parent, tiny_dir, tmp_path):
+    """A parent saved by today's transformers (Qwen2 and Qwen3 write `layer_types`, all full attention)
+    written as each target: the write check accepts a config that spells the same attention another way
+    (GLM-4-MoE writes no `layer_types`) and the output equals its parent in transformers."""
+    src = tiny_dir(parent)
+    for target, expected in PARENT_INTO_TARGET[parent].items():
+        options = {"experts": 8, "topk": 2, "granularity": 2, "target": target,
+                   "shared_experts": 1 if target == "qwen2_moe" else 0}
+        out = tmp_path / target
+        if expected is True:
+            planned = run_transform("dense-to-moe", src, out, **options)
+            assert config(out)["model_type"] == target
+            assert write_check_for(planned)(out)["passed"]
+            assert max_logit_diff(src, out) <= TOLERANCE, (parent, target)
+        else:
+            with pytest.raises(UpcyclerError, match=f"cannot hold this request exactly: .*{expected}"):
+                run_transform("dense-to-moe", src, out, **options)
+            assert not out.exists()
+
+
+def test_configs_that_spell_the_same_attention_differently_are_the_same_model(tiny_dir):
+    """`differences` compares the window each layer attends through, not how the config spells it."""
+    from upcycler.io.hf_read import read_spec
+
+    plain = read_spec(tiny_dir("llama"))  # 2 layers, no window
+    full = ("full_attention", "full_attention")
+    assert plain.differences(plain.replace(layer_types=full)) == []
+    assert plain.differences(plain.replace(layer_types=full, sliding_window=64)) == []
+    windowed = plain.replace(sliding_window=64)  # no layer_types: every layer slides (Mistral)
+    assert windowed.attention_windows() == (64, 64)
+    assert windowed.differences(windowed.replace(layer_types=("sliding_attention",) * 2)) == []
+    assert plain.differences(windowed) == ["sliding_window"]
+    mixed = windowed.replace(layer_types=("sliding_attention", "full_attention"))
+    assert mixed.attention_windows() == (64, None)
+    assert windowed.differences(mixed) == ["layer_types"]
+    assert plain.differences(plain.replace(rope_theta=5e5)) == ["rope_theta"]
 
 def test_virtual_groups(upcycled):
     """64 experts, G=8: router rows repeat per group bitwise; expert e = shard e mod 8, down_proj × 8."""

@@ -164,6 +164,26 @@ def test_plan_refuses_what_it_cannot_search(demo_moe, tmp_path, args, message):
     assert not (tmp_path / "p.yaml").exists()
 
 
+@pytest.mark.parametrize("where,message", [
+    ("missing/best.yaml", "/missing does not exist; create it or name a YAML file in an existing directory"),
+    ("gs://bucket/best.yaml", "--plan: 'gs://bucket/best.yaml': gs:// locations are not supported here"),
+    (".", "a directory, not a file"),
+], ids=["missing-directory", "bucket", "directory"])
+def test_the_plans_file_is_checked_before_anything_compiles(demo_moe, tmp_path, where, message):
+    """A `--plan` destination the YAML could not be written to is refused in one line, at once (no compile:
+    within seconds, and no figure cached)."""
+    import time
+
+    config, home = demo_moe
+    destination = where if "://" in where else str(tmp_path / where)
+    started = time.monotonic()
+    proc = _upcycle("--config", config, "--compile-only", "--topology", "v5e-4", "--plan", destination,
+                    home=home, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("error: ") and time.monotonic() - started < 60
+    assert "compiling" not in proc.stderr and sorted(tmp_path.iterdir()) == []
+
+
 def test_counts_the_mesh_refuses_are_skipped_not_taken_for_out_of_memory(demo_moe, monkeypatch):
     """A microbatch count the batch cannot be split into (refused before compiling) moves the search to
     the next count down; the policy is still tried."""
@@ -221,7 +241,8 @@ def test_the_shape_advisor_proposes_a_shape_whose_lines_run(demo_moe, tmp_path):
     (("--plan-for", "v5e-4", "--active-params", "lots"), "--active-params: 'lots' is not a count"),
     (("--plan-for", "v5e-4", "--active-params", "10"), "is not above the source's parameters outside its MLPs"),
     (("--plan-for", "v5e-4", "--topk", "2", "--expert-width", "128"), "no exact MoE shape meets these targets"),
-], ids=["with-out", "bad-count", "too-few", "narrow"])
+    (("--plan-for", "v99-8"), "--plan-for 'v99-8': not a TPU slice"),
+], ids=["with-out", "bad-count", "too-few", "narrow", "bad-slice"])
 def test_the_advisor_refuses_what_it_cannot_plan(tmp_path, args, message):
     args = [str(tmp_path / a) if a == "OUT" else a for a in args]
     proc = subprocess.run([sys.executable, "-m", "upcycler", "dense-to-moe", str(demo_assets() / "model"), *args],

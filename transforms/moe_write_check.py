@@ -292,7 +292,7 @@ class WriteCheck:
     def _check_config(self, staged: Path) -> None:
         """config.json reads back as the planned spec and keeps the source's function settings."""
         got = read_spec(staged)
-        differ = [k for k, v in self.spec.__dict__.items() if getattr(got, k, None) != v]
+        differ = self.spec.differences(got)
         if differ == ["intermediate_size"] and _shapes(got) == _shapes(self.spec):
             differ = []  # a dense width no layer uses (every layer is MoE): not every family writes it
         if differ:

@@ -251,6 +251,25 @@ class ModelSpec:
             return False
         return self.layer_types is None or "sliding_attention" in self.layer_types
 
+    def attention_windows(self) -> tuple[int | None, ...]:
+        """The window each layer attends through (None: the whole prefix): what `sliding_window` and
+        `layer_types` mean together, so configs that spell the same attention differently compare equal
+        (no `layer_types` with no window, or every layer "full_attention", or a window no layer uses)."""
+        sliding = [self.sliding_window if self.sliding_window and
+                   (self.layer_types is None or kind == "sliding_attention") else None
+                   for kind in (self.layer_types or ("sliding_attention",) * self.num_layers)]
+        return tuple(sliding)
+
+    def differences(self, other: ModelSpec) -> list[str]:
+        """The fields in which `other` is another model than this one: every field (`extras` too) by value,
+        but `sliding_window` and `layer_types` by the attention they give each layer (`attention_windows`)."""
+        attention = ("sliding_window", "layer_types")
+        differ = [f.name for f in dataclasses.fields(self) if f.name not in attention
+                  and getattr(self, f.name) != getattr(other, f.name)]
+        if self.attention_windows() != other.attention_windows():
+            differ.extend(name for name in attention if getattr(self, name) != getattr(other, name))
+        return differ
+
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return None if self.rope_scaling is None else dict(self.rope_scaling)

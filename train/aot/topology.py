@@ -55,18 +55,19 @@ class Slice:
         return f"{GENERATIONS[self.generation][0]}:{'x'.join(map(str, self.shape))}"
 
 
-def parse_slice(name: str) -> Slice:
-    """`v5e-256` or `v5e:16x16` as a `Slice`; raises `UpcyclerError` naming the accepted forms, or the
-    limit of `MAX_CHIPS` chips (no slice is larger; a bigger number would only make libtpu build it)."""
+def parse_slice(name: str, option: str = "--topology") -> Slice:
+    """`v5e-256` or `v5e:16x16` as a `Slice`; raises `UpcyclerError` naming `option` (the flag it was given
+    as) and the accepted forms, or the limit of `MAX_CHIPS` chips (no slice is larger; a bigger number
+    would only make libtpu build it)."""
     text = name.strip().lower().replace("litepod", "e")  # Cloud TPU's accelerator type: v5litepod-16
     if m := re.fullmatch(r"(v\d{1,3}[a-z]?):(\d{1,6}(?:x\d{1,6}){0,3})", text):
         generation, shape = m.group(1), tuple(int(s) for s in m.group(2).split("x"))
         if generation in GENERATIONS and len(shape) == GENERATIONS[generation][2] and min(shape) > 0:
-            return Slice(generation, _at_most(name, _prod(shape)), shape)
+            return Slice(generation, _at_most(name, _prod(shape), option), shape)
     elif m := re.fullmatch(r"(v\d{1,3}[a-z]?)-(\d{1,9})", text):
         generation, count = m.group(1), int(m.group(2))
         if generation in GENERATIONS and count > 0:
-            _at_most(name, count // GENERATIONS[generation][1])
+            _at_most(name, count // GENERATIONS[generation][1], option)
             cores = GENERATIONS[generation][1]
             if count % cores == 0:
                 shape = _grid(count // cores, GENERATIONS[generation][2])
@@ -74,15 +75,15 @@ def parse_slice(name: str) -> Slice:
                     return Slice(generation, count // cores, shape)
     known = ", ".join(GENERATIONS)
     raise UpcyclerError(
-        f"--topology {describe(name)}: not a TPU slice; write GENERATION-COUNT (v5e-256, v5p-128, v6e-256) or "
+        f"{option} {describe(name)}: not a TPU slice; write GENERATION-COUNT (v5e-256, v5p-128, v6e-256) or "
         f"libtpu's GENERATION:AxB[xC] (v5e:16x16), with a generation among {known} and a power-of-two count "
         f"of at most {MAX_CHIPS:,} chips"
     )
 
 
-def _at_most(name: str, chips: int) -> int:
+def _at_most(name: str, chips: int, option: str) -> int:
     if chips > MAX_CHIPS:
-        raise UpcyclerError(f"--topology {describe(name)}: {chips:,} chips is more than the limit of "
+        raise UpcyclerError(f"{option} {describe(name)}: {chips:,} chips is more than the limit of "
                             f"{MAX_CHIPS:,} chips of one slice; name a real slice size, e.g. v5e-256 or v5p-128")
     return chips
 

@@ -13,6 +13,7 @@ flag, checkpoint or data directory fails in about a second.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import replace
@@ -107,7 +108,7 @@ so a scheduler can restart it (a JobSet/Kubernetes podFailurePolicy on exit code
               help="With --compile-only: bytes per second one host writes to the run_dir's storage (e.g. 2GB), "
                    "for the checkpoint save's time bound (default 1GB).")
 @click.option("--json", "as_json", is_flag=True, help="With --compile-only: print the report as one JSON line.")
-@click.option("--plan", "plan_out", metavar="YAML", type=click.Path(dir_okay=False, path_type=Path),
+@click.option("--plan", "plan_out", metavar="YAML", type=LOCAL_PATH,
               help="With --compile-only --topology: search remat policies, microbatches, expert dispatch and "
                    "attention for the best roofline bound that fits, print the ranked table, and write the "
                    "winning config to YAML (compiled figures are cached in ~/.cache/upcycler/plan).")
@@ -124,6 +125,8 @@ def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_
     """Continue pretraining a dense or upcycled MoE checkpoint on prepared data; checkpoints go to run_dir."""
     keys = _flags()
     config = load_config(config_path, {keys[name]: value for name, value in flags.items()}, sets)
+    if plan_out is not None:
+        _plan_file(plan_out)  # before any input is fetched or compiled
     from upcycler.train.loop.remote_inputs import localized
 
     config = localized(config)  # gs:// model inputs: this host's copies
@@ -171,7 +174,8 @@ def _listed(text: str | None, option: str, allowed: tuple[str, ...] | None) -> t
 
 def _plan(config: TrainConfig, compile_only: bool, topology: str | None, out: Path, margin: str,
           as_json: bool, narrow: dict[str, tuple]) -> None:
-    """Print the plan's table (or JSON) and write the best configuration to `out`; exit 1 when nothing fits."""
+    """Print the plan's table (or JSON) and write the best configuration to `destination`; exit 1 when
+    nothing fits. Everything the plan needs is checked before the first compile (`out`: `_plan_file`)."""
     if not compile_only or topology is None:
         raise UpcyclerError("--plan searches compiled configurations for a TPU slice: add --compile-only and "
                             "--topology (e.g. --topology v5e-256)")
@@ -190,6 +194,21 @@ def _plan(config: TrainConfig, compile_only: bool, topology: str | None, out: Pa
     partial.write_text(yaml.safe_dump(configured(config, found.best.choice).to_dict(), sort_keys=False))
     partial.replace(out)
     click.echo(f"wrote {out}: run it with upcycle continued-pretrain --config {out}", err=True)
+
+
+def _plan_file(out: Path) -> None:
+    """The local file `--plan` writes (a URL is refused by its type), refused in one line before any
+    compile: a directory, or a file in a directory that does not exist or cannot be written."""
+    destination, parent = str(out), out.parent
+    fix = "name a YAML file in an existing directory, e.g. --plan best.yaml"
+    if out.is_dir():
+        raise UpcyclerError(f"--plan {destination}: a directory, not a file; {fix}")
+    if not parent.is_dir():
+        raise UpcyclerError(f"--plan {destination}: the directory {parent} does not exist"
+                            f"; create it or {fix}")
+    if not os.access(parent, os.W_OK):
+        raise UpcyclerError(f"--plan {destination}: the directory {parent} is not writable"
+                            f"; {fix}")
 
 
 def _compile_only(config: TrainConfig, compile_only: bool, topology: str | None, hbm_budget: str | None,

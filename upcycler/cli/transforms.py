@@ -146,7 +146,7 @@ def _advise(src: Path, out: Path | None, as_json: bool, advice: dict, fixed: dic
 
     if out is not None:
         raise click.UsageError("--plan-for writes nothing: drop OUT (the proposals print the command that writes)")
-    parse_slice(advice["plan_for"])
+    parse_slice(advice["plan_for"], "--plan-for")
     advise(src, advice["plan_for"], as_json=as_json, train_config=advice["train_config"],
            active=parse_count(advice["active_params"], "--active-params") if advice["active_params"] else None,
            total=parse_count(advice["total_params"], "--total-params") if advice["total_params"] else None,
