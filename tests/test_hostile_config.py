@@ -378,10 +378,18 @@ def test_recipe_float_option_must_be_finite(tmp_path, models, value):
     ("slerp", "--t", "-inf"),
 ])
 def test_merge_float_option_must_be_finite(tmp_path, models, method, option, value):
-    src = models["llama"]
+    src, same = models["llama"], models["orbax"]
     base = ["--base", src] if METHODS[method].needs_base else []
-    fails(tmp_path, ["merge", src, src, tmp_path / "out", "--method", method, *base, option, value],
-          (option, "finite"), [src])
+    fails(tmp_path, ["merge", src, same, tmp_path / "out", "--method", method, *base, option, value],
+          (option, "finite"), [src, same])
+
+
+def test_merging_one_input_twice_is_refused(tmp_path, models):
+    """The same checkpoint twice, directly or through a symlink, would count double: one line naming both."""
+    src = models["llama"]
+    (tmp_path / "alias").symlink_to(src)
+    fails(tmp_path, ["merge", src, src, tmp_path / "out"], ("merged twice", str(src)), [src])
+    fails(tmp_path, ["merge", src, tmp_path / "alias", tmp_path / "out"], ("alias: merged twice", str(src)), [src])
 
 
 # --- in-process: the spec itself ----------------------------------------------------------------------

@@ -461,9 +461,16 @@ OVERLAPS = {
 
 
 @pytest.mark.parametrize("args,mentions", _cases(OVERLAPS))
-def test_output_overlapping_an_input(world, tmp_path, args, mentions):
+def test_output_overlapping_an_input(world, tmp_path, args, mentions, monkeypatch):
     """`--overwrite` never replaces a directory the command reads, whether a source or calibration data
-    (before: calibration data inside OUT was deleted by the replacement, then the command failed)."""
+    (before: calibration data inside OUT was deleted by the replacement, then the command failed); the
+    overlap is refused before the plan is made (planning fits the routers for a while)."""
+    from upcycler.transforms import pipeline
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("planned before the output was checked")
+
+    monkeypatch.setattr(pipeline, "plan", no_planning)
     out = _copy(world["json"], tmp_path / "out")
     _copy(world["calib"], out / "calib")
     for name in ("json", "email"):

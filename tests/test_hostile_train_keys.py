@@ -146,6 +146,8 @@ COMBINATIONS = {
     "trainable a backtracking regex": (sets(optimizer__trainable="'^([a-z_.0-9]|[a-z_.0-9])*!$'"),
                                        "took over", "moe"),
     "new_layers without a depth growth": (sets(optimizer__trainable="new_layers"), "new_layers", "dense"),
+    "hf_every past the last step": (sets(checkpoint__hf_every=12), "checkpoint.hf_every", "dense"),
+    "a spike window as long as the run": (sets(loss__spike="{window: 6}"), "loss.spike.window", "dense"),
 }
 
 
@@ -154,6 +156,26 @@ def test_options_that_cannot_work_together_are_one_error(ws, tmp_path, case):
     args, mentions, model = COMBINATIONS[case]
     refused(ws, tmp_path, args, mentions, model)
 
+
+
+def test_all_to_all_over_the_devices_that_remain_when_one_remains(ws):
+    """`mesh.expert: -1` resolves to what the other axes leave: all_to_all over a single device has nothing to
+    exchange and is refused when the mesh is built, naming both keys; over two devices it builds."""
+    import jax
+
+    from upcycler.io.hf_read import read_spec
+    from upcycler.train.config import MeshConfig
+    from upcycler.train.loop.mesh import build_mesh
+
+    spec = read_spec(ws["moe"])
+    one = jax.devices()[:1]
+    with pytest.raises(UpcyclerError, match="mesh.expert -1 leaves it 1 of the 1 devices .* model.moe_dispatch"):
+        build_mesh(MeshConfig(data=1, fsdp=1, expert=-1), 8, spec, devices=one, moe_dispatch="all_to_all")
+    assert build_mesh(MeshConfig(data=1, fsdp=1, expert=-1), 8, spec, devices=one).shape["expert"] == 1
+    if len(jax.devices()) >= 2:
+        mesh = build_mesh(MeshConfig(data=1, fsdp=1, expert=-1), 8, spec, devices=jax.devices()[:2],
+                          moe_dispatch="all_to_all")
+        assert mesh.shape["expert"] == 2
 
 # --- model.init_from_merge: the inputs it names -----------------------------------------------------------
 
@@ -172,9 +194,9 @@ def _merge_sources(ws, tmp: Path) -> dict[str, tuple[str, str]]:
         "a device": ("/dev/zero", "/dev/zero"),
         "a file": (str(ws["tokenizer"]), "not a directory"),
         "the data directory": (str(ws["data"]), "not a checkpoint"),
-        "the same checkpoint twice": (f"{run}/4 {run}/4", "averaged twice"),
-        "the same checkpoint through a symlink": (f"{run}/4 {tmp}/alias", "averaged twice"),
-        "the same run twice": (f"{run} {run} --last 2", "averaged twice"),
+        "the same checkpoint twice": (f"{run}/4 {run}/4", "merged twice"),
+        "the same checkpoint through a symlink": (f"{run}/4 {tmp}/alias", "merged twice"),
+        "the same run twice": (f"{run} {run} --last 2", "merged twice"),
         "another architecture": (f"{run}/2 {ws['moe']}", "family"),
         "another architecture than model.init": (f"{ws['moe']}", "differ from model.init"),
         "no path": ("--last 3", "name a run directory"),
@@ -260,7 +282,7 @@ def test_real_process_refusals(ws, tmp_path):
     for args, mentions in (
         (["--compile-only", "--topology", "v5e-" + "9" * 5000], "--topology"),
         (["--set", "optimizer.trainable='^([a-z_.0-9]|[a-z_.0-9])*!$'"], "took over"),
-        (["--set", f"model.init_from_merge='{ws['source_run']} {ws['source_run']} --last 1'"], "averaged twice"),
+        (["--set", f"model.init_from_merge='{ws['source_run']} {ws['source_run']} --last 1'"], "merged twice"),
     ):
         proc = run_cli("continued-pretrain", "--config", cfg, *args, check=False, timeout=SECONDS * 6)
         assert proc.returncode == 2

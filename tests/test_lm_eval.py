@@ -18,6 +18,7 @@ import glob
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -258,6 +259,16 @@ def test_unknown_task_is_one_line(runs):
 def test_bad_input_is_one_line(runs, args, mentions):
     args = [a.format(**{k: runs[k] for k in ("model", "root", "tasks")}) for a in args]
     assert_clean_failure(run_cli("eval", *args, check=False), mentions=mentions)
+
+
+def test_a_task_whose_yaml_does_not_parse_names_the_file(runs, tmp_path):
+    """The harness skips a YAML it cannot parse and then finds no such task: the file is named instead."""
+    tasks = tmp_path / "tasks"
+    shutil.copytree(runs["tasks"], tasks)
+    (tasks / "broken_task.yaml").write_text("task: broken_task\ndataset_path: [unclosed\noutput_type: x\n")
+    line = assert_clean_failure(run_cli("eval", runs["model"], "--task", "lm-eval:broken_task", "--include", tasks,
+                                        check=False), mentions="broken_task.yaml does not parse as YAML at line")
+    assert "--task lm-eval:'broken_task'" in line and "fix the file" in line
 
 
 def test_missing_harness_is_one_line(runs):

@@ -431,6 +431,12 @@ def check(config: TrainConfig, origin: str = "config") -> None:
             f"{origin}: loss.spike.average {spike.average} checkpoints can never be averaged: checkpoint.keep "
             f"is {config.checkpoint.keep}; lower loss.spike.average or raise checkpoint.keep"
         )
+    if spike is not None and spike.window >= config.steps:
+        raise UpcyclerError(
+            f"{origin}: loss.spike.window {spike.window} good steps come before the guard judges any, and the run "
+            f"has {config.steps} steps: it would never judge one; lower loss.spike.window below {config.steps}, "
+            "or drop loss.spike"
+        )
     _check_exports(config.checkpoint, config.steps, origin)
     _check_observability(config, origin)
     _check_trainable(config.optimizer.trainable, origin)

@@ -74,7 +74,8 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
     tgt = target(topology, slices)
     mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, spec,
                                microbatches=config.data.microbatches, devices=tgt.devices,
-                               seq_len=config.data.seq_len, moe_chunks=config.model.moe_chunks)
+                               seq_len=config.data.seq_len, moe_chunks=config.model.moe_chunks,
+                               moe_dispatch=config.model.moe_dispatch)
     check_spec_options(config, spec)
     layout = state_layout(spec, config.optimizer, mesh, _lineage(config.model.init))
     batch = abstract_batch(config.data.global_batch_size, config.data.seq_len, mesh)

@@ -366,6 +366,7 @@ def task_manager(names: list[str], include: Path | None) -> Any:
         local = TaskManager(include_path=str(include), include_defaults=False)
         if all(name in local.all_tasks for name in names):
             return local
+        _refuse_unparsed_yaml(include, [name for name in names if name not in local.all_tasks])
     manager = TaskManager(include_path=None if include is None else str(include))
     unknown = [name for name in names if name not in manager.all_tasks]
     if unknown:
@@ -373,6 +374,32 @@ def task_manager(names: list[str], include: Path | None) -> Any:
         raise UpcyclerError(f"--task lm-eval:{describe(unknown[0])}: no such task in {where}; pass a task name "
                             "that `lm_eval ls tasks` lists, or --include the directory of its YAML")
     return manager
+
+
+def _refuse_unparsed_yaml(include: Path, missing: list[str]) -> None:
+    """A task missing from `include` because its YAML there does not parse (the harness skips such a file
+    in silence): name the file and where it fails. A file is taken for a missing task's when its name or
+    its text names the task."""
+    import yaml
+
+    class Lenient(yaml.SafeLoader):  # the harness's own tags (`!function`) are not what fails here
+        pass
+
+    Lenient.add_multi_constructor("!", lambda loader, suffix, node: None)
+    for path in sorted(include.rglob("*.y*ml")):
+        try:
+            text = path.read_text(errors="replace")
+            yaml.load(text, Lenient)
+        except yaml.YAMLError as err:
+            task = next((name for name in missing if name == path.stem or name in text), None)
+            if task is not None:
+                where = getattr(err, "problem_mark", None)
+                at = f" at line {where.line + 1}" if where is not None else ""
+                raise UpcyclerError(f"--task lm-eval:{describe(task)}: {shown_path(path)} does not parse as YAML"
+                                    f"{at} ({escape(str(getattr(err, 'problem', None) or err))[:120]}), so the "
+                                    "harness skips it; fix the file") from None
+        except OSError:
+            continue
 
 
 def load_tasks(manager: Any, names: list[str]) -> dict[str, Any]:

@@ -55,10 +55,12 @@ def build_mesh(
     devices: Sequence[Any] | None = None,
     seq_len: int = 1,
     moe_chunks: int = 1,
+    moe_dispatch: str = "gspmd",
 ) -> Mesh:
     """The mesh over all devices (or `devices`, e.g. a TPU slice to compile for); raises `UpcyclerError`
-    if it does not fit the devices, the batch and its microbatches, the experts, or the token chunks of
-    the all_gather dispatch (`moe_chunks` must divide the tokens an `expert` group gathers)."""
+    if it does not fit the devices, the batch and its microbatches, the experts, the token chunks of
+    the all_gather dispatch (`moe_chunks` must divide the tokens an `expert` group gathers), or leaves
+    the all_to_all dispatch an expert axis of one device (`mesh.expert: -1` on what remains)."""
     devices = list(jax.devices() if devices is None else devices)
     count = len(devices)
     try:
@@ -84,6 +86,12 @@ def build_mesh(
         raise UpcyclerError(
             f"{spec.moe.num_experts} experts do not split over mesh.expert = {mesh.shape['expert']}; "
             "pick an expert axis size that divides the expert count"
+        )
+    if moe_dispatch == "all_to_all" and spec is not None and spec.moe is not None and mesh.shape["expert"] == 1:
+        raise UpcyclerError(
+            f"model.moe_dispatch all_to_all sends tokens to the devices of mesh.expert, and mesh.expert "
+            f"{m.expert} leaves it 1 of the {count} devices (nothing to exchange); give mesh.expert more "
+            "devices (lower mesh.data or mesh.fsdp), or set model.moe_dispatch to gspmd"
         )
     gathered = global_batch_size // (microbatches * mesh.shape["data"] * mesh.shape["fsdp"]) * seq_len
     if moe_chunks > 1 and gathered % moe_chunks:

@@ -91,7 +91,8 @@ def train(config: TrainConfig, *, resume: bool = False, checked: RunInputs | Non
         checked = checked or prepare(config, resume)
         mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, checked.spec,
                                    microbatches=config.data.microbatches,
-                                   seq_len=config.data.seq_len, moe_chunks=config.model.moe_chunks)
+                                   seq_len=config.data.seq_len, moe_chunks=config.model.moe_chunks,
+                                   moe_dispatch=config.model.moe_dispatch)
         check_spec_options(config, checked.spec)  # MoE options on a dense model: before the run directory
     data = make_data_iterator(config.data, jax.process_index(), jax.process_count())
     run = None

@@ -19,7 +19,7 @@ from upcycler.io import read_checkpoint
 from upcycler.io.checkpoint import Checkpoint
 from upcycler.merge import METHODS, MergeInput, find_checkpoints, first_difference, merge, plan_merge
 from upcycler.spec import ModelSpec
-from upcycler.untrusted import describe, shown_path
+from upcycler.untrusted import describe
 
 OPTION = "model.init_from_merge"
 _STEP_FLAGS = ("--last", "--every", "--until")
@@ -70,7 +70,6 @@ def plan_init_merge(text: str, spec: ModelSpec) -> Checkpoint:
     paths, steps, method, options = parse_init_merge(text)
     try:
         found = find_checkpoints(paths, **steps)
-        _refuse_twice([p for p, _ in found])
         plan = plan_merge([MergeInput(read_checkpoint(p), step) for p, step in found], method, options=options)
     except UpcyclerError as err:  # the merge's own words, said of this option
         raise UpcyclerError(f"{OPTION}: {err}") from None
@@ -80,17 +79,6 @@ def plan_init_merge(text: str, spec: ModelSpec) -> Checkpoint:
         raise UpcyclerError(f"{OPTION}: the checkpoints to average differ from model.init in {where}; average "
                             "checkpoints of model.init's architecture")
     return merged
-
-
-def _refuse_twice(checkpoints: list[Path]) -> None:
-    """The same checkpoint (symlinks resolved) named twice, or in a run named twice, would count double."""
-    seen: dict[Path, Path] = {}
-    for path in checkpoints:
-        real = path.resolve()
-        if real in seen:
-            raise UpcyclerError(f"{shown_path(path)}: averaged twice (also as {shown_path(seen[real])}); name each "
-                                "checkpoint or run once")
-        seen[real] = path
 
 
 def _number(kind: Any, flag: str, value: str) -> Any:

@@ -222,13 +222,28 @@ class _AttentionFit:
         return getattr(AttentionFit(self.measures), name)
 
 
-def planned(recipe, *, dry_run: bool):
-    """`pipeline.plan` with the services a transform may borrow from the trainer."""
+def planned(recipe, *, dry_run: bool, overwrite: bool = False):
+    """`pipeline.plan` with the services a transform may borrow from the trainer. A local output that
+    overlaps an input (the source, a step's calibration data or expert sources) or exists without
+    `overwrite` is refused first: planning may read and fit for a while."""
     from upcycler.transforms.pipeline import plan
     from upcycler.transforms.registry import providing
 
+    if recipe.output.path is not None and not dry_run and not isinstance(recipe.output.path, str):
+        check_output(recipe.output.path, overwrite=overwrite, sources=_named_inputs(recipe))
+
     with providing(router_inputs=_RouterInputs(), attention_fit=_AttentionFit(measures=not dry_run)):
         return plan(recipe, allow_config_only=dry_run)
+
+
+def _named_inputs(recipe) -> list[Path]:
+    """The local paths a recipe reads: its source and what its steps name (calibration, expert sources)."""
+    named = [recipe.source] if isinstance(recipe.source, Path) else []
+    for step in recipe.steps:
+        calibration = getattr(step.config, "calibration", None)
+        experts_from = getattr(step.config, "experts_from", None) or {}
+        named += [Path(path) for path in (calibration, *experts_from.values()) if path is not None]
+    return named
 
 
 def initial_routing(p, out: Path) -> tuple | None:
@@ -268,8 +283,8 @@ def transform_command(t: Transform) -> click.Command:
         if out is None and not dry_run:
             raise click.UsageError("missing argument OUT (only --dry-run can do without it)")
         recipe = single(t.name, values, src, Output(out, to, family, dtype, parse_size(shard_size, "--shard-size")))
-        finish(planned(recipe, dry_run=dry_run), dry_run=dry_run, as_json=as_json, overwrite=overwrite,
-               no_verify=no_verify)
+        finish(planned(recipe, dry_run=dry_run, overwrite=overwrite), dry_run=dry_run, as_json=as_json,
+               overwrite=overwrite, no_verify=no_verify)
 
     fn: Callable = run_options(output_options(callback))
     if advises:
@@ -299,8 +314,8 @@ def run(recipe: Path, dry_run: bool, as_json: bool, no_verify: bool, overwrite: 
     with remote_io({"source": plan.source}, remote_out, overwrite=overwrite) as (sources, outputs):
         output = dataclasses.replace(plan.output, path=outputs.get("output", plan.output.path))
         plan = dataclasses.replace(plan, source=sources["source"], output=output)
-        finish(planned(plan, dry_run=dry_run), dry_run=dry_run, as_json=as_json, overwrite=overwrite,
-               no_verify=no_verify)
+        finish(planned(plan, dry_run=dry_run, overwrite=overwrite), dry_run=dry_run, as_json=as_json,
+               overwrite=overwrite, no_verify=no_verify)
 
 
 commands = [*(transform_command(t) for t in TRANSFORMS.values()), run]

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from upcycler.errors import UpcyclerError
 from upcycler.io import detect_format
+from upcycler.untrusted import shown_path
 
 STEP_DIR = re.compile(r"(?:step_|checkpoint-)?(\d+)")
 
@@ -27,7 +28,8 @@ STEP_DIR = re.compile(r"(?:step_|checkpoint-)?(\d+)")
 def find_checkpoints(
     paths: Sequence[str | Path], *, last: int | None = None, every: int | None = None, until: int | None = None,
 ) -> list[tuple[Path, int | None]]:
-    """(checkpoint directory, step or None) for every input, run directories expanded oldest first."""
+    """(checkpoint directory, step or None) for every input, run directories expanded oldest first; the same
+    checkpoint (symlinks resolved) named twice, or in a run named twice, is refused: it would count double."""
     for flag, value in (("--last", last), ("--every", every)):
         if value is not None and value < 1:
             raise UpcyclerError(f"{flag} {value} must be at least 1")
@@ -49,7 +51,18 @@ def find_checkpoints(
         out += [(checkpoint_in(d), s) for s, d in select_steps(path, steps, last=last, every=every, until=until)]
     if runs == 0 and (last, every, until) != (None, None, None):
         raise UpcyclerError("--last, --every and --until pick steps of a run directory, but no input is one")
+    _refuse_twice([path for path, _ in out])
     return out
+
+
+def _refuse_twice(checkpoints: list[Path]) -> None:
+    seen: dict[Path, Path] = {}
+    for path in checkpoints:
+        real = path.resolve()
+        if real in seen:
+            raise UpcyclerError(f"{shown_path(path)}: merged twice (also as {shown_path(seen[real])}); name each "
+                                "checkpoint or run once (weights say how much one counts)")
+        seen[real] = path
 
 
 def is_checkpoint(path: Path) -> bool:
