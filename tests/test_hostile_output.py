@@ -277,3 +277,41 @@ def test_staged_files_reclaims_dead_writers_inside_and_beside_the_output(tmp_pat
         (stage / "code.meta.json").write_text("{}")
     assert sorted(p.name for p in out.iterdir()) == sorted(["web.meta.json", "code.meta.json", inside_alive.name])
     assert not beside_dead.exists()
+
+
+# --- what the system refuses: a name too long, a stdout that cannot be written -----------------------
+
+LONG = "n" * 300  # longer than a file name may be (255 bytes)
+
+
+@pytest.mark.parametrize("command", [
+    ["inspect", "{long}"],
+    ["convert", "{hf}", "{long}"],
+    ["convert", "{long}", "{out}"],
+    ["dense-to-moe", "{hf}", "{long}", "--experts", "4", "--topk", "2"],
+    ["depth", "{hf}", "{long}", "--layers", "4"],
+    ["merge", "{hf}", "{long}", "{out}", "--method", "sma"],
+    ["verify", "{long}", "{hf}"],
+], ids=lambda c: "-".join(w for w in c[:3] if not w.startswith("{")))
+def test_a_name_too_long_is_one_line_in_every_command(work, command):
+    long = work / LONG
+    args = [a.format(long=long, hf=work / "hf", out=work / "out") for a in command]
+    before = state(work / "hf")
+    proc = run_cli(*args, check=False)
+    line = fails_cleanly(proc, mentions="File name too long; pass a shorter path", inputs={work / "hf": before},
+                         parent=work, out_name="out")
+    assert LONG in line and proc.returncode == 2
+
+
+@pytest.mark.parametrize("command", [["inspect", "{hf}"], ["inspect", "{hf}", "--json"], ["--help"],
+                                     ["dense-to-moe", "{hf}", "--experts", "4", "--topk", "2", "--dry-run"]],
+                         ids=["inspect", "inspect-json", "help", "dry-run"])
+def test_a_stdout_that_cannot_be_written_is_one_line(work, command):
+    """`> /dev/full`: the result cannot be written; one line on stderr says so, not a traceback."""
+    args = [a.format(hf=work / "hf") for a in command]
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "upcycler", *args], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=300, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines() == ["error: stdout: cannot write the result (No space left on device); "
+                                        "redirect it to a file on a disk with room"]

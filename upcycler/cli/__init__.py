@@ -12,16 +12,20 @@ no traceback.
 
 from __future__ import annotations
 
+import errno
 import importlib
+import io
+import os
 import pkgutil
 import sys
+from pathlib import Path
 
 import click
 
 from upcycler.cli.remote_locations import with_remote_locations
 from upcycler.errors import UpcyclerError
 from upcycler.train.aot.topology import libtpu_defaults
-from upcycler.untrusted import escape
+from upcycler.untrusted import escape, shown_path
 
 _MAX_MESSAGE = 2000
 
@@ -76,6 +80,28 @@ class _Group(click.Group):
             fail(str(err))
         except KeyboardInterrupt:
             fail("interrupted; no output was finished", 130)
+        except OSError as err:  # what a command did not turn into its own words: a path, or stdout itself
+            fail(_os_error_line(err))
+
+
+# what to do about an OSError the system raised, by errno
+_OS_FIXES = {errno.ENAMETOOLONG: "pass a shorter path", errno.EACCES: "check its permissions",
+             errno.EPERM: "check its permissions", errno.ENOSPC: "free some space or write elsewhere",
+             errno.EROFS: "write to a writable file system", errno.ELOOP: "break the symlink loop"}
+
+
+def _os_error_line(err: OSError) -> str:
+    """One line for an OSError: the path it names and what to do, or for a write to stdout that failed (a
+    full disk, /dev/full, a closed pipe) that stdout cannot take the result. Stdout is pointed at
+    /dev/null first, so what it still buffers cannot fail again at exit."""
+    fix = _OS_FIXES.get(err.errno, "check the path")
+    if err.filename is not None:
+        return f"{shown_path(Path(os.fsdecode(err.filename)))}: {err.strerror or err}; {fix}"
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass
+    return f"stdout: cannot write the result ({err.strerror or err}); redirect it to a file on a disk with room"
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
