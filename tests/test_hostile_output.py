@@ -313,5 +313,5 @@ def test_a_stdout_that_cannot_be_written_is_one_line(work, command):
         proc = subprocess.run([sys.executable, "-m", "upcycler", *args], stdout=full, stderr=subprocess.PIPE,
                               text=True, timeout=300, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stderr.splitlines() == ["error: stdout: cannot write the result (No space left on device); "
-                                        "redirect it to a file on a disk with room"]
+    assert proc.stderr.splitlines() == [("error: stdout: cannot write the result (No space left on device); "
+                                         "redirect it to a file on a disk with room")]
