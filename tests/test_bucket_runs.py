@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ import gcs_emulator
 import numpy as np
 import pytest
 import trainer_fixtures as F
+from cli_helpers import assert_clean_failure
 from xla_flags import with_devices
 
 from upcycler.locations import location
@@ -274,6 +276,41 @@ def test_a_pod_host_killed_takes_the_job_down_and_the_restart_resumes(ws, inputs
     again = run_pod(tmp_path, run_dir, inputs, ws, **{"distributed.heartbeat_timeout": 5})
     assert [status for status, _ in again] == [0] * POD[0], again
     assert_identical(run_dir, *pod_run, tmp_path)
+
+
+@pytest.mark.parametrize(("key", "deadline"), [("run_dir", None), ("data.dir", 2)])
+def test_an_unreachable_bucket_in_a_config_fails_before_jax_starts(ws, key, deadline, tmp_path, monkeypatch):
+    """Connections refused: the config's bucket is probed before anything else reads it and before JAX
+    starts (no device line, no traceback), within the retry deadline (the default's, or one set by
+    UPCYCLER_GCS_DEADLINE), naming the key; nothing is made."""
+    from upcycler.bucket_client import RetryPolicy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"  # closed: refused
+    cfg = F.config_dict(tmp_path / "local", ws["dense"], ws["data"], steps=2,
+                        **{key: gcs_emulator.unique_prefix("unreachable")})
+    path = F.write_config(tmp_path / "train.yaml", cfg)
+    monkeypatch.chdir(tmp_path)
+    env = {"STORAGE_EMULATOR_HOST": endpoint, "UPCYCLER_CACHE": str(tmp_path / "cache")}
+    if deadline is not None:
+        env["UPCYCLER_GCS_DEADLINE"] = str(deadline)
+    started = time.monotonic()
+    proc = F.run_cli("continued-pretrain", "--config", path, check=False, timeout=120, env=env)
+    seconds = time.monotonic() - started
+    line = assert_clean_failure(proc, mentions=f"{key}: 'gs://")
+    assert f"Cloud Storage at {endpoint} does not answer (connection refused" in line
+    assert seconds < (deadline or RetryPolicy.deadline) + 10, seconds
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.yaml"]
+
+
+def test_a_run_dir_in_a_missing_bucket_is_refused_before_jax_starts(ws, tmp_path, monkeypatch):
+    cfg = F.config_dict(tmp_path / "local", ws["dense"], ws["data"], steps=2, run_dir="gs://upcycler-no-such-bucket/run")
+    path = F.write_config(tmp_path / "train.yaml", cfg)
+    monkeypatch.chdir(tmp_path)
+    proc = F.run_cli("continued-pretrain", "--config", path, check=False, timeout=120)
+    assert_clean_failure(proc, mentions="run_dir: 'gs://upcycler-no-such-bucket/run': no such bucket")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.yaml"]
 
 
 def test_bucket_data_is_read_in_place_and_checked(ws, inputs):

@@ -101,6 +101,32 @@ def test_training_config_paths_refuse_urls(ws, key, how, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["train.yaml"], line  # no local gs:, no run dir
 
 
+NO_BUCKET = {"gs://": "names no bucket", "gs:///runs/cpt": "names no bucket",
+             "gs://My_Bucket/runs": "'My_Bucket' is not a bucket name"}
+
+
+@pytest.mark.parametrize("key", ["run_dir", "model.init", "data.dir", "model.tokenizer"])
+@pytest.mark.parametrize("value", NO_BUCKET)
+def test_training_config_urls_must_name_a_bucket(ws, key, value, tmp_path, monkeypatch):
+    """As on the command line: refused while the config is read, naming the file and the key, before any
+    request (no `gs:/…` path, no hint to pass `--out gs:`)."""
+    cfg = F.config_dict(tmp_path / "local", ws["moe"], ws["data"], steps=2, **{key: value})
+    path = F.write_config(tmp_path / "train.yaml", cfg)
+    monkeypatch.chdir(tmp_path)
+    line = assert_clean_failure(run_cli("continued-pretrain", "--config", path, check=False),
+                                mentions=f"train.yaml: {key}: {value!r}: {NO_BUCKET[value]}")
+    assert line.endswith("; write gs://BUCKET/PATH") and "gs:/" not in line.replace("gs://", "")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.yaml"], line
+
+
+@pytest.mark.parametrize("value", NO_BUCKET)
+def test_command_line_urls_must_name_a_bucket(tiny_dir, value, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    proc = run_cli("convert", tiny_dir("llama"), value, check=False)
+    assert_clean_failure(proc, mentions=f"DST: {value!r}: {NO_BUCKET[value]}")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_missing_local_path_that_reads_as_a_hub_id_is_looked_up_on_the_hub(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     proc = run_cli("inspect", "kakaocorp/kanana-nano-2.1b-base", check=False, timeout=120)

@@ -10,11 +10,15 @@ the next write to the same place succeeds without `--overwrite`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import gcs_emulator
@@ -22,6 +26,7 @@ import pytest
 from cli_helpers import assert_clean_failure, run_cli
 from hub_server import FakeHub
 
+from upcycler import bucket_client
 from upcycler.errors import UpcyclerError
 from upcycler.io import bucket_output
 from upcycler.io import object_store as store
@@ -250,3 +255,121 @@ def test_a_hub_id_is_a_source_for_dense_to_moe(surgery, tmp_path, monkeypatch):
     assert not list((tmp_path / "hf").rglob("*.pth"))
     assert {k: v for k, v in pushed.items() if k != "README.md"} == local_files(surgery["local"] / "moe") \
         | {MANIFEST: bucket_files(f"{surgery['bucket']}/moe")[MANIFEST]}
+
+
+def test_a_bucket_model_is_named_by_its_url_not_its_cache_path(tmp_path):
+    """A bucket prefix without config.json: the error names the gs:// URL the user gave."""
+    url = gcs_emulator.unique_prefix("no-config") + "/model"
+    store.write_bytes(f"{url}/README.md", b"not a checkpoint")
+    line = assert_clean_failure(run_cli("inspect", url, check=False, env={"UPCYCLER_CACHE": str(tmp_path)},
+                                        timeout=60), mentions="no config.json")
+    assert line.startswith(f"error: {url}: no config.json"), line
+    assert str(tmp_path) not in line
+
+
+def test_a_probe_tells_a_missing_bucket_from_an_empty_prefix():
+    store.probe(gcs_emulator.unique_prefix("nothing-here"))  # an empty prefix of a bucket that exists
+    with pytest.raises(UpcyclerError, match=r"^'gs://upcycler-no-such-bucket/run': no such bucket"):
+        store.probe("gs://upcycler-no-such-bucket/run")
+
+
+def refusing_endpoint() -> str:
+    """A loopback URL where nothing listens: every connection is refused at once."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@contextmanager
+def silent_endpoint():
+    """A loopback URL that accepts connections (the kernel's backlog) and never answers a byte."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        yield f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def timed_cli(*args, **kwargs) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    proc = run_cli(*args, check=False, **kwargs)
+    return proc, time.monotonic() - started
+
+
+UNREACHABLE = {  # command: argv, with {model}, {tokenizer}, {text} and {url} filled in; its deadline (None: default)
+    "inspect": (["inspect", "{url}/model"], None),
+    "convert": (["convert", "{model}", "{url}/out"], 2),
+    "prepare-data": (["prepare-data", "--tokenizer", "{tokenizer}", "--out", "{url}/data", "--source", "a={text}"],
+                     2),
+}
+
+
+@pytest.mark.parametrize("command", UNREACHABLE)
+def test_an_unreachable_bucket_is_one_line_within_the_deadline(command, tiny_dir, tmp_path, monkeypatch):
+    """Connections refused: the retry policy gives up within its deadline (the default's, or a short one
+    set by UPCYCLER_GCS_DEADLINE), in one line that names the endpoint and the variable to check; nothing
+    is written locally."""
+    from upcycler.cli.demo import demo_assets
+
+    text = tmp_path / "in" / "a.jsonl"
+    text.parent.mkdir()
+    text.write_text('{"text": "hello"}\n')
+    given = {"{model}": str(tiny_dir("llama")), "{tokenizer}": str(demo_assets() / "tokenizer.json"),
+             "{text}": str(text), "{url}": "gs://upcycler-tests/unreachable"}
+    endpoint, work = refusing_endpoint(), tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    template, deadline = UNREACHABLE[command]
+    argv = [functools.reduce(lambda a, pair: a.replace(*pair), given.items(), a) for a in template]
+    env = {"STORAGE_EMULATOR_HOST": endpoint, "UPCYCLER_CACHE": str(tmp_path / "cache")}
+    if deadline is not None:
+        env["UPCYCLER_GCS_DEADLINE"] = str(deadline)
+    proc, seconds = timed_cli(*argv, env=env, timeout=120)
+    line = assert_clean_failure(proc, mentions=f"Cloud Storage at {endpoint} does not answer (connection refused")
+    assert "check STORAGE_EMULATOR_HOST" in line and "gs://upcycler-tests/unreachable" in line
+    assert seconds < (deadline or bucket_client.RetryPolicy.deadline) + 10, seconds
+    assert list(work.iterdir()) == [] and not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+
+
+def test_a_silent_bucket_endpoint_is_given_up_at_the_deadline(tmp_path, monkeypatch):
+    """An endpoint that accepts connections and never answers: given up once UPCYCLER_GCS_DEADLINE has
+    passed, in one line."""
+    monkeypatch.chdir(tmp_path)
+    with silent_endpoint() as endpoint:
+        proc, seconds = timed_cli("inspect", "gs://upcycler-tests/silent", timeout=120,
+                                  env={"STORAGE_EMULATOR_HOST": endpoint, "UPCYCLER_GCS_DEADLINE": "3"})
+    assert_clean_failure(proc, mentions=f"Cloud Storage at {endpoint} does not answer (no answer in time")
+    assert 3 <= seconds < 3 + 10, seconds
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("variable", "value"), [("UPCYCLER_GCS_DEADLINE", "soon"), ("UPCYCLER_GCS_DEADLINE", "-1"),
+                                                  ("UPCYCLER_GCS_DEADLINE", "inf"), ("UPCYCLER_GCS_ATTEMPTS", "0"),
+                                                  ("UPCYCLER_GCS_ATTEMPTS", "2.5")])
+def test_a_bad_retry_setting_is_one_line(variable, value, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    proc = run_cli("inspect", "gs://upcycler-tests/any", check=False, env={variable: value}, timeout=60)
+    assert_clean_failure(proc, mentions=f"{variable}={value!r}: must be")
+
+
+def test_the_retry_policy_gives_up_at_its_deadline_and_takes_an_answer_at_once(monkeypatch):
+    """In process: a dropped connection is retried until the deadline would pass; a missing object (an
+    answer) fails at the first try."""
+    import asyncio
+
+    import aiohttp
+
+    monkeypatch.setenv("UPCYCLER_GCS_DEADLINE", "1.5")
+    tries = []
+
+    async def attempt(error: Exception):
+        tries.append(time.monotonic())
+        raise error
+
+    started = time.monotonic()
+    with pytest.raises(bucket_client.StorageUnanswered, match="dropped without an answer"):
+        asyncio.run(bucket_client.retried(lambda: attempt(aiohttp.ServerDisconnectedError())))
+    assert 2 <= len(tries) and time.monotonic() - started < 1.5
+    tries.clear()
+    with pytest.raises(FileNotFoundError):
+        asyncio.run(bucket_client.retried(lambda: attempt(FileNotFoundError("gs://b/x"))))
+    assert len(tries) == 1

@@ -11,22 +11,176 @@ driver (Orbax's array data). `configure()` makes them all behave the same way:
   different hosts);
 - `STORAGE_EMULATOR_HOST`, the standard variable of Google's clients, points gcsfs at an emulator with
   anonymous credentials, and tensorstore too (`TENSORSTORE_GCS_HTTP_URL`, unless set); otherwise
-  Application Default Credentials are used, as `gcloud` does.
+  Application Default Credentials are used, as `gcloud` does;
+- every request of gcsfs follows one retry policy (`RetryPolicy`, below) instead of gcsfs's own (six
+  tries over about 35 s, each logging a traceback to stderr, with a 120 s cap on a whole transfer): an
+  endpoint that refuses, never answers or stops answering fails within the policy's deadline, as
+  `StorageUnanswered`, a one-line error naming the endpoint and what to check; gcsfs's log stays quiet
+  unless the application configures logging.
 
 What this module preserves: nothing outside gs:// changes; calling `configure()` again does nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import functools
+import logging
 import os
-from typing import Any
+import random
+import time
+from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from upcycler.errors import UpcyclerError
+
+T = TypeVar("T")
+PUBLIC_ENDPOINT = "https://storage.googleapis.com"
+ATTEMPTS_VARIABLE = "UPCYCLER_GCS_ATTEMPTS"
+DEADLINE_VARIABLE = "UPCYCLER_GCS_DEADLINE"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How one request to Cloud Storage is tried, and when it is given up.
+
+    A request is tried at most `attempts` times. A failed try is retried when its failure is transient
+    (no connection, no answer in time, a dropped connection, HTTP 408, 429 or 5xx: gcsfs's list), after
+    a pause of `first_pause` seconds doubling up to `longest_pause` (each scaled by a random 0.5-1, so
+    hosts retrying together spread out). `deadline` seconds after the first try began nothing waits
+    any more: no try starts after it (nor a pause that would end past it), and a try waits at most
+    `connect_wait` seconds for a connection and `answer_wait` seconds for each next piece of its answer,
+    both cut to the time left. So an endpoint that refuses or never answers fails within `deadline`;
+    an answer that keeps arriving (a large download) is never cut. (Name resolution is the system's,
+    bounded by its resolver's own timeouts.)
+
+    `UPCYCLER_GCS_ATTEMPTS` and `UPCYCLER_GCS_DEADLINE` (seconds) replace the defaults (`retry_policy`).
+    """
+
+    attempts: int = 6
+    deadline: float = 20.0
+    first_pause: float = 0.5
+    longest_pause: float = 8.0
+    connect_wait: float = 5.0
+    answer_wait: float = 15.0
+
+    def pause(self, tries: int) -> float:
+        """The pause after the `tries`-th failed try (jittered)."""
+        return min(self.longest_pause, self.first_pause * 2 ** (tries - 1)) * random.uniform(0.5, 1.0)
+
+    def try_timeout(self, left: float) -> Any:
+        """The waiting limits of one try that has `left` seconds before the deadline (an aiohttp
+        `ClientTimeout`: no cap on a whole transfer, only on waiting)."""
+        from aiohttp import ClientTimeout
+
+        left = max(left, 0.001)
+        return ClientTimeout(total=None, sock_connect=min(self.connect_wait, left),
+                             sock_read=min(self.answer_wait, left))
+
+
+def retry_policy() -> RetryPolicy:
+    """The policy of this process: the defaults, or the ones `UPCYCLER_GCS_ATTEMPTS` and
+    `UPCYCLER_GCS_DEADLINE` set (a bad value is refused in one line naming the variable)."""
+    attempts = _setting(ATTEMPTS_VARIABLE, int, RetryPolicy.attempts, "a whole number of tries, at least 1")
+    deadline = _setting(DEADLINE_VARIABLE, float, RetryPolicy.deadline, "a number of seconds above 0")
+    return RetryPolicy(attempts=attempts, deadline=deadline)
+
+
+def _setting(name: str, kind: type, default: Any, what: str) -> Any:
+    """The positive number the environment variable `name` holds, or `default` when it is unset."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < float("inf"):
+        raise UpcyclerError(f"{name}={text[:40]!r}: must be {what}; fix it or unset it "
+                            f"(default {default})")
+    return value
+
+
+def endpoint() -> str:
+    """Where gs:// requests go: the emulator of `STORAGE_EMULATOR_HOST`, else Cloud Storage itself."""
+    return os.environ.get("STORAGE_EMULATOR_HOST") or PUBLIC_ENDPOINT
+
+
+class StorageUnanswered(UpcyclerError):
+    """Cloud Storage did not answer a request within the retry policy: refused, unreachable or silent."""
+
+    def __init__(self, reason: str, tries: int, seconds: float):
+        where = "STORAGE_EMULATOR_HOST" if os.environ.get("STORAGE_EMULATOR_HOST") else "the network or proxy"
+        super().__init__(f"Cloud Storage at {endpoint()} does not answer ({reason}; {tries} "
+                         f"{'try' if tries == 1 else 'tries'} in {seconds:.0f} s); check {where}, then retry "
+                         f"({DEADLINE_VARIABLE} sets how long to wait)")
+
+
+def unanswered_reason(err: BaseException) -> str | None:
+    """Why `err` means the endpoint did not answer ("connection refused", …); None for any other failure
+    (an HTTP error, a certificate the client refuses: the endpoint did answer)."""
+    import aiohttp
+
+    if isinstance(err, aiohttp.ClientSSLError):
+        return None
+    if isinstance(err, aiohttp.ClientConnectorDNSError):
+        return "its host name does not resolve"
+    if isinstance(err, aiohttp.ClientConnectorError):
+        return "connection refused" if err.os_error.errno == errno.ECONNREFUSED else "no connection"
+    if isinstance(err, aiohttp.ConnectionTimeoutError):
+        return "no connection in time"
+    if isinstance(err, (aiohttp.ServerTimeoutError, asyncio.TimeoutError)):
+        return "no answer in time"
+    if isinstance(err, aiohttp.ClientConnectionError):
+        return "the connection dropped without an answer"
+    return None
+
+
+def is_transient(err: BaseException) -> bool:
+    """Whether a try that failed with `err` is worth another: gcsfs's transient errors, and timeouts."""
+    from gcsfs.retry import is_retriable
+
+    return is_retriable(err) or isinstance(err, asyncio.TimeoutError)
+
+
+_TRY_TIMEOUT: ContextVar[Any] = ContextVar("upcycler_gcs_try_timeout", default=None)
+"""The waiting limits of the try now running in this task (read by `BucketFileSystem.requests_timeout`)."""
+
+
+async def retried(attempt: Callable[[], Awaitable[T]]) -> T:
+    """The result of `attempt()`, tried as `retry_policy()` says; the last failure when it gives up
+    (`StorageUnanswered` when the endpoint did not answer)."""
+    policy, started = retry_policy(), time.monotonic()
+    tries = 0
+    while True:
+        tries += 1
+        token = _TRY_TIMEOUT.set(policy.try_timeout(policy.deadline - (time.monotonic() - started)))
+        try:
+            return await attempt()
+        except Exception as err:
+            pause, spent = policy.pause(tries), time.monotonic() - started
+            if not is_transient(err):
+                raise
+            if tries >= policy.attempts or spent + pause >= policy.deadline:
+                reason = unanswered_reason(err)
+                if reason is None:
+                    raise
+                raise StorageUnanswered(reason, tries, spent) from err
+        finally:
+            _TRY_TIMEOUT.reset(token)
+        await asyncio.sleep(pause)
 
 
 @functools.cache
 def bucket_filesystem_class() -> type:
     """`BucketFileSystem`: gcsfs's plain client with the defaults of the module docstring."""
     from gcsfs.core import GCSFileSystem
+
+    plain_request = GCSFileSystem._request.__wrapped__  # gcsfs's requests without gcsfs's retries
+    plain_get_file_request = GCSFileSystem._get_file_request.__wrapped__
 
     class BucketFileSystem(GCSFileSystem):
         def __init__(self, *args: Any, **kwargs: Any):
@@ -35,20 +189,41 @@ def bucket_filesystem_class() -> type:
                 kwargs.setdefault("token", "anon")
                 kwargs.setdefault("endpoint_url", emulator)
             kwargs.setdefault("use_listings_cache", False)
-            kwargs.setdefault("retries", 3)
-            kwargs.setdefault("requests_timeout", 120)
             super().__init__(*args, **kwargs)
+
+        @property
+        def requests_timeout(self) -> Any:
+            """The waiting limits of the current try (`RetryPolicy.try_timeout`): gcsfs reads this for
+            every request."""
+            current, policy = _TRY_TIMEOUT.get(), retry_policy()
+            return current if current is not None else policy.try_timeout(policy.deadline)
+
+        @requests_timeout.setter
+        def requests_timeout(self, value: Any) -> None:
+            """Ignored: the retry policy sets the waits."""
+
+        async def _request(self, *args: Any, **kwargs: Any) -> Any:
+            return await retried(lambda: plain_request(self, *args, **kwargs))
+
+        async def _get_file_request(self, *args: Any, **kwargs: Any) -> Any:
+            return await retried(lambda: plain_get_file_request(self, *args, **kwargs))
+
+        # One orchestration of a concurrent download, not retried as a whole: its requests each are.
+        _get_file_concurrent = GCSFileSystem._get_file_concurrent.__wrapped__
 
     return BucketFileSystem
 
 
 @functools.cache
 def configure() -> None:
-    """Register `BucketFileSystem` for fsspec's gs:// and point tensorstore at the emulator, if any."""
+    """Register `BucketFileSystem` for fsspec's gs:// and point tensorstore at the emulator, if any;
+    check the retry policy's variables; keep gcsfs's log off stderr unless logging is configured."""
     import fsspec
 
+    retry_policy()
     for protocol in ("gs", "gcs"):
         fsspec.register_implementation(protocol, bucket_filesystem_class(), clobber=True)
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")
     if emulator:
         os.environ.setdefault("TENSORSTORE_GCS_HTTP_URL", emulator)
+    logging.getLogger("gcsfs").addHandler(logging.NullHandler())

@@ -6,7 +6,8 @@ or a recipe), a URL is refused in one line that says so and how to proceed, inst
 relative local path (`gs://b/run` would otherwise become the local directory `gs:/b/run`, and a run would
 train for hours onto a disk that disappears with the VM). Model sources and outputs of the CLI take
 bucket URLs and Hub ids (`upcycler.cli.path_type`). A missing local path that looks like a Hub id
-(`org/name`) gets a hint on how to fetch it.
+(`org/name`) gets a hint on how to fetch it. A gs:// URL must name a bucket (`bucket_and_key`), wherever it
+is given.
 
 What this module preserves: a local path is returned unchanged (`Path(text)`).
 """
@@ -18,9 +19,10 @@ from pathlib import Path, PurePath
 from typing import NewType
 
 from upcycler.errors import UpcyclerError
-from upcycler.untrusted import describe
+from upcycler.untrusted import describe, show_as
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")  # Cloud Storage's rule, less its IP and goog checks
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -43,6 +45,20 @@ def local_path(text: str | Path, what: str) -> Path:
     return Path(text)
 
 
+def bucket_and_key(url: str, what: str | None = None) -> tuple[str, str]:
+    """`gs://bucket/a/b/` as `("bucket", "a/b")`; a URL that names no bucket (`gs://`, `gs:///a`) or a
+    name Cloud Storage refuses is refused in one line, naming `what` (the option or config key) if given."""
+    rest = url.split("://", 1)[1]
+    bucket, _, key = rest.partition("/")
+    problem = ("names no bucket" if not bucket else
+               None if _BUCKET_NAME.match(bucket) else
+               f"{describe(bucket)} is not a bucket name (3 to 222 lowercase letters, digits, '-', '_' and '.', "
+               "first and last a letter or digit)")
+    if problem:
+        raise UpcyclerError(f"{what + ': ' if what else ''}{describe(url)}: {problem}; write gs://BUCKET/PATH")
+    return bucket, key.strip("/")
+
+
 Location = NewType("Location", Path)
 """The annotation of a config path that may name a bucket (`run_dir`): its value is a local `Path`, or an
 `etils.epath.Path` for gs:// (which Orbax and the run directory's code use as they use a local path)."""
@@ -58,6 +74,7 @@ def location(text: str | PurePath, what: str) -> Path:
 
         from upcycler.bucket_client import configure
 
+        bucket_and_key(text, what)
         configure()
         return epath.Path(text)
     return local_path(text, what)
@@ -82,8 +99,9 @@ _ORIGINS: dict[str, str] = {}
 
 def remember_origin(local: Path, origin: str) -> None:
     """Record, for this process, that the local directory `local` is a copy of the remote `origin`
-    (a bucket mirror, a Hub snapshot), so that lineage names the origin, not the cache."""
+    (a bucket mirror, a Hub snapshot), so that lineage and messages name the origin, not the cache."""
     _ORIGINS[str(local)] = origin
+    show_as(local, origin)
 
 
 def recorded_location(path: Path | str) -> str:

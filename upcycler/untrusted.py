@@ -4,7 +4,8 @@ Every file a user hands us (config.json, a manifest, a recipe, a training config
 line) is read through here, so a FIFO cannot hang a read, `/dev/zero` cannot fill memory, `[`×100000
 cannot overflow the stack, a YAML alias bomb cannot expand, and no value from a file reaches an error
 message unbounded. Numbers taken from files are checked with `integer` / `real` before anything is sized
-by them. Every failure is an `UpcyclerError` naming the file.
+by them. Every failure is an `UpcyclerError` naming the file; a file in a local copy of a remote source
+(a bucket mirror, a Hub snapshot) is named by its origin (`show_as`), not by the cache.
 
 What this module preserves: a valid document parses to exactly what `json.loads` / `yaml.safe_load`
 would give (YAML anchors and aliases keep working within a bound on the expanded size).
@@ -54,9 +55,29 @@ def escape(text: str) -> str:
                    for c in text)
 
 
+_SHOWN_AS: dict[str, str] = {}
+
+
+def show_as(local: str | os.PathLike, shown: str) -> None:
+    """From now on in this process, messages name the local directory or file `local`, and every path
+    under it, as `shown` (the origin it is a copy of: a bucket URL, a Hub id)."""
+    local = os.fspath(local).rstrip("/")
+    if local:
+        _SHOWN_AS[local] = shown.rstrip("/")
+
+
+def _as_shown(text: str) -> str:
+    """`text` with a local copy's path replaced by its origin (`show_as`); else unchanged."""
+    for local, shown in _SHOWN_AS.items():
+        if text == local or text.startswith(local + "/"):
+            return shown + text[len(local):]
+    return text
+
+
 def shown_path(path: str | os.PathLike) -> str:
-    """A path as it may appear in a one-line message."""
-    return escape(os.fspath(path))
+    """A path as it may appear in a one-line message: a path in a local copy of a remote source is named
+    by its origin (`show_as`), so a message points at what the user gave."""
+    return escape(_as_shown(os.fspath(path)))
 
 
 def open_regular(path: Path, what: str = "file") -> int:

@@ -6,16 +6,24 @@ by object, fetched again only when changed) before anything reads them, so hosts
 the bucket each read a local copy; the run's `config.yaml` and the checkpoints' lineage still name the
 bucket URLs. The run directory is checked against them first: it may not be, contain or lie inside one.
 
+Before a run reads anything else, `check_buckets` sends one listing request to each bucket the config
+names (the run directory's included), so a bucket that does not answer, does not exist or refuses the
+credentials is refused in one line naming the config key, within the client's retry deadline
+(`upcycler.bucket_client.RetryPolicy`), before JAX starts.
+
 What this module preserves: a config whose inputs are local is returned unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
+from pathlib import Path, PurePath
+from typing import Any
 
+from upcycler.errors import UpcyclerError
+from upcycler.io import object_store as store
 from upcycler.io.remote_sources import mirror
-from upcycler.locations import is_remote, remember_origin
+from upcycler.locations import bucket_and_key, is_remote, remember_origin
 from upcycler.train.config import TrainConfig
 from upcycler.train.loop.preflight import refuse_overlap
 
@@ -40,3 +48,29 @@ def _local_copy(url: str) -> Path:
     path = mirror(url)
     remember_origin(path, url)
     return path
+
+
+def bucket_locations(config: Any, prefix: str = "") -> dict[str, str]:
+    """Every gs:// location of the config dataclass `config`, by its dotted key (`run_dir`, `data.dir`, …)."""
+    found = {}
+    for item in dataclasses.fields(config):
+        value, key = getattr(config, item.name), f"{prefix}{item.name}"
+        if dataclasses.is_dataclass(value):
+            found.update(bucket_locations(value, f"{key}."))
+        elif isinstance(value, PurePath) and is_remote(value):
+            found[key] = str(value)
+    return found
+
+
+def check_buckets(config: TrainConfig) -> None:
+    """One listing request per bucket that `config` names (`object_store.probe`); the first that does not
+    answer, does not exist or refuses the listing is refused in one line naming its key. Changes nothing."""
+    probed = set()
+    for key, url in bucket_locations(config).items():
+        bucket = bucket_and_key(url, key)[0]
+        if bucket not in probed:
+            probed.add(bucket)
+            try:
+                store.probe(url)
+            except UpcyclerError as err:
+                raise UpcyclerError(f"{key}: {err}") from None

@@ -8,7 +8,9 @@ A flag left out keeps the file's value.
 
 The config and every file it names are checked (`upcycler.train.config.load_config`, then
 `upcycler.train.loop.preflight.prepare`) before the trainer, and with it JAX, is imported, so a bad config,
-flag, checkpoint or data directory fails in about a second.
+flag, checkpoint or data directory fails in about a second; each bucket the config names gets one
+request first (`upcycler.train.loop.remote_inputs.check_buckets`), so a bucket that does not answer fails
+within the client's retry deadline, not after JAX has started.
 """
 
 from __future__ import annotations
@@ -143,7 +145,9 @@ def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_
         _compile_only(config, compile_only, topology, hbm_budget, as_json, slices or 1, save_bandwidth)
         return
     from upcycler.train.loop.preflight import prepare, resumes
+    from upcycler.train.loop.remote_inputs import check_buckets
 
+    check_buckets(config)  # each bucket answers, before run_dir is read and JAX starts
     resume = resumes(config, resume_mode)
     checked = prepare(config, resume)
     from upcycler.train.loop.trainer import train

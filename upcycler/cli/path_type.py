@@ -7,7 +7,7 @@
 - `BUCKET_OR_LOCAL`: a local path or a bucket URL that the command itself reads and writes in place
   (a training config's `run_dir`, as a flag).
 
-Values stay text for remote locations (a `str`) and become a `Path` otherwise.
+Values stay text for remote locations (a `str`, checked to name a bucket) and become a `Path` otherwise.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from upcycler.io.object_store import is_bucket_url
-from upcycler.locations import local_path
+from upcycler.locations import bucket_and_key, local_path
 
 
 def option_name(param: click.Parameter | None) -> str:
@@ -38,6 +38,7 @@ class LocationType(click.ParamType):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path | str:
         if isinstance(value, str) and self.role != "local" and is_bucket_url(value):
+            bucket_and_key(value, option_name(param))
             return value
         if isinstance(value, str) and self.role == "source" and value.startswith("hf://"):
             return value

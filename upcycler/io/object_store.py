@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from upcycler.bucket_client import bucket_filesystem_class, configure
+from upcycler.bucket_client import StorageUnanswered, bucket_filesystem_class, configure
 from upcycler.errors import UpcyclerError
-from upcycler.locations import url_scheme
+from upcycler.locations import bucket_and_key, url_scheme
 from upcycler.untrusted import describe
 
 SCHEMES = ("gs",)
@@ -45,11 +45,9 @@ def join(url: str, *names: str) -> str:
 
 
 def _key(url: str) -> str:
-    """`gs://bucket/a/b` → `bucket/a/b` (gcsfs's form), checked to name a bucket."""
-    rest = url.split("://", 1)[1].strip("/")
-    if not rest or rest.startswith("/"):
-        raise UpcyclerError(f"{describe(url)}: names no bucket; write gs://BUCKET/PATH")
-    return rest
+    """`gs://bucket/a/b` → `bucket/a/b` (gcsfs's form), checked to name a bucket (`bucket_and_key`)."""
+    bucket, key = bucket_and_key(url)
+    return f"{bucket}/{key}" if key else bucket
 
 
 @functools.lru_cache(maxsize=1)
@@ -64,6 +62,8 @@ def _errors(url: str, doing: str) -> Iterator[None]:
     """Turn a client failure while `doing` something at `url` into one line."""
     try:
         yield
+    except StorageUnanswered as err:
+        raise UpcyclerError(f"{describe(url, 200)}: {err}") from err
     except UpcyclerError:
         raise
     except FileNotFoundError as err:
@@ -92,8 +92,21 @@ def list_objects(url: str) -> dict[str, StoredObject]:
 def glob_objects(pattern: str) -> list[str]:
     """The objects (as `bucket/key`) that the glob `bucket/pattern` matches; directories are left out."""
     with _errors(f"gs://{pattern}", "listing"):
-        found = filesystem().glob(pattern, detail=True)
+        found = filesystem().glob(_key(f"gs://{pattern}"), detail=True)
     return sorted(key for key, info in found.items() if info.get("type") != "directory")
+
+
+def probe(url: str) -> None:
+    """One request that lists at most one object under `url`: raises `UpcyclerError` naming `url` when
+    Cloud Storage does not answer, the bucket does not exist or the listing is refused; changes nothing."""
+    bucket, key = bucket_and_key(url)
+    with _errors(url, "listing"):
+        try:
+            filesystem().call("GET", "b/{}/o", bucket, json_out=True, prefix=f"{key}/" if key else None,
+                              maxResults=1)
+        except FileNotFoundError:
+            raise UpcyclerError(f"{describe(url, 200)}: no such bucket {describe(bucket)}; check the URL "
+                                "(or create the bucket)") from None
 
 
 def object_info(url: str) -> StoredObject | None:
