@@ -226,6 +226,56 @@ def test_the_dropless_layer_on_v5e_has_no_row_masks() -> None:
     assert "gather" in hlo and not fills, fills
 
 
+@functools.cache
+def _fsdp_gathers(split: bool) -> tuple[list[str], list[str]]:
+    """(all-gathers of the expert weights, copies of a whole expert weight) in the MoE layer's loss and
+    gradients compiled for 8 v5e chips of FSDP, 4 experts: with `split` on a mesh of fsdp_outer 4 × fsdp 2
+    (`sharding.make_mesh(experts=4)`), else on one fsdp axis of 8 (the model width split 8 ways)."""
+    from upcycler.train.aot.topology import parse_slice, tpu_devices
+    from upcycler.train.config import ModelConfig
+    from upcycler.train.loop import sharding
+    from upcycler.train.model import expert_parallel
+
+    devices = tpu_devices(parse_slice("v5e-8"))
+    mesh = sharding.make_mesh(fsdp=8, devices=devices, experts=4 if split else 0)
+    assert ("fsdp_outer" in mesh.shape) == split
+    cfg = ModelConfig(compute_dtype="bfloat16", gmm_backend="megablox")
+    tokens, width, hidden = 512, 256, 512
+
+    def arg(shape, dtype, axes):
+        spec = sharding.logical_to_spec(axes, shape, mesh)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    def loss(x_TD, w_gate_up, w_down, w_router):
+        routing = moe.route(moe.router_logits(x_TD, w_router), TOP_K, "renormalized")
+        y_TD = expert_parallel.moe_layer(x_TD, w_gate_up, w_down, routing, cfg, sharding.PLACEMENT)
+        return jnp.sum(y_TD.astype(jnp.float32) ** 2)
+
+    args = (arg((tokens, width), jnp.bfloat16, expert_parallel.TOKEN_AXES),
+            arg((4, width, 2 * hidden), jnp.bfloat16, expert_parallel.WEIGHT_AXES[0]),
+            arg((4, hidden, width), jnp.bfloat16, expert_parallel.WEIGHT_AXES[1]),
+            arg((4, width), jnp.float32, (None, None)))
+    with jax.set_mesh(mesh), without_persistent_cache():
+        hlo = jax.jit(jax.grad(loss, argnums=(1, 2))).lower(*args).compile().as_text()
+    wholes = (f"bf16[4,{width},{2 * hidden}]", f"bf16[4,{hidden},{width}]")
+    gathers = [line for line in hlo.splitlines() if re.search(r"= \S+ all-gather(-start)?\(", line)]
+    copies = [line for line in hlo.splitlines() if re.search(r"= (\S+) copy(-start)?\(", line)
+              and any(line.split("= ", 1)[1].startswith(whole) for whole in wholes)]
+    return gathers, copies
+
+
+def test_the_expert_weights_gather_into_the_kernels_layout_on_a_split_fsdp() -> None:
+    """What the fsdp_outer split buys: on one fsdp axis, whole expert weights are copied after their
+    gather (and the weight gradient's kernel output relaid); split, the gate/up weight is one all-gather of
+    its E·D flattened rows over both axes, and no whole expert weight is copied."""
+    _, flat_copies = _fsdp_gathers(split=False)
+    gathers, copies = _fsdp_gathers(split=True)
+    assert flat_copies, "the one-axis layout was expected to copy after its gather"
+    assert copies == [], copies
+    rows = [line for line in gathers if re.search(r"= bf16\[(1,)?1024,1024\]", line)]  # E·D = 4·256 rows
+    assert rows and all("replica_groups={{0,1,2,3,4,5,6,7}}" in line for line in rows), rows
+
+
 @pytest.mark.parametrize("chip,vmem_mib", [("v5e", 64), ("v6e", 64), ("v4", 16)])
 def test_the_tiles_chosen_for_the_reference_moe_compile_within_the_chips_vmem(chip: str, vmem_mib: int) -> None:
     """The reference MoE's gate/up product per chip (131072 rows of 1792 against 64 experts' [1792, 2304]

@@ -312,6 +312,17 @@ def test_rules_map_logical_axes_to_mesh_axes():
         logical_to_spec(("heads",))
 
 
+def test_fsdp_is_split_only_where_the_experts_are_fewer_than_its_devices():
+    """Outer × inner FSDP: the outer part the largest size dividing the experts per expert group and FSDP."""
+    from upcycler.train.loop.sharding import fsdp_split
+
+    assert fsdp_split(64, 256) == 64  # the reference MoE on v5e-256: one expert per outer part, D over 4
+    assert fsdp_split(8, 32) == 8  # 64 experts over expert 8 × fsdp 32
+    assert fsdp_split(96, 256) == 32  # three experts per outer part: split, gathered dimension by dimension
+    assert fsdp_split(4, 2) == fsdp_split(64, 64) == 1  # as many experts as FSDP devices or more: no split
+    assert fsdp_split(0, 256) == fsdp_split(1, 2) == fsdp_split(3, 8) == 1  # dense; nothing to share
+
+
 _SHARDED = """
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
@@ -322,7 +333,8 @@ from upcycler.train.model import forward_jit
 
 ckpt = read_checkpoint(sys.argv[1])
 ids = jnp.asarray(np.load(sys.argv[2]))
-mesh = S.make_mesh(data=2, fsdp=2, expert=2)
+data, fsdp, expert = map(int, sys.argv[4].split("x"))
+mesh = S.make_mesh(data=data, fsdp=fsdp, expert=expert, experts=ckpt.spec.moe.num_experts)
 shardings = S.param_shardings(ckpt.spec, mesh)
 params = P.from_tensors(ckpt.spec, ckpt.tensors, shardings=shardings)
 gate = params["layers"]["moe"]["moe"]["experts"]["gate_proj"]
@@ -330,11 +342,16 @@ with jax.set_mesh(mesh):
     out, aux = forward_jit(params, jax.device_put(ids, S.batch_sharding(mesh)), ckpt.spec, placement=S.PLACEMENT)
 np.save(sys.argv[3], np.asarray(out))
 print(json.dumps({"gate": list(gate.sharding.spec), "shards": len(gate.addressable_shards),
-                  "shard_shape": list(gate.addressable_shards[0].data.shape)}))
+                  "shard_shape": list(gate.addressable_shards[0].data.shape), "mesh": dict(mesh.shape)}))
 """
 
 
-def test_sharded_forward_on_8_devices_equals_single_device(model_dir, tmp_path):
+@pytest.mark.parametrize("mesh,gate_spec,block", [
+    ("2x2x2", [None, "expert", None, "fsdp"], [1, 2, 32, 32]),
+    # 4 experts over 8 FSDP devices: FSDP split 4 × 2, one expert per outer part, its width over the inner
+    ("1x8x1", [None, "fsdp_outer", None, "fsdp"], [1, 1, 32, 32]),
+], ids=["data-fsdp-expert", "fsdp-split-for-the-experts"])
+def test_sharded_forward_on_8_devices_equals_single_device(model_dir, tmp_path, mesh, gate_spec, block):
     import json
 
     path = model_dir("glm4_moe-rsf-bias")
@@ -348,7 +365,7 @@ def test_sharded_forward_on_8_devices_equals_single_device(model_dir, tmp_path):
         "JAX_PLATFORMS": "cpu",
     }
     proc = subprocess.run(
-        [sys.executable, str(script), str(path), str(tmp_path / "ids.npy"), str(tmp_path / "out.npy")],
+        [sys.executable, str(script), str(path), str(tmp_path / "ids.npy"), str(tmp_path / "out.npy"), mesh],
         capture_output=True,
         text=True,
         env=env,
@@ -357,7 +374,7 @@ def test_sharded_forward_on_8_devices_equals_single_device(model_dir, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     info = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert info["gate"] == [None, "expert", None, "fsdp"]
-    assert info["shard_shape"] == [1, 2, 32, 32]
+    assert info["gate"] == gate_spec and info["shard_shape"] == block
+    assert ("fsdp_outer" in info["mesh"]) == (mesh == "1x8x1")
     single = ours(path, ids)
     assert np.abs(np.load(tmp_path / "out.npy") - single).max() <= 1e-5

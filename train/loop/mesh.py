@@ -64,17 +64,19 @@ def build_mesh(
     devices = list(jax.devices() if devices is None else devices)
     count = len(devices)
     try:
-        mesh = sharding.make_mesh(m.data, m.fsdp, m.expert, devices=devices)
+        experts = spec.moe.num_experts if spec is not None and spec.moe is not None else 0
+        mesh = sharding.make_mesh(m.data, m.fsdp, m.expert, devices=devices, experts=experts)
     except ValueError as err:
         raise UpcyclerError(
             f"mesh {m.data}×{m.fsdp}×{m.expert} does not fit {count} devices ({err}); "
             "make the sizes multiply to the device count or set one to -1"
         ) from None
-    size = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
+    sizes = sharding.mesh_sizes(mesh)
+    size = sizes["data"] * sizes["fsdp"] * sizes["expert"]
     if global_batch_size % (size * microbatches):
         raise UpcyclerError(
             f"data.global_batch_size {global_batch_size} is not divisible by the mesh's {size} devices "
-            f"({dict(mesh.shape)}) × data.microbatches {microbatches}; make it a multiple of {size * microbatches}"
+            f"({sizes}) × data.microbatches {microbatches}; make it a multiple of {size * microbatches}"
         )
     per_process = global_batch_size // jax.process_count()
     if per_process % _local_count(devices):
@@ -93,7 +95,7 @@ def build_mesh(
             f"{m.expert} leaves it 1 of the {count} devices (nothing to exchange); give mesh.expert more "
             "devices (lower mesh.data or mesh.fsdp), or set model.moe_dispatch to gspmd"
         )
-    gathered = global_batch_size // (microbatches * mesh.shape["data"] * mesh.shape["fsdp"]) * seq_len
+    gathered = global_batch_size // (microbatches * sizes["data"] * sizes["fsdp"]) * seq_len
     if moe_chunks > 1 and gathered % moe_chunks:
         raise UpcyclerError(
             f"model.moe_chunks {moe_chunks} does not divide the {gathered} tokens each expert group gathers "

@@ -9,6 +9,13 @@ shardings, constraints inside the model — is derived from it. The mesh has thr
     fsdp     data parallelism with parameters, gradients and optimiser state split (ZeRO-3)
     expert   expert parallelism: routed experts split over it; outside the experts it carries batch
 
+and for an MoE with fewer experts per expert group than FSDP devices (64 experts over 256 chips) a fourth,
+`fsdp_outer`: the FSDP devices as an outer × inner grid (`fsdp_outer` × `fsdp`, the same devices in the
+same order), the outer part as large as the experts allow. Every FSDP-split dimension spans both, as one
+`fsdp` axis would; the expert weights [E, D, U] split E over the outer part and D over the inner one, so
+each device holds one contiguous block of the E·D rows and FSDP's all-gather of them lands in the
+[E, D, U] layout the grouped matmul reads, with no relayout copy after it (`comm.gather_dims`).
+
 A dimension that does not divide evenly over its mesh axes is replicated instead, so a tiny test model
 runs on any mesh. A mesh axis may appear only once in one array's sharding.
 
@@ -19,6 +26,7 @@ model by the train step (and by anyone who runs the model on a mesh of these axe
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,34 +39,38 @@ from upcycler.spec import ModelSpec
 from upcycler.train.model import comm
 from upcycler.train.model.params import ParamInfo, Params, declare_tree
 
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")  # every mesh has these
+FSDP_OUTER = "fsdp_outer"  # the outer part of FSDP, present when the expert weights want it (see above)
 MeshAxes = str | tuple[str, ...] | None
 
-RULES: dict[str, MeshAxes] = {
+RULES: dict[str, MeshAxes] = {  # an axis the mesh does not have (`fsdp_outer`) is left out
     # parameters (axis names from upcycler.layout)
     "vocab": None,
-    "embed": "fsdp",
+    "embed": (FSDP_OUTER, "fsdp"),
     "q_heads": None,
     "kv_heads": None,
     "mlp": None,
-    "experts": "expert",
+    "experts": ("expert", FSDP_OUTER),
     "expert_mlp": None,
     "expert_embed": "fsdp",  # the model width of expert weights in kernel layout ([E, D, 2F], [E, F, D])
     "norm": None,
     "layers": None,
     # activations
-    "batch": ("data", "fsdp", "expert"),
+    "batch": ("data", FSDP_OUTER, "fsdp", "expert"),
     "seq": None,
     "act_embed": None,
     "act_vocab": None,
 }
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, expert: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
+def make_mesh(data: int = 1, fsdp: int = -1, expert: int = 1, devices: Sequence[Any] | None = None,
+              experts: int = 0) -> Mesh:
     """A (data, fsdp, expert) mesh over `devices` (all by default); one size may be -1 (the rest).
 
     Over several slices a `data` of 1 with another axis at -1 (a one-slice layout, the default) becomes the
-    slice count: data parallelism across slices, the -1 axis over each slice's devices."""
+    slice count: data parallelism across slices, the -1 axis over each slice's devices. With `experts` (an
+    MoE's routed expert count) whose share per expert group is below the FSDP size, FSDP is split into
+    `fsdp_outer` × `fsdp` (`fsdp_split`), the same devices in the same order."""
     devices = list(jax.devices() if devices is None else devices)
     if data == 1 and -1 in (fsdp, expert):
         data = len({getattr(d, "slice_index", 0) for d in devices})
@@ -74,7 +86,26 @@ def make_mesh(data: int = 1, fsdp: int = -1, expert: int = 1, devices: Sequence[
         raise ValueError(
             f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices, have {len(devices)}"
         )
-    return Mesh(device_grid(sizes, devices), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    grid = device_grid(sizes, devices)
+    outer = fsdp_split(experts // sizes[2] if experts and experts % sizes[2] == 0 else 0, sizes[1])
+    if outer == 1:
+        return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    axes = ("data", FSDP_OUTER, "fsdp", "expert")
+    grid = grid.reshape(sizes[0], outer, sizes[1] // outer, sizes[2])
+    return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
+
+
+def fsdp_split(local_experts: int, fsdp: int) -> int:
+    """The outer FSDP size for `local_experts` per expert group over `fsdp` devices: the largest that
+    divides both, when that leaves an inner part (fewer experts than FSDP devices); else 1, no split."""
+    outer = math.gcd(local_experts, fsdp) if local_experts else 1
+    return outer if 1 < outer < fsdp else 1
+
+
+def mesh_sizes(mesh: Mesh) -> dict[str, int]:
+    """The mesh as configured: data, fsdp (its outer and inner parts together) and expert sizes."""
+    return {"data": mesh.shape["data"], "fsdp": mesh.shape["fsdp"] * dict(mesh.shape).get(FSDP_OUTER, 1),
+            "expert": mesh.shape["expert"]}
 
 
 def device_grid(sizes: Sequence[int], devices: Sequence[Any]) -> np.ndarray:
@@ -114,7 +145,9 @@ def logical_to_spec(
     """The PartitionSpec for one array with logical `axes`.
 
     With `shape` and `mesh`, a dimension that does not divide by its mesh axes' size is replicated, and
-    mesh axes of size 1 are dropped. Raises if one mesh axis would split two dimensions.
+    mesh axes of size 1 (or absent: `fsdp_outer`) are dropped. `fsdp_outer` goes to the first dimension
+    that asks for it (the experts, in an expert weight), later ones keep `fsdp`. Raises if another mesh axis
+    would split two dimensions.
     """
     rules = RULES if rules is None else rules
     out: list[MeshAxes] = []
@@ -124,8 +157,10 @@ def logical_to_spec(
         if name is not None and name not in rules:
             raise KeyError(f"logical axis {name!r} has no sharding rule; add it to RULES")
         mesh_axes = (target,) if isinstance(target, str) else tuple(target or ())
+        if mesh is None or FSDP_OUTER in used:  # the experts took the outer part: the width keeps the inner
+            mesh_axes = tuple(a for a in mesh_axes if a != FSDP_OUTER)
         if mesh is not None:
-            mesh_axes = tuple(a for a in mesh_axes if mesh.shape[a] > 1)
+            mesh_axes = tuple(a for a in mesh_axes if dict(mesh.shape).get(a, 1) > 1)
             if shape is not None and mesh_axes and shape[i] % _axis_size(mesh, mesh_axes):
                 mesh_axes = ()
         clash = used.intersection(mesh_axes)

@@ -168,7 +168,17 @@ def gather_dims(block: jax.Array, dims: dict[int, AxisName], grad: str = "native
     The gradient leaves as FSDP's reduce-scatter: with `grad` "native", the transpose JAX derives (a
     reduce-scatter in the gradient's dtype, a running bf16 sum for bf16 weights); with "fp32" or "bf16",
     `reduce_scatter` with that payload (bf16: MegaScale's scheme for data-parallel gradients).
+
+    A block split on its first two dimensions that holds one row of the first (the expert weights on a
+    mesh with `fsdp_outer`: one expert, a slice of its model width) is one contiguous block of the
+    flattened rows, so it is gathered in one collective over both axes, straight into the whole array's
+    layout (gathering the second dimension on its own would land it dimension-major, then copy).
     """
+    if sorted(dims)[:2] == [0, 1] and block.shape[0] == 1 and all(isinstance(dims[d], str) for d in (0, 1)):
+        rest = {d: axis for d, axis in dims.items() if d > 1}
+        rows = block.reshape(block.shape[1:])
+        whole = gather_dims(rows, {0: (dims[0], dims[1]), **{d - 1: a for d, a in rest.items()}}, grad)
+        return whole.reshape(lax.axis_size(dims[0]), -1, *whole.shape[1:])
     for dim, axis in dims.items():
         if grad == "native":
             block = lax.all_gather(block, axis, axis=dim, tiled=True)

@@ -115,7 +115,8 @@ def _check_expert_layout(placement: Placement, mesh, x_TD: jax.Array, w_gate_up_
     token_spec = placement.spec(TOKEN_AXES, x_TD.shape, mesh)
     expert_spec = placement.spec(WEIGHT_AXES[0], w_gate_up_EDU.shape, mesh)
     token_axes = token_spec[0] if token_spec and isinstance(token_spec[0], tuple) else token_spec[:1]
-    if axis not in token_axes or not expert_spec or expert_spec[0] != axis:
+    experts_over = expert_spec[0] if expert_spec and isinstance(expert_spec[0], tuple) else expert_spec[:1]
+    if axis not in token_axes or not experts_over or experts_over[0] != axis:
         raise ValueError(
             f"expert-parallel dispatch needs the {x_TD.shape[0]} tokens and the {w_gate_up_EDU.shape[0]} "
             f"experts split over mesh axis {axis!r} of size {size}; make the batch a multiple of the "
