@@ -167,12 +167,12 @@ def test_bad_input_fails_without_output(tmp_path: Path, corpus: dict, content: s
 def test_cli_errors_are_one_line(
     tmp_path: Path, corpus: dict, prepared: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def run(*args: str) -> str:
+    def run(*args: str) -> str:  # stdout may say what the work needs first (an error mid-run comes after it)
         result = CliRunner().invoke(main, ["prepare-data", "--tokenizer", str(corpus["tokenizer"]), *args])
         assert (
-            result.exit_code == 2 and result.output.startswith("error: ") and result.output.count("\n") == 1
+            result.exit_code == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
         )
-        return result.output
+        return result.stderr
 
     web = str(corpus["root"] / "web-0.jsonl")
     assert "already exists" in run("--source", f"web={web}", "--out", str(prepared))

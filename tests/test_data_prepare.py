@@ -15,11 +15,13 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -143,6 +145,154 @@ def test_a_killed_preparation_resumes_without_tokenising_finished_shards(tmp_pat
     assert f"({6 - len(finished)} tokenised, {len(finished)} reused)" in done.stdout
     assert snapshot(out) == snapshot(tmp_path / "uninterrupted")
     assert {p.name: p.stat().st_ino for p in out.glob("web.shards/*.tokens") if p.name in finished} == finished
+
+
+def test_a_killed_two_worker_run_goes_on_from_its_checkpoints(tmp_path: Path) -> None:
+    """SIGKILL of the whole process group (the runner and its two worker processes) once a unit's first step
+    is checkpointed: the same command again keeps the finished steps (its summary says why each unit was
+    tokenised) and ends byte-identical to an uninterrupted run, the shards exactly the tokenizer's encoding
+    (a unit put together from steps is the unit tokenised whole). ~2 MB of JSONL: units of 8 steps."""
+    docs, size = [], 0
+    for doc in _documents("*.py", 100_000):
+        if size > 2_000_000:
+            break
+        docs.append(doc)
+        size += len(doc)
+    (tmp_path / "in").mkdir()
+    _write_jsonl(tmp_path / "in" / "a.jsonl", docs)
+    argv = ["prepare-data", "--tokenizer", str(TOKENIZER), "--source", f"web={tmp_path}/in/a.jsonl",
+            "--shard-size", "1MB", "--workers", "2", "--out"]
+    run_cli(*argv[:-3], "--out", tmp_path / "uninterrupted")  # in one process: the same bytes, sooner
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "upcycler", *argv, str(out)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list(out.glob(".prepare-*/steps/web/*/*.json")) and time.monotonic() < deadline:
+        assert proc.poll() is None, "the preparation finished before it could be killed"
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    checkpointed = {p.parent.name for p in out.glob(".prepare-*/steps/web/*/*.json")}
+    finished = {p.stem for p in out.glob(".prepare-*/records/web/*.json")}
+    assert checkpointed - finished and not list(out.glob("*.index.json"))
+    done = run_cli(*argv, out)
+    assert f"{len(finished)} reused)" in done.stdout and "continued from a checkpoint (" in done.stdout, done.stdout
+    assert snapshot(out) == snapshot(tmp_path / "uninterrupted")
+    tok = Tokenizer.from_file(str(TOKENIZER))
+    eos = open_source(out, "web").meta["eos_id"]
+    expected = [i for e in tok.encode_batch(docs, add_special_tokens=False) for i in [*e.ids, eos]]
+    assert open_source(out, "web").tokens[:].tolist() == expected
+
+
+def _killed_in(monkeypatch, module, name: str, after: Callable[[tuple], bool] | None = None) -> None:
+    """Make `module.name` stop the preparation like a kill (KeyboardInterrupt: nothing cleaned up): at once,
+    or, with `after`, once `os.replace` has moved something `after` picks while it runs."""
+    original = getattr(module, name)
+
+    def killed(*args, **kwargs):
+        if after is None:
+            raise KeyboardInterrupt
+        real = os.replace
+
+        def replace(*moved):
+            real(*moved)
+            if after(moved):
+                raise KeyboardInterrupt
+
+        with monkeypatch.context() as patch:
+            patch.setattr(os, "replace", replace)
+            return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, killed)
+
+
+@pytest.mark.parametrize("moment", ["after the first index", "while the work directory is removed"])
+def test_a_kill_while_publishing_is_finished_by_the_same_command_and_refused_to_another(
+        corpus: dict, one_worker: Path, tmp_path: Path, monkeypatch, moment: str) -> None:
+    """Killed once `web.index.json` is published (`code`'s not yet), or once both are and the work directory
+    is half removed: another command (another shard size) is refused the outputs, and the same command
+    again finishes the preparation, tokenising nothing, byte-identical to an uninterrupted one."""
+    from upcycler.errors import UpcyclerError
+    from upcycler.train.data import prepare, resume
+    from upcycler.train.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(TOKENIZER)
+    files = prepare.parse_sources(corpus["sources"][1::2])
+    def half_removed(work: Path) -> None:
+        shutil.rmtree(work / "records")  # `resume.discard` removes the journal last
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        if moment == "after the first index":
+            _killed_in(patch, prepare, "_publish_local", after=lambda moved: str(moved[1]).endswith(".index.json"))
+        else:
+            patch.setattr(prepare, "discard", half_removed)
+        with pytest.raises(KeyboardInterrupt):
+            prepare.prepare_sources(tokenizer, files, tmp_path, unit_bytes=24_000)
+    published = sorted(p.name for p in tmp_path.glob("*.index.json"))
+    assert published == (["web.index.json"] if moment == "after the first index" else ["code.index.json",
+                                                                                        "web.index.json"])
+    assert list(tmp_path.glob(f".prepare-*/{resume.JOURNAL}"))
+    with pytest.raises(UpcyclerError, match="index.json: already exists; choose another --out or pass --overwrite"):
+        prepare.prepare_sources(tokenizer, files, tmp_path, unit_bytes=30_000)
+    indexes = prepare.prepare_sources(tokenizer, files, tmp_path, unit_bytes=24_000)
+    assert [i["shards_tokenised"] for i in indexes] == [0, 0]
+    assert snapshot(tmp_path) == snapshot(one_worker)
+
+
+def test_a_kill_while_uploading_to_a_bucket_is_finished_by_the_same_command(corpus: dict, one_worker: Path,
+                                                                            monkeypatch) -> None:
+    """Into a bucket: killed once the first index is uploaded (the second not), the same command again
+    uploads the rest (another command is refused), and the bucket holds what a local preparation does."""
+    import gcs_emulator
+
+    from upcycler.errors import UpcyclerError
+    from upcycler.io import object_store
+    from upcycler.train.data import prepare
+    from upcycler.train.data.tokenizer import load_tokenizer
+
+    if not gcs_emulator.is_running():
+        pytest.skip("the run's storage emulator is not set")
+    out = f"{gcs_emulator.unique_prefix('publish-kill')}/data"
+    tokenizer = load_tokenizer(TOKENIZER)
+    files = prepare.parse_sources(corpus["sources"][1::2])
+    upload_all = object_store.upload_all
+
+    def killed_after_one_index(pairs):
+        if all(url.endswith(".index.json") for _, url in pairs):
+            upload_all(pairs[:1])
+            raise KeyboardInterrupt
+        upload_all(pairs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(object_store, "upload_all", killed_after_one_index)
+        with pytest.raises(KeyboardInterrupt):
+            prepare.prepare_into_bucket(tokenizer, files, out, unit_bytes=24_000)
+    assert [n for n in object_store.list_objects(out) if n.endswith(".index.json")] == ["code.index.json"]
+    with pytest.raises(UpcyclerError, match="already exists"):
+        prepare.prepare_into_bucket(tokenizer, files, out, unit_bytes=30_000)
+    indexes = prepare.prepare_into_bucket(tokenizer, files, out, unit_bytes=24_000)
+    assert [i["shards_tokenised"] for i in indexes] == [0, 0]
+    uploaded = {n: object_store.read_bytes(object_store.join(out, n)) for n in object_store.list_objects(out)}
+    assert uploaded == snapshot(one_worker)
+
+
+def test_a_rerun_tokenises_again_a_unit_whose_shard_is_gone_and_says_why(corpus: dict, one_worker: Path,
+                                                                          tmp_path: Path, monkeypatch) -> None:
+    from upcycler.train.data import prepare
+    from upcycler.train.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(TOKENIZER)
+    files = prepare.parse_sources(corpus["sources"][1::2])
+    with monkeypatch.context() as patch:
+        _killed_in(patch, prepare, "write_journal")  # every unit done, nothing published
+        with pytest.raises(KeyboardInterrupt):
+            prepare.prepare_sources(tokenizer, files, tmp_path, unit_bytes=24_000)
+    next(tmp_path.glob(".prepare-*/shards/code.shards/00001.tokens")).unlink()
+    web, code = prepare.prepare_sources(tokenizer, files, tmp_path, unit_bytes=24_000)
+    assert (web["shards_tokenised"], web["shards_redone"]) == (0, [])
+    assert (code["shards_tokenised"], code["shards_redone"]) == (1, ["1 shard missing or damaged"])
+    assert snapshot(tmp_path) == snapshot(one_worker)
 
 
 @pytest.fixture(scope="module")

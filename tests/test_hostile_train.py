@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -213,6 +214,81 @@ def test_bad_tokenizer_inputs_are_refused(ws, tmp_path, case):
     out = tmp_path / "out"
     args = ["prepare-data", "--tokenizer", tok, "--source", f"s={tmp_path}/a.jsonl", "--out", out, *extra]
     refused(*args, mentions=mentions, inputs=(tok, tmp_path / "a.jsonl"), out=out)
+
+
+ENGINE_OPTIONS = {  # what Beam would not run as given: refused before OUT or its work directory is made
+    "a value Beam refuses": (("--workers", "2", "--beam-option", "direct_running_mode=bogus"),
+                             "'direct_running_mode=bogus': invalid choice: 'bogus' (choose from 'in_memory',"),
+    "an option Beam does not know": (("--beam-option", "direct_num_wrokers=4"),
+                                     "not an option Apache Beam knows; did you mean direct_num_workers?"),
+    "a runner Beam does not have": (("--runner", "NoSuchRunner"),
+                                    "--runner 'NoSuchRunner': not a runner Apache Beam can create; use one of"),
+    "a runner that fails before any work": (("--runner", "DataflowRunner"), "DataflowRunner"),
+    "an expansion ratio below 1": (("--max-expansion", "0.5"), "--max-expansion: the ratio must be at least 1"),
+    "an expansion ratio that is not a number": (("--max-expansion", "nan"), "--max-expansion"),
+}
+
+
+@pytest.mark.parametrize("case", list(ENGINE_OPTIONS))
+def test_engine_options_beam_would_not_run_are_refused_leaving_nothing(ws, tmp_path, case):
+    (tmp_path / "a.jsonl").write_bytes(GOOD_LINE)
+    extra, mentions = ENGINE_OPTIONS[case]
+    args, out = prepare(ws, tmp_path, f"s={tmp_path}/a.jsonl", extra=extra)
+    refused(*args, mentions=mentions, inputs=(tmp_path / "a.jsonl",), out=out)
+
+
+def _bomb(path: Path, total: int) -> Path:
+    """`total` bytes of one JSONL line repeated, compressed as `path`'s suffix says (a few kB on disk)."""
+    import gzip
+
+    import zstandard
+
+    block = b'{"text": "' + b"a" * 1000 + b'"}\n'
+    block *= (1 << 20) // len(block)
+    with open(path, "wb") as raw:
+        out = (gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9) if path.suffix == ".gz"
+               else zstandard.ZstdCompressor().stream_writer(raw))
+        for _ in range(total // len(block)):
+            out.write(block)
+        out.close()
+    return path
+
+
+@pytest.mark.parametrize("name", ["bomb.jsonl.gz", "bomb.jsonl.zst"])
+def test_a_compression_bomb_is_refused_within_seconds(ws, tmp_path, name):
+    """Repeated JSONL at deflate's limit (~1,000x) or beyond (zstd): refused after its first few MiB, naming
+    the file, the ratio and the option that admits a trusted file, nothing written."""
+    (tmp_path / "in").mkdir()
+    bomb = _bomb(tmp_path / "in" / name, 64 << 20)  # refused after 4 MiB of it, whatever its size
+    args, out = prepare(ws, tmp_path, f"s={bomb}")
+    began = time.monotonic()
+    line = refused(*args, mentions=f"{name}: expands", inputs=(tmp_path / "in",), out=out)
+    assert time.monotonic() - began < 30 and "(more than --max-expansion 100;" in line and "pass --max-expansion" in line
+
+
+def test_a_trusted_file_expands_past_the_limit_and_the_disk_it_needs_is_said_first(ws, tmp_path):
+    (tmp_path / "in").mkdir()
+    dense = _bomb(tmp_path / "in" / "dense.jsonl.gz", 5 << 20)  # just past the 4 MiB always allowed
+    args, out = prepare(ws, tmp_path, f"s={dense}")
+    refused(*args, mentions="dense.jsonl.gz: expands", inputs=(tmp_path / "in",), out=out)
+    done = run_cli(*args, "--max-expansion", "100000", timeout=TIMEOUT)
+    first, summary = done.stdout.splitlines()
+    assert "(5.24 MB of text)" in first and "the output needs about" in first and "free at" in first, first
+    assert summary.startswith("s: ") and (out / "s.index.json").is_file()
+
+
+def test_overwrite_without_a_split_removes_the_split_it_replaces_and_keeps_a_source_of_that_name(ws, tmp_path):
+    """NAME prepared with --heldout, then again with --overwrite and no split: NAME.heldout goes with the old
+    NAME. A source prepared in its own right under a .heldout name (no `split` in its index) stays."""
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"document number {k}"}) + "\n" for k in range(40)))
+    args, out = prepare(ws, tmp_path, f"s={tmp_path}/a.jsonl", extra=("--heldout", "0.5"))
+    run_cli(*args, timeout=TIMEOUT)
+    args, _ = prepare(ws, tmp_path, f"t.heldout={tmp_path}/a.jsonl")
+    run_cli(*args, timeout=TIMEOUT)  # a source of its own, named like t's split
+    args, _ = prepare(ws, tmp_path, f"s={tmp_path}/a.jsonl", f"t={tmp_path}/a.jsonl", extra=("--overwrite",))
+    run_cli(*args, timeout=TIMEOUT)
+    assert sorted(p.name for p in out.iterdir()) == ["s.index.json", "s.shards", "t.heldout.index.json",
+                                                     "t.heldout.shards", "t.index.json", "t.shards"]
 
 
 # --- continued-pretrain: the config -----------------------------------------------------------------

@@ -13,10 +13,11 @@ The face of the package: `DataConfig`/`Phase` (the `data:` section of a training
       source_files.py      what the readers share: `Document`, opening and mapping a source file
     tokenizer.py    the tokenizer file, its EOS id and its sha256
     format.py       the prepared-data layout on disk (shared by writer and reader)
-    plan.py         the writer's units of work (one shard each), fixed by the inputs' sizes alone
-    shard_writer.py one unit: documents -> tokens -> `NAME.shards/NNNNN.tokens`, resumable
+    plan.py         the writer's units of work (one shard each) and their checkpoint steps, by size alone
+    shard_writer.py one unit: documents -> tokens -> `NAME.shards/NNNNN.tokens`, resumable step by step
     engine.py       the units on Apache Beam (its DirectRunner by default; any runner by option)
     prepare.py      the writer: plan, run, then shards and `NAME.index.json` (last) into OUT
+    resume.py       what an interrupted preparation left: units reused or why redone, the publish journal
     token_store.py  a source's token stream across its shards, local or gs://, bounded open files
     sources.py      the reader: one prepared source as an endless, reshuffled stream of examples
     mix.py        the blend of sources, phase by phase, into global batches

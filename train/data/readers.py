@@ -132,10 +132,12 @@ def read_documents(
     text_field: str = "text",
     text_unit: str = "file",
     byte_range: tuple[int, int] | None = None,
+    max_expansion: float = MAX_EXPANSION,
 ) -> Iterator[Document]:
     """The non-empty documents of `path` in file order, streaming: `str` for text, a 1-D int64 array for
     token ids. With `byte_range=(a, b)` (only where `splittable`), just the documents of the lines that
-    start at a byte offset p with a <= p < b."""
+    start at a byte offset p with a <= p < b. A compressed file that expands more than `max_expansion`
+    times is refused (`decompression`)."""
     if fmt not in FORMATS:
         raise UpcyclerError(f"{shown_path(path)}: unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
     if fmt == "text" and text_unit not in TEXT_UNITS:
@@ -149,9 +151,9 @@ def read_documents(
             f"{shown_path(path)}: {fmt} input cannot be read compressed; decompress it first"
         )
     if fmt == "text":
-        return _checked(path, text_documents(path, text_unit, byte_range))
+        return _checked(path, text_documents(path, text_unit, byte_range, max_expansion))
     if fmt == "jsonl":
-        return _checked(path, jsonl_documents(path, text_field, byte_range))
+        return _checked(path, jsonl_documents(path, text_field, byte_range, max_expansion))
     if fmt == "parquet":
         return parquet_documents(path, text_field)
     if fmt == "arrow":

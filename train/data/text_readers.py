@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from upcycler.errors import UpcyclerError
-from upcycler.train.data.decompression import CHUNK, compression, open_binary
+from upcycler.train.data.decompression import CHUNK, MAX_EXPANSION, compression, open_binary
 from upcycler.train.data.source_files import FIX_COLUMN
 from upcycler.untrusted import parse_json, shown_path
 
@@ -31,9 +31,11 @@ _FIX_JSONL = "JSON input must be JSON Lines, one object per line; fix or remove 
 _LONE_CR = re.compile(r"(?<=\r)(?!\n)")  # where universal newlines also end a line: after a lone "\r"
 
 
-def text_documents(path: Path, text_unit: str, byte_range: tuple[int, int] | None) -> Iterator[str]:
-    """The documents of a plain-text file, cut by `text_unit`."""
-    with open_binary(path) as f:
+def text_documents(path: Path, text_unit: str, byte_range: tuple[int, int] | None,
+                   max_expansion: float = MAX_EXPANSION) -> Iterator[str]:
+    """The documents of a plain-text file, cut by `text_unit` (a compressed one refused beyond
+    `max_expansion`, see `decompression`)."""
+    with open_binary(path, max_expansion) as f:
         if text_unit == "file":
             yield from _whole_file(f, path)
         elif text_unit == "line":
@@ -84,9 +86,10 @@ def _paragraphs(f: BinaryIO, path: Path) -> Iterator[str]:
         yield "".join(paragraph).rstrip("\r\n")
 
 
-def jsonl_documents(path: Path, text_field: str, byte_range: tuple[int, int] | None) -> Iterator[str]:
+def jsonl_documents(path: Path, text_field: str, byte_range: tuple[int, int] | None,
+                    max_expansion: float = MAX_EXPANSION) -> Iterator[str]:
     """The documents of a JSON Lines file; blank lines are skipped. A line is named by its number, or
-    within a byte range by the byte it starts at."""
+    within a byte range by the byte it starts at (a compressed file is refused beyond `max_expansion`)."""
     shown = shown_path(path)
 
     def where(number: int, offset: int) -> str:
@@ -97,7 +100,7 @@ def jsonl_documents(path: Path, text_field: str, byte_range: tuple[int, int] | N
             f"{where(number, offset)}: line longer than {MAX_LINE_BYTES:,} bytes; {_FIX_JSONL}"
         )
 
-    with open_binary(path) as f:
+    with open_binary(path, max_expansion) as f:
         for number, offset, line in _lines(f, MAX_LINE_BYTES, byte_range, too_long):
             if line.strip():
                 yield from jsonl_record(line, where(number, offset), text_field)
