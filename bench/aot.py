@@ -17,8 +17,8 @@ the chip's usable HBM, whether it fits and by how much, analytic FLOPs per step,
 chip by kind, the roofline step time and MFU bound (HBM traffic with each Pallas kernel charged its own
 cost estimate), the HBM traffic of one MoE layer, and the compile time. Targets: every workload fits; MFU
 bound ≥ 0.7 for the reference MoE and ≥ 0.5 for the grown Llama on v5e. The grouped-matmul kernels' tiles
-follow the scoped VMEM libtpu gives a kernel: run with
-`LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=65536` to compile with 64 MiB instead of v5e's 16.
+follow the scoped VMEM libtpu gives a kernel, 64 MiB as upcycler starts it (`topology.libtpu_defaults`);
+`LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=16384` compiles with libtpu's own default on v5e.
 """
 
 from __future__ import annotations
