@@ -3,6 +3,7 @@ resume's time to first step on a simulated pod.
 
     python bench/remote_io.py [--scale 0.5] [--repeats 3] [--workdir DIR]
     python bench/remote_io.py --only resume --processes 4 --repeats 3
+    python bench/remote_io.py --only download --object-mb 512 --repeats 3
 
 A synthetic bf16 checkpoint at Llama-3.2-1B shapes (widths and vocabulary × `--scale`) is written locally
 and uploaded once to a loopback Cloud Storage emulator (fake-gcs-server, started here and stopped at
@@ -23,6 +24,15 @@ run of `--steps` steps in another run_dir, then that run resumed for one more st
 restore the parameters, optimiser state and data position from the bucket, compile, one step, save).
 Every figure is the wall time of the whole pod (launch to the last process's exit); `ratio` = resume /
 fresh is what restoring from the bucket adds to a start.
+
+`download`: what checking every byte read from a bucket costs. One object of `--object-mb` random bytes
+in the emulator is read into a local file `--repeats` times each way, interleaved: `unchecked_s` by
+gcsfs's own `get` (what a bucket source was mirrored with before, unchecked: ranged reads 4 at a time
+above 100 MB), `checked_s` by `object_store.download_checked` (one stream, its CRC32C computed as the
+bytes arrive and compared with the bucket's) and `single_stream_s` by gcsfs in one stream, unchecked (the
+same transfer as the checked one, without the hashing). One JSON line: the medians, `ratio` (checked /
+unchecked), `stream_ratio` (checked / single stream: what the check itself adds) and `crc32c_s`, the time
+google-crc32c takes over the same bytes in memory (the hashing alone).
 """
 
 from __future__ import annotations
@@ -60,17 +70,20 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
-    parser.add_argument("--only", choices=("surgery", "resume"), default=None, help="run one part only")
+    parser.add_argument("--only", choices=("surgery", "resume", "download"), default=None, help="run one part only")
     parser.add_argument("--processes", type=int, default=4, help="resume: processes of the simulated pod")
     parser.add_argument("--steps", type=int, default=4, help="resume: steps trained before the resume")
+    parser.add_argument("--object-mb", type=int, default=512, help="download: the object's size in MB")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="upcycler-bench-remote-", dir=args.workdir))
     emulator, url = start(BUCKET)
     os.environ.update(STORAGE_EMULATOR_HOST=url, UPCYCLER_CACHE=str(work / "cache"))
     try:
-        if args.only != "surgery":
+        if args.only in (None, "download"):
+            print(json.dumps(checked_download(work, args.object_mb, args.repeats)), flush=True)
+        if args.only in (None, "resume"):
             print(json.dumps(pod_resume(work, args.processes, args.steps, args.repeats)), flush=True)
-        if args.only != "resume":
+        if args.only in (None, "surgery"):
             surgery_rounds(work, args.scale, args.repeats)
     finally:
         stop(emulator)
@@ -108,6 +121,36 @@ def surgery_rounds(work: Path, scale: float, repeats: int) -> None:
                           "ratio": round(median["remote_s"] / median["local_s"], 3),
                           "rss_ratio": round(median["remote_rss"] / median["local_rss"], 3),
                           "rounds": runs}), flush=True)
+
+
+def checked_download(work: Path, object_mb: int, repeats: int) -> dict:
+    """A large object read unchecked (gcsfs) against checked (`download_checked`): medians and every round."""
+    import google_crc32c
+
+    data = os.urandom(object_mb * 1_000_000)
+    url, local = f"gs://{BUCKET}/download/object.bin", work / "object.bin"
+    object_store.write_bytes(url, data)
+    listed, fs, key = object_store.object_info(url), object_store.filesystem(), url.split("://", 1)[1]
+    started = time.perf_counter()
+    google_crc32c.Checksum(data)
+    crc32c_s = time.perf_counter() - started
+    del data
+    rounds = []
+    for _ in range(repeats):
+        figures = {}
+        for name, read in (("unchecked_s", lambda: fs.get(key, str(local))),
+                           ("single_stream_s", lambda: fs.get(key, str(local), concurrency=1)),
+                           ("checked_s", lambda: object_store.download_checked([(url, listed, local)]))):
+            local.unlink(missing_ok=True)
+            started = time.perf_counter()
+            read()
+            figures[name] = round(time.perf_counter() - started, 3)
+        rounds.append(figures)
+    median = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
+    return {"bench": "remote_io/download", "object_bytes": listed.size, "repeats": repeats, **median,
+            "ratio": round(median["checked_s"] / median["unchecked_s"], 3),
+            "stream_ratio": round(median["checked_s"] / median["single_stream_s"], 3),
+            "crc32c_s": round(crc32c_s, 3), "rounds": rounds}
 
 
 def pod_resume(work: Path, processes: int, steps: int, repeats: int) -> dict:

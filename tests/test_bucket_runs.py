@@ -19,7 +19,9 @@ prepare-data` (gs:// globs in, a gs:// --out: the same token files as locally); 
   same commands restarted end bit-identical to the uninterrupted pod run; SIGKILL to one process takes the
   others down within the heartbeat timeout, and the restart ends bit-identical too;
 - elastic resume: a run started on the pod continues on 2 processes × 2 devices (another process count,
-  device count and mesh) with the same global batches as the uninterrupted pod run.
+  device count and mesh) with the same global batches as the uninterrupted pod run;
+- a bucket that refuses writes for good in the middle of a run (its first checkpoint, or the metrics
+  object written after it; through `faulty_storage`) ends the run within the retry policy, in one line.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import numpy as np
 import pytest
 import trainer_fixtures as F
 from cli_helpers import assert_clean_failure
+from faulty_storage import FaultyStorage
 from xla_flags import with_devices
 
 from upcycler.locations import location
@@ -342,3 +345,36 @@ def test_bucket_data_is_read_in_place_and_checked(ws, inputs):
     fs.put_file(str(ws["data"] / other), key(damaged) + f"/{shard}")
     with pytest.raises(UpcyclerError, match=r"json\.shards/00000\.tokens.*does not match json\.index\.json"):
         open_source(damaged, "json")
+
+
+def without_credentials_notice(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """`proc` without the line tensorstore logs when it finds no Google credentials (the emulator needs
+    none; on Cloud Storage there are some): not ours, and not about the failure."""
+    kept = [line for line in proc.stderr.splitlines(keepends=True) if "google_auth_provider.cc" not in line]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout, "".join(kept))
+
+
+@pytest.mark.parametrize(("refused", "says"), [("/2", "writing a checkpoint failed"),
+                                               ("/metrics-", "writing the metrics of steps 0-1 failed")])
+def test_a_bucket_that_refuses_writes_mid_run_ends_it_in_one_line(ws, refused, says, tmp_path, monkeypatch):
+    """From the first checkpoint on (step 2), the bucket answers 503 to every write of that step, or of the
+    metrics object written once it is saved: tensorstore and gcsfs give up within the retry policy (not
+    tensorstore's default of about 15 minutes), and the run ends with one line naming the run_dir and
+    what to do, without a traceback."""
+    run_dir = gcs_emulator.unique_prefix("refused")
+    proxy = FaultyStorage(os.environ["STORAGE_EMULATOR_HOST"])
+    try:
+        fault = proxy.refuse_writes(key(run_dir) + refused)
+        cfg = F.config_dict(tmp_path / "local", ws["dense"], ws["data"], steps=4, run_dir=run_dir)
+        path = F.write_config(tmp_path / "train.yaml", cfg)
+        monkeypatch.chdir(tmp_path)
+        env = {"STORAGE_EMULATOR_HOST": proxy.url, "TENSORSTORE_GCS_HTTP_URL": proxy.url,
+               "UPCYCLER_CACHE": str(tmp_path / "cache")}
+        started = time.monotonic()
+        proc = F.run_cli("continued-pretrain", "--config", path, check=False, timeout=600, env=env)
+        seconds = time.monotonic() - started
+    finally:
+        proxy.stop()
+    line = assert_clean_failure(without_credentials_notice(proc), mentions=f"error: {run_dir}: {says}")
+    assert "then run the same command again" in line and fault.damaged > 0
+    assert seconds < 180, seconds

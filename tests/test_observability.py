@@ -65,7 +65,7 @@ def expected_scalars(record: dict) -> dict[str, float]:
              "mfu", "data_wait", "goodput", "loss/json", "loss/email"]
     out = {name: float(record[name]) for name in names}
     for key, value in record.items():
-        if key.startswith("eval/"):
+        if key.startswith(("eval/", "eval_start/")):
             out[key] = float(value)
     clock = record["clock"]
     out.update({f"badput/{c}": clock[c] / clock["total"] for c in CATEGORIES if c != "productive"})
@@ -95,6 +95,7 @@ def test_tensorboard_event_files_hold_every_scalar_of_the_log(runs):
         for step, value in by_step.items():
             assert logged[step] == pytest.approx(np.float32(value), rel=1e-6, abs=1e-30), (name, step)
     assert any(k.startswith("eval/loss/") for k in expected) and "badput/checkpoint_save" in expected
+    assert {step for name, by_step in expected.items() if name.startswith("eval_start/") for step in by_step} == {0}
     # the expert load of each window, as a histogram per MoE layer and one image
     windows = [r for r in records if "expert_load" in r]
     assert [r["step"] for r in windows] == [2, 5]
@@ -185,9 +186,34 @@ def test_heldout_losses_equal_a_separate_forward_pass_on_the_saved_weights(runs)
             assert records[step][f"eval/ppl/{name}"] == pytest.approx(math.exp(logged), rel=1e-9)
 
 
+def test_the_starting_parameters_are_evaluated_before_the_first_step(ws, runs):
+    """Step 0's record carries the held-out loss of the init (`eval_start/…`): the baseline of every curve,
+    equal to a separate forward pass on the starting checkpoint; no other record has it."""
+    from upcycler.io import read_checkpoint
+    from upcycler.train.evaluation.evaluate import checkpoint_logits
+
+    records = {r["step"]: r for r in F.metrics(runs["watched"])}
+    assert [s for s, r in records.items() if any(k.startswith("eval_start/") for k in r)] == [0]
+    ckpt = read_checkpoint(ws["moe"])
+    for name in HELDOUT:
+        total, count = 0.0, 0
+        for batch in _batches(runs["data"], name, seq_len=32, rows=8, count=2):
+            for example in batch:
+                logits = checkpoint_logits(ckpt, example[None, :-1].astype(np.int32))[0].astype(np.float64)
+                top = logits.max(-1, keepdims=True)
+                logp = logits - np.log(np.exp(logits - top).sum(-1, keepdims=True)) - top
+                total -= logp[np.arange(len(example) - 1), example[1:]].sum()
+                count += len(example) - 1
+        logged = records[0][f"eval_start/loss/{name}"]
+        assert logged == pytest.approx(total / count, rel=2e-5), name
+        assert logged > records[STEPS - 1][f"eval/loss/{name}"]  # training on these sources lowered it
+        assert records[0][f"eval_start/ppl/{name}"] == pytest.approx(math.exp(logged), rel=1e-9)
+    assert not any(k.startswith("eval_start/") for r in F.metrics(runs["plain"]) for k in r)
+
+
 def test_watching_leaves_the_training_bit_identical(runs):
     def trained(run):
-        return [{k: v for k, v in r.items() if k not in TIMING_FIELDS and not k.startswith("eval/")}
+        return [{k: v for k, v in r.items() if k not in TIMING_FIELDS and not k.startswith(("eval/", "eval_start/"))}
                 for r in F.metrics(run)]
 
     assert trained(runs["watched"]) == trained(runs["plain"])

@@ -24,6 +24,7 @@ from pathlib import Path
 import gcs_emulator
 import pytest
 from cli_helpers import assert_clean_failure, run_cli
+from faulty_storage import FaultyStorage
 from hub_server import FakeHub
 
 from upcycler import bucket_client
@@ -257,6 +258,71 @@ def test_a_hub_id_is_a_source_for_dense_to_moe(surgery, tmp_path, monkeypatch):
         | {MANIFEST: bucket_files(f"{surgery['bucket']}/moe")[MANIFEST]}
 
 
+@pytest.fixture
+def faulty():
+    """A proxy in front of the run's emulator that damages the downloads a test names (`faulty_storage`)."""
+    proxy = FaultyStorage(os.environ["STORAGE_EMULATOR_HOST"], seed=20240611)
+    yield proxy
+    proxy.stop()
+
+
+def users_upload(surgery) -> str:
+    """The converted model uploaded as a user's own (no upcycler.json: nothing but the bucket's checksums
+    can tell a damaged byte); its URL."""
+    url, conv = gcs_emulator.unique_prefix("upload") + "/src", surgery["local"] / "conv"
+    store.upload_all([(path, f"{url}/{path.relative_to(conv).as_posix()}") for path in sorted(conv.rglob("*"))
+                      if path.is_file() and path.name != MANIFEST])
+    return url
+
+
+def test_a_flipped_bit_in_a_bucket_source_is_read_again(surgery, faulty, tmp_path):
+    """The first download of a user's model.safetensors arrives with one bit flipped: it is fetched again
+    and dense-to-moe writes what it writes from the local source."""
+    src = users_upload(surgery)
+    out = src.rsplit("/", 1)[0] + "/moe"
+    fault = faulty.flip_bit(src.split("://", 1)[1] + "/model.safetensors", times=1)
+    run_cli("dense-to-moe", src, out, "--experts", "4", "--topk", "2", timeout=120,
+            env={"STORAGE_EMULATOR_HOST": faulty.url, "UPCYCLER_CACHE": str(tmp_path / "cache")})
+    assert fault.damaged == 1
+    assert bucket_files(out)["model.safetensors"] == local_files(surgery["local"] / "moe")["model.safetensors"]
+
+
+def test_a_corrupt_download_is_refused_and_a_rerun_reads_it_afresh(surgery, faulty, tmp_path):
+    """Every download of model.safetensors damaged: refused in one line naming the object, after one more
+    try; nothing is published and nothing of it stays in the mirror. Once the fault is gone, the same
+    command with the same cache succeeds."""
+    src = users_upload(surgery)
+    out, cache = src.rsplit("/", 1)[0] + "/moe", tmp_path / "cache"
+    fault = faulty.flip_bit(src.split("://", 1)[1] + "/model.safetensors", times=None)
+    argv = ("dense-to-moe", src, out, "--experts", "4", "--topk", "2")
+    env = {"STORAGE_EMULATOR_HOST": faulty.url, "UPCYCLER_CACHE": str(cache)}
+    proc = run_cli(*argv, check=False, timeout=120, env=env)
+    line = assert_clean_failure(proc, mentions=f"'{src}/model.safetensors': downloaded 2 times, its bytes never "
+                                               "matched the CRC32C the bucket holds for it")
+    assert "upload it again" in line and fault.damaged == 2
+    assert bucket_files(out) == {}
+    assert not [p.name for p in cache.rglob("*") if "model.safetensors" in p.name]
+    faulty.faults.clear()
+    run_cli(*argv, timeout=120, env=env)
+    assert bucket_files(out)["model.safetensors"] == local_files(surgery["local"] / "moe")["model.safetensors"]
+
+
+def test_a_mirrored_copy_is_trusted_only_as_it_was_verified(tmp_path, monkeypatch):
+    """A copy changed since it was verified (cut short), or recorded by a mirror that did not verify (the
+    generation alone, over a copy of the right size with other bytes), is fetched again, not read."""
+    monkeypatch.setenv("UPCYCLER_CACHE", str(tmp_path))
+    url, data = gcs_emulator.unique_prefix("trusted"), bytes(range(256)) * 64
+    store.write_bytes(f"{url}/weights.bin", data)
+    copy = mirror(url) / "weights.bin"
+    record = copy.parent.parent / f".{copy.parent.name}.mirror.json"
+    generation = json.loads(record.read_text())["weights.bin"]["generation"]
+    copy.write_bytes(data[:100])
+    assert mirror(url) == copy.parent and copy.read_bytes() == data
+    copy.write_bytes(bytes(reversed(data)))
+    record.write_text(json.dumps({"weights.bin": generation}))
+    assert mirror(url) == copy.parent and copy.read_bytes() == data
+
+
 def test_a_bucket_model_is_named_by_its_url_not_its_cache_path(tmp_path):
     """A bucket prefix without config.json: the error names the gs:// URL the user gave."""
     url = gcs_emulator.unique_prefix("no-config") + "/model"
@@ -349,6 +415,23 @@ def test_a_bad_retry_setting_is_one_line(variable, value, tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     proc = run_cli("inspect", "gs://upcycler-tests/any", check=False, env={variable: value}, timeout=60)
     assert_clean_failure(proc, mentions=f"{variable}={value!r}: must be")
+
+
+def test_tensorstore_retries_as_the_policy_says_within_its_deadline():
+    """tensorstore has no deadline: its retries are as many as fit in it, pauses and jitter counted, and
+    every context Orbax makes carries them."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    policy = bucket_client.RetryPolicy()
+    assert bucket_client.tensorstore_retries(policy) == {"max_retries": 5, "initial_delay": "0.5s",
+                                                         "max_delay": "8.0s"}
+    for deadline, retries in ((3, 2), (1, 1), (0.5, 0), (600, policy.attempts - 1)):
+        assert bucket_client.tensorstore_retries(bucket_client.RetryPolicy(deadline=deadline))["max_retries"] == retries
+    bucket_client.configure_tensorstore()
+    for ocdbt in (True, False):
+        context = tensorstore_utils.get_ts_context(use_ocdbt=ocdbt)
+        assert context["gcs_request_retries"].to_json() == {"max_retries": 5, "initial_delay": "500ms",
+                                                              "max_delay": "8s"}
 
 
 def test_the_retry_policy_gives_up_at_its_deadline_and_takes_an_answer_at_once(monkeypatch):

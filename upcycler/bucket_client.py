@@ -16,7 +16,12 @@ driver (Orbax's array data). `configure()` makes them all behave the same way:
   tries over about 35 s, each logging a traceback to stderr, with a 120 s cap on a whole transfer): an
   endpoint that refuses, never answers or stops answering fails within the policy's deadline, as
   `StorageUnanswered`, a one-line error naming the endpoint and what to check; gcsfs's log stays quiet
-  unless the application configures logging.
+  unless the application configures logging;
+- tensorstore's requests follow the same policy as far as tensorstore can (`tensorstore_retries`: the
+  same pauses, and only as many retries as fit in the deadline, instead of its default 32 retries with
+  pauses up to 32 s, about 15 minutes of silence), in every context Orbax makes; a connection that
+  carries nothing for the policy's `answer_wait` is dropped (curl's low-speed limit) and one that does
+  not open within `connect_wait` is given up (`configure_tensorstore`, by the trainer's checkpoints).
 
 What this module preserves: nothing outside gs:// changes; calling `configure()` again does nothing.
 """
@@ -69,7 +74,11 @@ class RetryPolicy:
 
     def pause(self, tries: int) -> float:
         """The pause after the `tries`-th failed try (jittered)."""
-        return min(self.longest_pause, self.first_pause * 2 ** (tries - 1)) * random.uniform(0.5, 1.0)
+        return self.longest_pause_after(tries) * random.uniform(0.5, 1.0)
+
+    def longest_pause_after(self, tries: int) -> float:
+        """The pause after the `tries`-th failed try before jitter: doubling from `first_pause`, capped."""
+        return min(self.longest_pause, self.first_pause * 2 ** (tries - 1))
 
     def try_timeout(self, left: float) -> Any:
         """The waiting limits of one try that has `left` seconds before the deadline (an aiohttp
@@ -139,6 +148,14 @@ def unanswered_reason(err: BaseException) -> str | None:
     return None
 
 
+def refusals() -> tuple[type[Exception], ...]:
+    """What a gcsfs request raises when Cloud Storage refuses or fails it for good (once retried): gcsfs's
+    `HttpError` (a status it does not map) and `OSError` (those it maps: a 403, a 404, …)."""
+    from gcsfs.retry import HttpError
+
+    return HttpError, OSError
+
+
 def is_transient(err: BaseException) -> bool:
     """Whether a try that failed with `err` is worth another: gcsfs's transient errors, and timeouts."""
     from gcsfs.retry import is_retriable
@@ -172,6 +189,44 @@ async def retried(attempt: Callable[[], Awaitable[T]]) -> T:
         finally:
             _TRY_TIMEOUT.reset(token)
         await asyncio.sleep(pause)
+
+
+def tensorstore_retries(policy: RetryPolicy) -> dict[str, Any]:
+    """tensorstore's `gcs_request_retries` resource for `policy`. tensorstore has no deadline, so its
+    retries are bounded instead: the policy's pauses (tensorstore adds up to `min(1 s, first pause)` of
+    jitter to each, counted here), and as many retries as fit, together, in the deadline (at most
+    `attempts - 1`). With the defaults: 5 retries, pauses 0.5 s to 8 s, under 18 s of waiting in all."""
+    jitter = min(1.0, policy.first_pause)
+    retries, waited = 0, 0.0
+    while retries < policy.attempts - 1:
+        pause = min(policy.longest_pause, policy.longest_pause_after(retries + 1) + jitter)
+        if waited + pause > policy.deadline:
+            break
+        retries, waited = retries + 1, waited + pause
+    return {"max_retries": retries, "initial_delay": f"{policy.first_pause}s", "max_delay": f"{policy.longest_pause}s"}
+
+
+def tensorstore_context() -> dict[str, Any]:
+    """The tensorstore context resources every context that may reach a bucket gets (`tensorstore_retries`
+    of this process's policy)."""
+    return {"gcs_request_retries": tensorstore_retries(retry_policy())}
+
+
+@functools.cache
+def configure_tensorstore() -> None:
+    """`configure()`, and tensorstore's gcs driver on the retry policy: the retries in Orbax's default
+    contexts (every context Orbax makes copies them), curl's waits in its environment (read when
+    tensorstore first opens a connection; a value already set is kept). Called by what hands Orbax a
+    location that may be a bucket, before it does (importing Orbax costs a second: `configure` does not)."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils
+
+    configure()
+    policy = retry_policy()
+    for defaults in (tensorstore_utils._BASE_TS_CONTEXT, tensorstore_utils._DEFAULT_OCDBT_TS_CONTEXT):
+        defaults.update(tensorstore_context())
+    os.environ.setdefault("TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS", str(max(1, round(policy.connect_wait))))
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", str(max(1, round(policy.answer_wait))))
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
 
 
 @functools.cache

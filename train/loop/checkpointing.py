@@ -17,7 +17,10 @@ Layout of `RUN_DIR/<step>/`:
     hf/              with `checkpoint.hf_every`: the step as a Hugging Face checkpoint (`checkpoint.hf_dtype`)
 
 A step directory appears only when Orbax has committed every item (a run killed mid-save leaves a
-temporary directory that the next run ignores and removes). The manifest, tokenizer and Hugging Face
+temporary directory that the next run ignores and removes). A save that fails (a bucket that refuses
+writes for good or stops answering, within the retry policy of `upcycler.bucket_client`; a full disk)
+ends the run with one line naming the run_dir and what to do, not with the tracebacks Orbax's threads
+log for each of its writes. The manifest, tokenizer and Hugging Face
 export are added after the commit by the primary process, on Orbax's background thread when saves are
 async (the steps go on meanwhile); the export is staged (`upcycler.io.staging`) and appears only
 complete. `export_committed` repairs any step that lacks them, so a run killed during an export
@@ -27,6 +30,7 @@ rewrites it when it resumes.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -38,9 +42,11 @@ import jax
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from upcycler.bucket_client import configure_tensorstore, refusals
 from upcycler.errors import UpcyclerError
 from upcycler.io.manifest import MANIFEST, write_manifest
 from upcycler.io.orbax_layout import COMMIT_FILE, PARAMS, STEP_HF, STEP_SIDE_FILES
+from upcycler.io.orbax_write import quiet_failed_writes
 from upcycler.locations import is_remote
 from upcycler.spec import ModelSpec
 from upcycler.train.loop.preflight import committed_steps
@@ -102,7 +108,10 @@ class RunCheckpoints:
         hf_every: int = 0,
         hf_dtype: str = "bfloat16",
     ):
+        configure_tensorstore()  # before Orbax opens anything: a bucket's retries bounded as gcsfs's are
+        _quiet_orbax_failures()
         self.run_dir = run_dir if is_remote(run_dir) else Path(run_dir).absolute()
+        self._failed = False  # a save failed: reported once, `close` stays quiet about it
         self.spec = spec
         self.lineage = [dict(x) for x in lineage]
         self.side_dirs = [Path(d) for d in side_dirs]
@@ -155,10 +164,11 @@ class RunCheckpoints:
         }
         if ema is not None:
             items["ema"] = ocp.args.StandardSave(self._canonical(ema, self.spec))
-        self.raise_export_error()
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
-        if not self._async:
-            self.export_committed()
+        with self._writing():
+            self.raise_export_error()
+            self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+            if not self._async:
+                self.export_committed()
 
     def restore(
         self, step: int, abstract_params: Params, abstract_opt_state: Any, *, with_ema: bool = False
@@ -200,17 +210,40 @@ class RunCheckpoints:
 
     def delete(self, step: int) -> None:
         """Remove the checkpoint of `step` (collective, like a save)."""
-        self._manager.delete(step)
+        with self._writing():
+            self._manager.delete(step)
 
     def committed(self) -> list[int]:
         """The steps saved and committed so far, oldest first (waits for a save in flight)."""
-        self._manager.wait_until_finished()
+        with self._writing():
+            self._manager.wait_until_finished()
         return sorted(self._manager.all_steps())
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
-        self.export_committed()
+        """Wait for the save in flight and finish the exports; after a failed save, only let go."""
+        if self._failed:
+            with suppress(Exception):  # the same failure, already reported
+                self._manager.close()
+            return
+        with self._writing():
+            self._manager.wait_until_finished()
+            self._manager.close()
+            self.export_committed()
+
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Turn a failed write under the body (a save, its commit, an export, a deletion) into one line
+        naming the run_dir; `close` is quiet after it."""
+        try:
+            yield
+        except UpcyclerError:
+            self._failed = True
+            raise
+        except _storage_failures() as err:
+            self._failed = True
+            raise UpcyclerError(f"{self.run_dir}: writing a checkpoint failed ({_first_line(err)}); check that "
+                                "run_dir can be written (credentials, permissions, quota, space, the network), "
+                                "then run the same command again: it resumes from the last committed step") from None
 
     def export_committed(self) -> None:
         """On the primary process: add the manifest, tokenizer files and Hugging Face export (`hf_every`) to
@@ -256,6 +289,36 @@ class RunCheckpoints:
         # no `files` or `tensors` digests: hashing every parameter byte at every checkpoint would cost more
         # than the save, and `read_checkpoint` does not need them
         write_manifest(step_dir, ModelSpec.from_json(json.dumps(meta["spec"])), meta["lineage"])
+
+
+def _storage_failures() -> tuple[type[BaseException], ...]:
+    """What a write of Orbax's storage raises when it fails: tensorstore's ValueError (the array data),
+    gcsfs's refusals (the directories and small files, through epath; a local disk's OSError too)."""
+    return ValueError, *refusals()
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of `err`'s message (its type when it has none), bounded."""
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else type(err).__name__
+
+
+class _WithoutTracebacks(logging.Filter):
+    """Drops the log records that carry a traceback: Orbax's threads log every failed write with one,
+    and the failure reaches the trainer as well, which reports it once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.exc_info is None
+
+
+def _quiet_orbax_failures() -> None:
+    """Keep Orbax's tracebacks off stderr (absl's logger; once per process), and those tensorstore's
+    threads print when a failed save's other writes find their event loop closed
+    (`orbax_write.quiet_failed_writes`); Orbax's other records stay."""
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _WithoutTracebacks) for f in absl.filters):
+        absl.addFilter(_WithoutTracebacks())
+    quiet_failed_writes()
 
 
 @contextmanager

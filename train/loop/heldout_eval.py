@@ -13,7 +13,9 @@ The evaluation is its own compiled function of the parameters (not donated) and 
 the train state, the data iterator or a random key, so turning it on leaves the training losses and
 parameters bit-identical. It runs after every `eval.every`-th step and after the last, and is logged on
 that step's record as `eval/loss/<source>` (the token-weighted mean cross-entropy over all its batches)
-and `eval/ppl/<source>` (its exponential).
+and `eval/ppl/<source>` (its exponential). A run that starts from its init also evaluates the starting
+parameters, before its first step: the baseline of every curve, on step 0's record as
+`eval_start/loss/<source>` and `eval_start/ppl/<source>` (`baseline`).
 """
 
 from __future__ import annotations
@@ -86,6 +88,11 @@ class HeldoutEval:
             out[f"eval/loss/{name}"] = loss
             out[f"eval/ppl/{name}"] = math.exp(loss) if loss < 700 else float("inf")
         return out
+
+
+    def baseline(self, params: Any, mesh: Mesh) -> dict[str, float]:
+        """`run` on the starting parameters, named `eval_start/…` (before any step changed them)."""
+        return {key.replace("eval/", "eval_start/", 1): value for key, value in self.run(params, mesh).items()}
 
 
 def default_sources(directory: Any, training: tuple[str, ...]) -> list[str]:

@@ -193,7 +193,7 @@ class _Run:
         stop = _PreemptionNotice()
         profile = ProfileWindow(config.profile, config.run_dir)
         last = self.ckpts.step_dir(start) if start else None
-        compiled = None
+        compiled, baseline = None, {}
         try:
             if primary:
                 log.writers = open_writers(config.metrics, config.run_dir, start_step=start,
@@ -209,6 +209,9 @@ class _Run:
                         compiled = compile_step(step_fn, self.state_shardings, self.mesh, state, batch)
                         if self.heldout is not None:
                             self.heldout.compile(state.params, self.mesh, self.state_shardings.params)
+                    if self.heldout is not None and step == 0:  # the starting point of every eval curve
+                        with clock.timed("eval"):
+                            baseline = self.heldout.baseline(state.params, self.mesh)
                 t0 = time.perf_counter()
                 state, raw = compiled(state, batch)
                 raw = jax.device_get(raw)
@@ -233,7 +236,7 @@ class _Run:
                     num_devices=jax.device_count(),
                     window=window,
                 )
-                record["data_wait"] = data_wait
+                record.update(data_wait=data_wait, **(baseline if step == 0 else {}))
                 if spike:
                     _stamp(record, clock)
                     state, last = self._spike(guard, record, step, log, progress)  # saves step + 1

@@ -17,6 +17,8 @@
     eval/loss/<source>, eval/ppl/<source>
                     held-out loss and perplexity after this step, on the steps `eval.every` picks
                     (`upcycler.train.loop.heldout_eval`)
+    eval_start/loss/<source>, eval_start/ppl/<source>
+                    on step 0 of a run that starts from its init: the same of the starting parameters
     expert_load     per MoE layer, the fraction of token copies each expert received over the window of
                     `metrics.expert_load_every` steps that ends here; sums to 1 per layer
     expert_load_by_source, sources
@@ -62,6 +64,7 @@ from typing import Any, BinaryIO, TextIO
 
 import numpy as np
 
+from upcycler.bucket_client import refusals
 from upcycler.errors import UpcyclerError
 from upcycler.layout import declare_params
 from upcycler.locations import is_remote
@@ -77,7 +80,7 @@ NUMBER_FIELDS = (
     "data_wait", "goodput",
 )
 TIMING_FIELDS = ("step_time", "tokens_per_s", "mfu", "data_wait", "goodput", "clock")  # differ run to run
-NUMBER_PREFIXES = ("loss/", "eval/loss/", "eval/ppl/")
+NUMBER_PREFIXES = ("loss/", "eval/loss/", "eval/ppl/", "eval_start/loss/", "eval_start/ppl/")
 _FIX = "fix or delete that line"
 MAX_STEP = 2**53  # steps are plotted as floats: every step up to here is exact
 MAX_NAME = 255  # a data source's name is a file-name stem
@@ -143,9 +146,19 @@ class MetricsLog:
             self._pending[1].append(line)
 
     def saved(self) -> None:
-        """A checkpoint was saved: in a bucket run_dir, write the lines since the previous one."""
+        """A checkpoint was saved: in a bucket run_dir, write the lines since the previous one. A write the
+        bucket refuses (once retried) is one line naming the run_dir; nothing more is written after it."""
         if self._pending is not None:
-            metrics_objects.write_interval(self.run_dir, *self._pending)
+            steps, lines = self._pending
+            try:
+                metrics_objects.write_interval(self.run_dir, steps, lines)
+            except refusals() as err:
+                self._pending = None  # `close` does not try again: the run ends on this error
+                raise UpcyclerError(
+                    f"{self.run_dir}: writing the metrics of steps {steps[0]}-{steps[-1]} failed "
+                    f"({describe(str(err).strip() or type(err).__name__, 200)}); check that run_dir can be "
+                    "written (credentials, permissions, quota, the network), then run the same command again: "
+                    "it resumes from the last committed step, without these steps' metrics") from None
             self._pending = ([], [])
 
     def close(self) -> None:
@@ -381,7 +394,7 @@ def parse_metrics_line(line: str | bytes, where: str) -> dict[str, Any] | None:
     """The record of one metrics.jsonl line (None for a blank line), or `UpcyclerError` naming `where`.
 
     `step` is a non-negative integer; the fields of `NUMBER_FIELDS`, `loss/<source>` and
-    `eval/{loss,ppl}/<source>` are finite numbers or null; `clock` maps every goodput category, `total`
+    `eval/{loss,ppl}/<source>` (`eval_start/…` too) are finite numbers or null; `clock` maps every goodput category, `total`
     and `wall` to a finite non-negative number; `expert_load` is a non-empty rectangle of finite numbers (layers × experts);
     `expert_load_by_source` is a non-empty block layers × sources × experts of numbers in [0, 1], a whole
     source row possibly null, with `sources` beside it naming each source once (and the

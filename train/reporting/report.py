@@ -15,7 +15,8 @@
                              bar for all panels; a run with more than 12 MoE layers shows 12 evenly
                              spaced ones, first and last included, and says so in the title
     heldout.png              when records carry `eval/loss/<source>`: the held-out loss of each source
-                             after the evaluated steps (`upcycler.train.loop.heldout_eval`)
+                             after the evaluated steps (`upcycler.train.loop.heldout_eval`); dashed, the
+                             starting parameters' (`eval_start/loss/<source>`)
     goodput.png              when records carry `clock`: where the run's wall time went so far, as shares
                              stacked per category (`upcycler.train.reporting.goodput`), goodput on top
     expert_health.png        when records carry `expert_health` (`upcycler.train.techniques.expert_health`): one panel
@@ -201,7 +202,11 @@ def _heldout(records: Sequence[dict[str, Any]], path: Path) -> str:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key in sorted({k for r in records for k in r if k.startswith("eval/loss/")}):
         s, v = _series(records, key)
-        ax.plot(s, v, marker="o", ms=3, lw=1.0, label=key[len("eval/loss/"):].replace("$", r"\$"))
+        line, = ax.plot(s, v, marker="o", ms=3, lw=1.0, label=key[len("eval/loss/"):].replace("$", r"\$"))
+        start = next((r[f"eval_start/{key[len('eval/'):]}"] for r in records
+                      if r.get(f"eval_start/{key[len('eval/'):]}") is not None), None)
+        if start is not None:  # the starting parameters' loss: the baseline the curve is read against
+            ax.axhline(start, color=line.get_color(), ls="--", lw=0.8)
     ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="held-out loss per source")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

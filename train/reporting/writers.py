@@ -41,12 +41,13 @@ WANDB_DIR = "wandb"
 
 def scalars(record: Mapping[str, Any], moe_layers: Sequence[int] = ()) -> dict[str, float]:
     """The scalars of one metrics record, by the names TensorBoard and W&B show: the number fields,
-    `loss/<source>`, `eval/loss/<source>` and `eval/ppl/<source>`, `badput/<category>` (shares of the
+    `loss/<source>`, `eval/loss/<source>` and `eval/ppl/<source>` (and the starting point's
+    `eval_start/…`), `badput/<category>` (shares of the
     run's time so far, from `clock`) and `expert_health/<statistic>/layer_<n>` (n: the MoE layer's number
     in the model). Nulls (non-finite values) are left out."""
     out: dict[str, float] = {}
     for key, value in record.items():
-        if (key in NUMBER_FIELDS or key.startswith(("loss/", "eval/"))) and value is not None:
+        if (key in NUMBER_FIELDS or key.startswith(("loss/", "eval/", "eval_start/"))) and value is not None:
             out[key] = float(value)
     if "clock" in record:
         out.update({f"badput/{c}": share for c, share in badput(record["clock"]).items()})

@@ -2,36 +2,50 @@
 the client settings of `upcycler.bucket_client` (chosen so that no command hangs or crawls on a bucket).
 
 Every failure becomes an `UpcyclerError` naming the URL. What this module preserves: bytes are moved
-as they are, streamed between a local file and an object (never whole in memory).
+as they are, streamed between a local file and an object (never whole in memory); a download is kept only
+once its bytes match the CRC32C the bucket holds for the object (`download_checked`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
-from upcycler.bucket_client import StorageUnanswered, bucket_filesystem_class, configure
+from upcycler.bucket_client import StorageUnanswered, bucket_filesystem_class, configure, retried
 from upcycler.errors import UpcyclerError
 from upcycler.locations import bucket_and_key, url_scheme
 from upcycler.untrusted import describe
 
 SCHEMES = ("gs",)
 """The bucket schemes the tool reads and writes."""
-UPLOADS_AT_ONCE = 8  # files moved concurrently by `upload_all` and `download_all` (each a stream of its own)
+UPLOADS_AT_ONCE = 8  # files moved concurrently by `upload_all` and `download_checked` (each a stream of its own)
+DOWNLOAD_TRIES = 2  # a download whose bytes differ from the object's CRC32C is fetched once more, then refused
+_PIECE = 1024 * 1024  # how much of a download is written and hashed at a time
 
 
 @dataclass(frozen=True)
 class StoredObject:
-    """One object under a prefix: its name relative to the prefix, size and generation (its version)."""
+    """One object under a prefix: its name relative to the prefix, size, generation (its version) and the
+    CRC32C the bucket holds for that generation (base64 of the big-endian value, as Cloud Storage writes
+    it; "" when the bucket gave none). Every object has one, composite objects too (they have no MD5)."""
 
     name: str
     size: int
     generation: str
+    crc32c: str = ""
+
+
+def _stored(name: str, info: dict[str, Any]) -> StoredObject:
+    """The `StoredObject` named `name` that gcsfs's metadata `info` describes."""
+    return StoredObject(name, int(info.get("size") or 0), str(info.get("generation", "")),
+                        str(info.get("crc32c") or ""))
 
 
 def is_bucket_url(text: str | os.PathLike) -> bool:
@@ -84,8 +98,7 @@ def list_objects(url: str) -> dict[str, StoredObject]:
     prefix = _key(url) + "/"
     with _errors(url, "listing"):
         found = filesystem().find(prefix, detail=True)
-    return {key[len(prefix):]: StoredObject(key[len(prefix):], int(info.get("size") or 0),
-                                            str(info.get("generation", "")))
+    return {key[len(prefix):]: _stored(key[len(prefix):], info)
             for key, info in found.items() if key.startswith(prefix) and info.get("type") != "directory"}
 
 
@@ -118,17 +131,121 @@ def object_info(url: str) -> StoredObject | None:
             return None
     if info.get("type") == "directory":
         return None
-    return StoredObject(_key(url).rsplit("/", 1)[-1], int(info.get("size") or 0), str(info.get("generation", "")))
+    return _stored(_key(url).rsplit("/", 1)[-1], info)
 
 
-def download_all(pairs: list[tuple[str, Path]]) -> None:
-    """Stream each object into its local file (replaced), several at a time (`UPLOADS_AT_ONCE`): a sharded
-    checkpoint's files come down side by side. Returns once every download has finished."""
-    if not pairs:
+def crc32c_text(checksum: Any) -> str:
+    """A `google_crc32c.Checksum`'s value as Cloud Storage writes it: base64 of the 4 big-endian bytes."""
+    return base64.b64encode(checksum.digest()).decode()
+
+
+class _HashedCopy:
+    """A local file written piece by piece (replaced), with the CRC32C of every byte written to it."""
+
+    def __init__(self, path: Path):
+        import google_crc32c
+
+        self._file = open(path, "wb")  # noqa: SIM115  (closed by __exit__)
+        self._checksum = google_crc32c.Checksum()
+
+    def write(self, piece: bytes) -> None:
+        self._file.write(piece)
+        self._checksum.update(piece)
+
+    def crc32c(self) -> str:
+        """The CRC32C of what was written (`crc32c_text`)."""
+        return crc32c_text(self._checksum)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+
+async def _stream_into(fs: Any, key: str, generation: str, local: Path) -> str:
+    """Write the bytes of generation `generation` of the object `key` into `local` (replaced) as they arrive,
+    in one GET (one try: no retry here), hashing them on the way; returns their CRC32C (`crc32c_text`)."""
+    from gcsfs.retry import validate_response
+
+    await fs._set_session()
+    async with fs.session.get(fs.url(key, generation=generation or None), headers=fs._get_headers(None),
+                              timeout=fs.requests_timeout) as answer:
+        if answer.status >= 400:
+            validate_response(answer.status, await answer.read(), key)
+        with _HashedCopy(local) as copy:
+            async for piece in answer.content.iter_chunked(_PIECE):
+                copy.write(piece)
+        return copy.crc32c()
+
+
+async def _download_checked_one(fs: Any, url: str, obj: StoredObject, local: Path) -> None:
+    """Stream the object `url` (the generation `obj` names) into `local`; keep it only once its CRC32C is
+    `obj.crc32c`, fetching it again on a mismatch (`DOWNLOAD_TRIES` in all). `local` is removed whenever
+    this fails, so no unchecked byte is ever left behind."""
+    try:
+        with _errors(url, "downloading"):
+            if not obj.crc32c:
+                raise UpcyclerError(f"{describe(url, 200)}: the bucket holds no CRC32C for it, so its bytes cannot "
+                                    "be checked; copy it to a Cloud Storage bucket (every object there has one)")
+            read: list[str] = []  # the CRC32C of each download
+            while len(read) < DOWNLOAD_TRIES and obj.crc32c not in read:
+                read.append(await _stream_generation(fs, url, obj, local))
+        if obj.crc32c not in read:
+            raise UpcyclerError(f"{describe(url, 200)}: downloaded {len(read)} times, its bytes never matched the "
+                                f"CRC32C the bucket holds for it ({obj.crc32c}; read {', '.join(read)}): corrupted "
+                                "on the way (check the network or proxy, then rerun) or in the bucket (upload it "
+                                "again)")
+    except BaseException:
+        local.unlink(missing_ok=True)
+        raise
+
+
+async def _stream_generation(fs: Any, url: str, obj: StoredObject, local: Path) -> str:
+    """`_stream_into` for the generation `obj` names, tried as the retry policy says; one line when that
+    generation is gone (the object was replaced or deleted since it was listed)."""
+    try:
+        return await retried(lambda: _stream_into(fs, _key(url), obj.generation, local))
+    except FileNotFoundError:
+        raise UpcyclerError(f"{describe(url, 200)}: replaced or deleted while it was being read (generation "
+                            f"{obj.generation} is gone); rerun once it stays put") from None
+
+
+async def _at_most(limit: int, jobs: list[Callable[[], Awaitable[None]]]) -> None:
+    """Run `jobs`, at most `limit` at a time; the first failure cancels the others and is raised."""
+    slots = asyncio.Semaphore(limit)
+
+    async def run(job: Callable[[], Awaitable[None]]) -> None:
+        async with slots:
+            await job()
+
+    tasks = [asyncio.ensure_future(run(job)) for job in jobs]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def download_checked(downloads: list[tuple[str, StoredObject, Path]]) -> None:
+    """Stream each object (URL, its listing) into its local file (replaced), several at a time
+    (`UPLOADS_AT_ONCE`): a sharded checkpoint's files come down side by side. Each file is kept only once
+    its bytes match the CRC32C of the generation listed (hashed as they arrive, no second read), and is
+    fetched once more when they do not; an object that never matches is refused in one line naming it.
+    Returns once every download has finished; on a failure, none of the files is left."""
+    if not downloads:
         return
-    with _errors(pairs[0][0], "downloading"):
-        filesystem().get([_key(url) for url, _ in pairs], [str(local) for _, local in pairs],
-                         batch_size=UPLOADS_AT_ONCE)
+    from fsspec.asyn import sync
+
+    fs = filesystem()
+    try:
+        sync(fs.loop, _at_most, UPLOADS_AT_ONCE,
+             [functools.partial(_download_checked_one, fs, url, obj, local) for url, obj, local in downloads])
+    except BaseException:
+        for _, _, local in downloads:
+            local.unlink(missing_ok=True)
+        raise
 
 
 def upload_all(pairs: list[tuple[Path, str]]) -> None:

@@ -121,7 +121,7 @@ def _context() -> Any:
     # Orbax's background threads log every failure (a full disk: dozens of tracebacks) before the
     # saving thread re-raises it to us; we report it once, as one line.
     logging.getLogger("absl").setLevel(logging.CRITICAL)
-    _quiet_failed_writes()
+    quiet_failed_writes()
     storage = ocp.options.ArrayOptions.Saving.StorageOptions
 
     def per_leaf(keypath: Any, value: Any) -> Any:
@@ -272,7 +272,7 @@ class _WithoutClosedLoopReports:
         return getattr(self._stream, name)
 
 
-def _quiet_failed_writes() -> None:
+def quiet_failed_writes() -> None:
     """Route `sys.stderr` through `_WithoutClosedLoopReports` (once per process)."""
     if not isinstance(sys.stderr, _WithoutClosedLoopReports):
         sys.stderr = _WithoutClosedLoopReports(sys.stderr)

@@ -5,8 +5,14 @@ digests of `upcycler.json` on every byte read, the hostile-input rules):
 
 - a bucket prefix is mirrored into the upcycler cache (`$UPCYCLER_CACHE`, else `$XDG_CACHE_HOME/upcycler`,
   else `~/.cache/upcycler`), several objects at a time, each streamed to disk (memory stays a few buffers
-  whatever the size); an object is fetched again only when its generation changed, so a second command on the same
-  source reads nothing from the bucket but its listing. A prefix that holds the marker of an unfinished
+  whatever the size). Every byte that arrives is checked against the CRC32C the bucket holds for the
+  object (a source without `upcycler.json`, a user's own upload, is checked too): a mismatch is fetched
+  once more, then refused in one line naming the object, and nothing of it stays in the mirror. A mirrored
+  copy is trusted only as it was verified: the mirror's record holds, per object, the generation and
+  CRC32C it matched and the copy's size and modification time then; an object whose record is missing or
+  differs (a newer generation, a copy changed or cut short since, a cache from before this check) is
+  fetched again, so a second command on the same source reads nothing from the bucket but its listing,
+  and a rerun after a refused download fetches it afresh. A prefix that holds the marker of an unfinished
   upcycler write is refused. Object names never escape the mirror directory;
 - a Hub id (`org/name`, `hf://org/name`, either with `@revision`) is fetched by `huggingface_hub` into the
   HF cache (`HF_HOME`), from `HF_ENDPOINT`, honouring `HF_HUB_OFFLINE` and the usual token; only the
@@ -81,24 +87,57 @@ def mirror_glob(pattern: str) -> list[Path]:
     return copies
 
 
-def _fetch(url: str, objects: dict[str, store.StoredObject], local: Path, *, keep_others: bool) -> Path:
-    record_path = local.parent / f".{local.name}.mirror.json"
+def _verified(obj: store.StoredObject, copy: Path) -> dict:
+    """The mirror's record of `copy` verified as `obj`: what the bucket listed (generation, CRC32C) and
+    what the copy is now (size, modification time), so that a later change on either side shows."""
+    stat = copy.stat()
+    return {"generation": obj.generation, "crc32c": obj.crc32c, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _trusted(entry: object, obj: store.StoredObject, copy: Path) -> bool:
+    """Whether the mirrored `copy` is `obj` as verified: its record (`entry`) is what `_verified` says now."""
+    return copy.is_file() and bool(obj.crc32c) and entry == _verified(obj, copy)
+
+
+def _read_record(record_path: Path) -> dict:
+    """The mirror's record (object name → `_verified`), {} when there is none or it cannot be read."""
     try:
         record = json.loads(record_path.read_text()) if record_path.is_file() else {}
     except (OSError, ValueError):
-        record = {}
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _write_record(record_path: Path, record: dict) -> None:
+    """Replace the mirror's record with `record` at once (a reader sees the old one or the new one)."""
+    partial_record = record_path.with_name(f"{record_path.name}.partial-{os.getpid()}")
+    partial_record.write_text(json.dumps(record, sort_keys=True))
+    os.replace(partial_record, record_path)
+
+
+def _fetch(url: str, objects: dict[str, store.StoredObject], local: Path, *, keep_others: bool) -> Path:
+    """Bring the mirror `local` of the prefix `url` up to date with `objects` (its listing): every object
+    not trusted as it stands (`_trusted`) is downloaded and checked (`store.download_checked`) before it
+    replaces its copy. An object that fails leaves no copy and no record entry behind."""
+    record_path = local.parent / f".{local.name}.mirror.json"
+    record = _read_record(record_path)
     local.mkdir(parents=True, exist_ok=True)
-    stale = {}  # name -> (target, partial) of the objects whose local copy is missing or out of date
+    stale = {}  # name -> (target, partial) of the objects whose local copy is missing, out of date or unverified
     for name, obj in sorted(objects.items()):
         target = local / _safe_name(url, name)
-        if record.get(name) == obj.generation and target.is_file() and target.stat().st_size == obj.size:
+        if _trusted(record.get(name), obj, target):
             continue
         target.parent.mkdir(parents=True, exist_ok=True)
         stale[name] = (target, target.with_name(f".{target.name}.partial-{os.getpid()}"))
-    store.download_all([(store.join(url, name), partial) for name, (_, partial) in stale.items()])
+    if stale:
+        for name, (target, _) in stale.items():  # evicted first: an interrupted fetch leaves nothing trusted
+            record.pop(name, None)
+            target.unlink(missing_ok=True)
+        _write_record(record_path, record)
+    store.download_checked([(store.join(url, name), objects[name], partial) for name, (_, partial) in stale.items()])
     for name, (target, partial) in stale.items():
         os.replace(partial, target)
-        record[name] = objects[name].generation
+        record[name] = _verified(objects[name], target)
     if not keep_others:
         for path in sorted(local.rglob("*"), reverse=True):
             name = path.relative_to(local).as_posix()
@@ -107,9 +146,7 @@ def _fetch(url: str, objects: dict[str, store.StoredObject], local: Path, *, kee
             elif path.is_dir() and not any(path.iterdir()):
                 path.rmdir()
         record = {name: record[name] for name in objects}
-    partial_record = record_path.with_name(f"{record_path.name}.partial-{os.getpid()}")
-    partial_record.write_text(json.dumps(record, sort_keys=True))
-    os.replace(partial_record, record_path)
+    _write_record(record_path, record)
     return local
 
 
