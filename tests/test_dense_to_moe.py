@@ -93,6 +93,19 @@ PARENT_INTO_TARGET = {
 }
 
 
+def test_glm4_moe_without_a_shared_expert_says_vllm_cannot_serve_it(tiny_dir, tmp_path):
+    """vLLM's GLM-4-MoE builds its shared MLP n_shared_experts wide and dies serving 0 (SIGFPE, vLLM 0.32):
+    the write goes on (transformers and the trainer run it) and says so, and what would be servable."""
+    planned = run_transform("dense-to-moe", tiny_dir("llama"), tmp_path / "out", experts=8, topk=2,
+                            granularity=2, target="glm4_moe")
+    notes = [n for step in planned.steps for n in step.notes if "vLLM cannot serve" in n.text]
+    assert len(notes) == 1 and notes[0].exact and "--shared-experts 1" in notes[0].text
+    assert config(tmp_path / "out")["n_shared_experts"] == 0 and planned.exact
+    shared = run_transform("dense-to-moe", tiny_dir("llama"), tmp_path / "shared", experts=8, topk=2,
+                           granularity=2, shared_experts=1, target="glm4_moe", dry_run=True)
+    assert not any("vLLM" in n.text for step in shared.steps for n in step.notes)
+
+
 @pytest.mark.parametrize("parent", PARENT_INTO_TARGET)
 def test_every_parent_family_into_every_target(parent, tiny_dir, tmp_path):
     """A parent saved by today's transformers (Qwen2 and Qwen3 write `layer_types`, all full attention)
@@ -101,7 +114,7 @@ def test_every_parent_family_into_every_target(parent, tiny_dir, tmp_path):
     src = tiny_dir(parent)
     for target, expected in PARENT_INTO_TARGET[parent].items():
         options = {"experts": 8, "topk": 2, "granularity": 2, "target": target,
-                   "shared_experts": 1 if target == "qwen2_moe" else 0}
+                   "shared_experts": 1 if target in ("qwen2_moe", "glm4_moe") else 0}
         out = tmp_path / target
         if expected is True:
             planned = run_transform("dense-to-moe", src, out, **options)

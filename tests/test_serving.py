@@ -6,8 +6,8 @@ compared in one of three ways (`CASES`):
 
 - `exact`: vLLM's text must be its parent's on every prompt, and the top-5 logprobs of the first 16
   generated tokens the parent's within `TOL` (every exact MoE family, identity depth, BTX from copies, and
-  Qwen3-MoE and GLM-4-MoE without a shared expert from a Qwen3 parent, itself built from the real model's
-  weights with fitted q/k norms);
+  Qwen3-MoE and GLM-4-MoE from a Qwen3 parent, itself built from the real model's weights with fitted q/k
+  norms);
 - `text`: the parent's text, and vLLM's logprobs transformers' own on that output within `TOL`;
 - `own`: vLLM's greedy tokens and logprobs are transformers' own on that output (up to a tie within
   `TOL`) — for outputs that are not the parent's function: the Qwen3-MoE with fitted q/k norms and a
@@ -62,9 +62,9 @@ CASES = {  # name: (source, command, arguments, comparison); the source is "pare
     "qwen3": ("qwen3_moe-fitted-norms", "build", [], "own"),  # a Qwen3 parent: `qwen3_parent`
     "qwen3_moe-from-qwen3": ("qwen3", "dense-to-moe", ["--experts", "8", "--topk", "4", "--granularity", "4",
                                                        "--target", "qwen3_moe"], "exact"),
-    # a Qwen3 parent (its config writes layer_types) into GLM-4-MoE with no shared expert
-    "glm4_moe-from-qwen3-no-shared": ("qwen3", "dense-to-moe", ["--experts", "8", "--topk", "2", "--granularity",
-                                                                "2", "--target", "glm4_moe"], "exact"),
+    # a Qwen3 parent (its config writes layer_types) into GLM-4-MoE (a shared expert: vLLM needs one)
+    "glm4_moe-from-qwen3": ("qwen3", "dense-to-moe", ["--experts", "8", "--topk", "2", "--granularity", "2",
+                                                      "--shared-experts", "1", "--target", "glm4_moe"], "exact"),
     "trained-btx": ("btx-copies", "train", [], "own"),  # 2 steps, exported by `checkpoint.hf_every`
 }
 
