@@ -299,7 +299,7 @@ def test_bad_sources_are_refused_in_one_line(tmp_path, models, tiny_dir):
         ("add --experts-from", [*moe, "--shared-params", "mean"]),
         ("needs --calibration", [*moe, "--experts-from", *good, "--router-init", "centroids"]),
         ("two or more", [*moe, "--experts-from", good[0], "--router-init", "centroids",
-                         "--calibration", tmp_path]),
+                         "--calibration", tmp_path / "calibration"]),  # not around OUT: that is refused first
     ]
     for mentions, args in cases:
         proc = run_cli("dense-to-moe", base, tmp_path / "out", *args, check=False)

@@ -388,8 +388,9 @@ def test_merging_one_input_twice_is_refused(tmp_path, models):
     """The same checkpoint twice, directly or through a symlink, would count double: one line naming both."""
     src = models["llama"]
     (tmp_path / "alias").symlink_to(src)
-    fails(tmp_path, ["merge", src, src, tmp_path / "out"], ("merged twice", str(src)), [src])
-    fails(tmp_path, ["merge", src, tmp_path / "alias", tmp_path / "out"], ("alias: merged twice", str(src)), [src])
+    fails(tmp_path, ["merge", src, src, tmp_path / "out", "--method", "sma"], ("merged twice", str(src)), [src])
+    fails(tmp_path, ["merge", src, tmp_path / "alias", tmp_path / "out", "--method", "sma"],
+          ("alias: merged twice", str(src)), [src])
 
 
 # --- in-process: the spec itself ----------------------------------------------------------------------

@@ -305,8 +305,10 @@ def test_merged_output_loads_in_transformers_with_its_lineage(tmp_path, llamas):
 
 
 def test_averaging_identical_keeps_logits(tmp_path, llamas):
+    """Three copies of one checkpoint (the same directory named twice is refused: it would count double)."""
     out = tmp_path / "same"
-    run_cli("merge", llamas[1], llamas[1], llamas[1], out, "--method", "sma")
+    copies = [shutil.copytree(llamas[1], tmp_path / f"copy{k}") for k in range(2)]
+    run_cli("merge", llamas[1], *copies, out, "--method", "sma")
     ids = random_ids()
     np.testing.assert_array_equal(logits(out, ids), logits(llamas[1], ids))
 

@@ -119,10 +119,17 @@ def test_the_plan_fits_its_yaml_compiles_to_the_same_figures_and_it_is_cached(de
     narrow = ("--plan-remat", "none,attention,full", "--plan-microbatches", "1,2")
     loose = _last_json(_upcycle("--config", config, "--compile-only", "--topology", "v5e-4", "--plan",
                                 tmp_path / "loose.yaml", *narrow, "--json", home=home))
-    # with a 1 GiB margin no remat fits at 2 microbatches and at 1: nothing is tried after it
-    assert loose["compiles"] == 2 and loose["best"]["choice"]["remat"] == "none"
-    plain = next(o for o in loose["outcomes"] if o["choice"]["microbatches"] == 1)
-    assert plain["fits"] and plain["choice"]["remat"] == "none"
+    # with a 1 GiB margin no remat fits at 2 microbatches and at 1; later policies are tried only at 1, and only
+    # when the best so far is memory-bound (recomputing may then move fewer bytes)
+    def choices(found):
+        return [(o["choice"]["remat"], o["choice"]["microbatches"]) for o in found["outcomes"]]
+
+    tried = choices(loose)
+    plain = loose["outcomes"][tried.index(("none", 1))]
+    assert plain["fits"] and ("none", 2) in tried and loose["compiles"] == len(tried)
+    assert set(tried) <= {("none", 2), ("none", 1), ("attention", 1), ("full", 1)}
+    assert (len(tried) > 2) == (plain["bound"] == "memory")
+    assert loose["best"]["mfu"] == max(o["mfu"] for o in loose["outcomes"] if o["fits"])
     assert plain["choice"]["attention"] == "splash"  # a TPU target, 256 tokens: the scores stay on chip
     margin = loose["budget"] - plain["peak"] + (1 << 20)  # the plain step misses this margin by 1 MiB
     out = tmp_path / "planned.yaml"
@@ -135,7 +142,8 @@ def test_the_plan_fits_its_yaml_compiles_to_the_same_figures_and_it_is_cached(de
     assert all(o["mfu"] <= best["mfu"] for o in plan["outcomes"] if o["fits"])
     assert not next(o["fits"] for o in plan["outcomes"] if o["choice"]["remat"] == "none"
                     and o["choice"]["microbatches"] == 1)
-    assert plan["compiles"] == len(plan["outcomes"]) - 2  # no remat at 1 and 2 microbatches came from the cache
+    cached = set(choices(plan)) & set(tried)  # what the first plan compiled comes from the cache
+    assert {("none", 1), ("none", 2)} <= cached and plan["compiles"] == len(plan["outcomes"]) - len(cached)
     # the YAML is a config the trainer loads, with the winning options; compiled, it gives the plan's figures
     written = load_config(out)
     assert (written.model.remat, written.data.microbatches, written.model.attention) == (
