@@ -199,6 +199,9 @@ class SchedulePhase:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
+    """`optimizer`: AdamW (decoupled weight decay, global-norm clipping), its learning-rate schedule by
+    phase, what it trains, and a moving average of the weights."""
+
     lr: float = field(3e-4, range=_NON_NEGATIVE, help="Peak learning rate.")
     b1: float = field(0.9, range=Range(0, 1, hi_open=True), help="Adam b1.")
     b2: float = field(0.95, range=Range(0, 1, hi_open=True), help="Adam b2.")
@@ -236,6 +239,9 @@ class SpikeConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
+    """`loss`: what is added to the cross-entropy (load balancing, router z-loss), how the cross-entropy
+    is chunked, the selection bias's updates and the loss-spike guard."""
+
     lb_coef: float = field(0.01, range=_NON_NEGATIVE, help="Weight of the load-balancing loss.")
     z_coef: float = field(0.001, range=_NON_NEGATIVE, help="Weight of the router z-loss.")
     ce_chunk: int = field(0, range=Range(0, 1 << 22),
@@ -252,6 +258,8 @@ class LossConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
+    """`mesh`: the sizes of the device mesh's axes; at most one is -1, all remaining devices."""
+
     data: int = field(1, range=Range(-1, MAX_DEVICES), help="Data-parallel size (-1: the remaining devices).")
     fsdp: int = field(-1, range=Range(-1, MAX_DEVICES), help="FSDP size (-1: the remaining devices).")
     expert: int = field(1, range=Range(-1, MAX_DEVICES), help="Expert-parallel size (-1: the remaining devices).")
@@ -272,6 +280,8 @@ class DistributedConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """`checkpoint`: how often the run saves, how many saves it keeps, and its Hugging Face exports."""
+
     every: int = field(100, range=_STEPS, help="Save every this many steps.")
     keep: int = field(3, range=_STEPS, help="Keep the newest this many checkpoints.")
     async_save: bool = field(True, key="async", help="Save in the background.")
@@ -299,6 +309,8 @@ class WandbConfig:
 
 @dataclass(frozen=True)
 class MetricsConfig:
+    """`metrics`: where each step's record goes, MFU's peak, and the expert load, usage and health windows."""
+
     writers: tuple[str, ...] = field(("jsonl", "tensorboard"),
                                      help="Where each step's record goes: jsonl (RUN_DIR/metrics.jsonl, always; "
                                           "what report and resume read), tensorboard (RUN_DIR/tensorboard), "
