@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from upcycler.train.reporting.goodput import CATEGORIES
-from upcycler.train.reporting.metrics import METRICS_FILE, MetricsLog, read_metrics
+from upcycler.train.reporting.metrics import METRICS_FILE, read_metrics
+from upcycler.train.reporting.metrics_log import MetricsLog
 
 
 def write_log(path: Path, steps: int, every: int, layers: int, experts: int, sources: int) -> None:

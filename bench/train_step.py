@@ -13,7 +13,7 @@ before every timed step (the best of three large fp32 matmuls, `--peak-size`), s
 other work is compared with itself under the same load. The peak matmul runs in the compute dtype
 (`--compute-dtype`), so a bf16 step is compared with a bf16 peak. `mfu` is the median over steps of
 (model FLOPs / step time) / that step's peak; `mfu_best_peak` divides the median step by the best peak
-seen. Model FLOPs are the trainer's analytical count (`upcycler.train.reporting.metrics.flops_per_token`: 6 × active
+seen. Model FLOPs are the trainer's analytical count (`upcycler.train.reporting.flops.flops_per_token`: 6 × active
 matmul parameters plus causal attention), so the one-hot path's wasted expert FLOPs are not useful work.
 
 `--model DIR` takes the architecture from an HF config.json instead (weights are random), `--layers N`
@@ -43,7 +43,7 @@ from upcycler.train.loop import sharding
 from upcycler.train.loop.optim import make_optimizer, opt_state_shardings
 from upcycler.train.loop.train_step import TrainState, compile_step, global_batch, make_train_step
 from upcycler.train.model.params import init_params
-from upcycler.train.reporting.metrics import flops_per_token
+from upcycler.train.reporting.flops import flops_per_token
 
 
 def bench_spec(small: bool) -> ModelSpec:

@@ -15,11 +15,15 @@ inside functions, and so does what an import sets off: importing `a.b.c` first r
 Inside the trainer, its rooms (`ROOMS`), lowest first: config and data; the model; what rides on the
 loop (techniques) and evaluation; reporting; the loop; aot (compiles the loop's step). A room imports
 its own modules and the rooms below it, and the model imports none of the code that knows the mesh.
+
+ARCHITECTURE.md names every module file in its layer or room, as `folder/name` or in a group
+`folder/{name, name}.py` (`documented`).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -247,3 +251,34 @@ def test_io_is_one_way():
     upward = sorted(f"{m} -> {t}" for m, targets in graph().items() if m.startswith("upcycler.io")
                     for t in targets if t.startswith("upcycler.io") and wrong(m, t))
     assert upward == []
+
+
+DOC = ROOT / "ARCHITECTURE.md"
+
+
+def doc_key(path: Path) -> str:
+    """How ARCHITECTURE.md names a module file: its folder's own name and its name, `reporting/metrics_log`."""
+    return f"{path.parent.name}/{path.stem}"
+
+
+def documented(text: str) -> tuple[set[str], set[str]]:
+    """(every `folder/name` the text names, those of them named in a group `folder/{a, b}`). Written out,
+    a name counts wherever it stands in a path (`train/reporting/metrics.py` names `reporting/metrics`)."""
+    grouped = {f"{folder}/{name.strip()}" for folder, group in re.findall(r"(\w+)/\{([^}]*)\}", text)
+               for name in group.split(",")}
+    written = {f"{folder}/{name}" for folder, name in re.findall(r"(?<![\w.])(?=(\w+)/(\w+))", text)}
+    return grouped | written, grouped
+
+
+def test_architecture_names_every_module():
+    """A module file (not a package's `__init__.py`) that ARCHITECTURE.md does not name fails, and so does
+    a name in one of its groups that is no module (a module renamed or removed): the map stays whole.
+    The `folder/name` form is unambiguous only while no two module files share it."""
+    files = [path for path in modules().values() if path.name != "__init__.py"]
+    keys = [doc_key(path) for path in files]
+    assert sorted(k for k in set(keys) if keys.count(k) > 1) == []
+    named, grouped = documented(DOC.read_text(encoding="utf-8"))
+    missing = sorted(str(path.relative_to(ROOT)) for path in files if doc_key(path) not in named)
+    assert missing == [], f"name these in {DOC.name}, in their layer or room, with what each is for"
+    stale = sorted(grouped - set(keys))
+    assert stale == [], f"{DOC.name} names modules that do not exist"

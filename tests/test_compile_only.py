@@ -249,7 +249,7 @@ def test_the_roofline_counts_what_each_remat_policy_recomputes():
 
     from upcycler.train.aot.report import executed_flops_per_token
     from upcycler.train.config import REMAT_POLICIES, LossConfig, ModelConfig
-    from upcycler.train.reporting.metrics import flops_per_token, matmul_params
+    from upcycler.train.reporting.flops import flops_per_token, matmul_params
 
     spec = tiny_spec(moe=True)
     seq, loss = 256, LossConfig(ce_chunk=0)

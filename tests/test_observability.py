@@ -24,7 +24,8 @@ from upcycler.errors import UpcyclerError
 from upcycler.train.config import TrainConfig
 from upcycler.train.loop.trainer import train
 from upcycler.train.reporting.goodput import CATEGORIES
-from upcycler.train.reporting.metrics import TIMING_FIELDS, MetricsLog
+from upcycler.train.reporting.metrics import TIMING_FIELDS
+from upcycler.train.reporting.metrics_log import MetricsLog
 
 STEPS = 6
 MOE_LAYERS = (1, 2)  # tiny_spec(moe=True): layer 0 dense

@@ -48,7 +48,7 @@ from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec
 from upcycler.train.aot.report import executed_flops_per_token
 from upcycler.train.config import REMAT_POLICIES, TrainConfig
-from upcycler.train.reporting.metrics import flops_per_token
+from upcycler.train.reporting.flops import flops_per_token
 from upcycler.units import human_bytes
 
 MICROBATCHES = (1, 2, 4, 8)

@@ -6,7 +6,7 @@ Memory per device comes from two places, shown side by side:
 - compiled, from XLA's memory analysis of the compiled step: arguments, outputs, temporaries (which hold
   the gradients, the activations kept for the backward pass and the gathered weights) and the peak.
 The step fits when the compiled peak is within the device's HBM budget (the chip's usable HBM from
-`hardware`, or a budget given by the user). FLOPs are analytic (`upcycler.train.reporting.metrics.flops_per_token`:
+`hardware`, or a budget given by the user). FLOPs are analytic (`upcycler.train.reporting.flops.flops_per_token`:
 6 · active matmul parameters + causal attention, per token), never the compiler's count; the executed
 FLOPs add what the memory options recompute. Collective traffic (`collectives`) and HBM traffic
 (`hbm_traffic`, Pallas kernels charged at least their own cost estimates) are read from the compiled HLO,
@@ -29,7 +29,7 @@ from upcycler.train.aot import collectives, hbm_traffic, roofline, save_time
 from upcycler.train.config import LossConfig, ModelConfig, TrainConfig
 from upcycler.train.model import remat
 from upcycler.train.model.gmm_megablox import scoped_vmem_of
-from upcycler.train.reporting.metrics import flops_per_token, matmul_params
+from upcycler.train.reporting.flops import flops_per_token, matmul_params
 from upcycler.units import human_count
 
 GIB = 1 << 30

@@ -57,17 +57,14 @@ from upcycler.train.loop.train_step import (
     state_layout,
 )
 from upcycler.train.model.params import from_tensors
+from upcycler.train.reporting.flops import flops_per_token
 from upcycler.train.reporting.goodput import RunClock, goodput
-from upcycler.train.reporting.metrics import (
-    ExpertWindow,
-    MetricsLog,
-    Progress,
-    flops_per_token,
-    step_record,
-)
+from upcycler.train.reporting.metrics_log import MetricsLog, step_record
 from upcycler.train.reporting.peak import peak_per_device
+from upcycler.train.reporting.progress import Progress
 from upcycler.train.reporting.writers import Writer, open_writers
 from upcycler.train.techniques import expert_health
+from upcycler.train.techniques.expert_window import ExpertWindow
 from upcycler.train.techniques.spike_guard import SpikeGuard
 
 

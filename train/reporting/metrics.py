@@ -1,6 +1,6 @@
-"""Per-step training metrics: the JSONL log, model FLOPs and MFU, and the progress display.
+"""The format of `RUN_DIR/metrics.jsonl`, and reading it back checked.
 
-`RUN_DIR/metrics.jsonl` gets one JSON object per step, written by the primary process only:
+The log holds one JSON object per step, written by the primary process only (`metrics_log`):
 
     step            the step's index (0-based; checkpoint N holds the state before step N)
     loss            mean next-token cross-entropy over the batch's real (mask = 1) target tokens
@@ -11,7 +11,8 @@
     lr              learning rate used by this step
     tokens          real target tokens in the batch
     step_time, tokens_per_s   wall time of the compiled step and B·L / step_time
-    mfu             model FLOPs utilisation against the per-device peak of `upcycler.train.reporting.peak`
+    mfu             model FLOPs utilisation (FLOPs: `flops`) against the per-device peak of
+                    `upcycler.train.reporting.peak`
     data_wait       seconds the loop waited for this step's batch
     clock, goodput  where the run's wall time went so far, across restarts (`upcycler.train.reporting.goodput`)
     eval/loss/<source>, eval/ppl/<source>
@@ -28,16 +29,15 @@
                     and `sources`, the data sources' names in the order of the rows
     expert_health   per MoE layer over the same window: load_min, load_max, load_cv, dead, overload,
                     entropy, bias_norm (`upcycler.train.techniques.expert_health`)
+    spike           on a step the loss-spike guard caught: {action, median, averaged} (`spike_guard`)
 
 The windows start at multiples of `metrics.expert_load_every` and end on the step before the next one
 (or at the run's last step); a checkpoint saves the open window's sums, so a resumed run logs exactly
-what it would have uninterrupted. Nothing is sampled: every step's counts are in its window.
-    spike           on a step the loss-spike guard caught: {action, median, averaged} (`spike_guard`)
+what it would have uninterrupted (`upcycler.train.techniques.expert_window`). Nothing is sampled: every
+step's counts are in its window.
 
-A resumed run first drops the lines of steps at or after its start step (they were not checkpointed), so
-the log always describes one uninterrupted trajectory; it reads the log backwards from its end, only as
-far as the last line it keeps (a resume costs the same after 10 or 100,000 steps). A value that is not
-finite is written as null.
+A resumed run first drops the lines of steps at or after its start step (`metrics_resume`), so the log
+always describes one uninterrupted trajectory. A value that is not finite is written as null.
 
 Reading (`read_metrics`, for `upcycle report` and resuming) treats the log as untrusted: every line goes
 through the bounded JSON parser and `parse_metrics_line` checks each known field's type (numbers are
@@ -48,30 +48,26 @@ block of shares of the same shape and the same `sources` on every line, source n
 unknown fields are kept as they are. A line is at most `MAX_JSON_BYTES` long; longer ones are refused after
 reading that much of them, never read whole. A torn final line (no line break: a run killed mid-write) is
 ignored; any other bad line is an `UpcyclerError` naming the file and the line.
+
+What this module preserves: the fields above as the one description of a line, and the checks every
+reader of the log (`upcycle report`, a resumed run) goes through.
 """
 
 from __future__ import annotations
 
 import io
-import json
-import math
 import os
-import re
-import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, BinaryIO, TextIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
-from upcycler.bucket_client import refusals
 from upcycler.errors import UpcyclerError
-from upcycler.layout import declare_params
 from upcycler.locations import is_remote
-from upcycler.spec import ModelSpec
 from upcycler.train.reporting import metrics_objects
 from upcycler.train.reporting.goodput import CATEGORIES
-from upcycler.train.techniques.expert_health import MAX_MAGNITUDE, check_logged_health, layer_health
+from upcycler.train.techniques.expert_health import MAX_MAGNITUDE, check_logged_health
 from upcycler.untrusted import MAX_JSON_BYTES, describe, integer, open_regular, parse_json, real, shown_path
 
 METRICS_FILE = "metrics.jsonl"
@@ -84,216 +80,6 @@ NUMBER_PREFIXES = ("loss/", "eval/loss/", "eval/ppl/", "eval_start/loss/", "eval
 _FIX = "fix or delete that line"
 MAX_STEP = 2**53  # steps are plotted as floats: every step up to here is exact
 MAX_NAME = 255  # a data source's name is a file-name stem
-
-
-def matmul_params(spec: ModelSpec) -> int:
-    """Parameters that take part in a matmul for one token: every weight matrix but the embedding
-    lookup (the LM head counts, tied or not), routed experts counted `top_k` times, norms and biases not."""
-    total = spec.vocab_size * spec.hidden_size if spec.tie_embeddings else 0
-    for p in declare_params(spec):
-        if p.name == "embed" or len(p.shape) < 2 or p.is_buffer:
-            continue
-        if p.expert_stacked:
-            total += p.numel // p.shape[0] * spec.moe.top_k  # type: ignore[union-attr]
-        else:
-            total += p.numel
-    return total
-
-
-def flops_per_token(spec: ModelSpec, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token: 6·matmul params + causal attention 6·layers·H·h·L."""
-    attention = 6 * spec.num_layers * spec.num_heads * spec.head_dim * seq_len
-    return 6.0 * matmul_params(spec) + attention
-
-
-class MetricsLog:
-    """Appends one JSON line per step to RUN_DIR/metrics.jsonl (a no-op on non-primary processes); in a
-    bucket run_dir, keeps the lines since the last checkpoint and writes them as one object when the
-    trainer says a checkpoint was saved (`saved`) and at `close` (`metrics_objects`).
-
-    Opening it drops the records at or after `start_step`; `kept` and `last` are then the last record
-    kept and the last record there was (each None when there is none), for the goodput clock."""
-
-    def __init__(self, run_dir: Path, *, enabled: bool, start_step: int):
-        self.run_dir = run_dir
-        self.path = run_dir / METRICS_FILE
-        self.enabled = enabled
-        self.kept: dict[str, Any] | None = None
-        self.last: dict[str, Any] | None = None
-        self._file: TextIO | None = None
-        self._pending: tuple[list[int], list[str]] | None = None  # bucket run_dir: (steps, lines) not written
-        if enabled and is_remote(run_dir):
-            self.kept, self.last = _parsed(metrics_objects.tail(run_dir, start_step), run_dir)
-            metrics_objects.truncate_from(run_dir, start_step)
-            self._pending = ([], [])
-        elif enabled:
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self.kept, self.last = _truncate_from(self.path, start_step)
-                self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (open for the run)
-            except OSError as err:
-                raise UpcyclerError(
-                    f"{shown_path(self.path)}: cannot write ({err.strerror}); choose a writable run_dir"
-                ) from None
-
-    def write(self, record: Mapping[str, Any]) -> None:
-        line = json.dumps(_finite(record), allow_nan=False) + "\n"
-        if self._file is not None:
-            self._file.write(line)
-            self._file.flush()
-        elif self._pending is not None:
-            self._pending[0].append(int(record["step"]))
-            self._pending[1].append(line)
-
-    def saved(self) -> None:
-        """A checkpoint was saved: in a bucket run_dir, write the lines since the previous one. A write the
-        bucket refuses (once retried) is one line naming the run_dir; nothing more is written after it."""
-        if self._pending is not None:
-            steps, lines = self._pending
-            try:
-                metrics_objects.write_interval(self.run_dir, steps, lines)
-            except refusals() as err:
-                self._pending = None  # `close` does not try again: the run ends on this error
-                raise UpcyclerError(
-                    f"{self.run_dir}: writing the metrics of steps {steps[0]}-{steps[-1]} failed "
-                    f"({describe(str(err).strip() or type(err).__name__, 200)}); check that run_dir can be "
-                    "written (credentials, permissions, quota, the network), then run the same command again: "
-                    "it resumes from the last committed step, without these steps' metrics") from None
-            self._pending = ([], [])
-
-    def close(self) -> None:
-        self.saved()
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-def step_record(
-    step: int,
-    raw: Mapping[str, Any],
-    *,
-    sources: Sequence[str],
-    step_time: float,
-    batch_tokens: int,
-    flops_per_step: float,
-    peak_flops: float | None,
-    num_devices: int,
-    window: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The JSON record of one step from the train step's (host) metric arrays, with the expert window that
-    ends here (`ExpertWindow.take`), when given."""
-    rec: dict[str, Any] = {"step": step, "loss": float(raw["loss"])}
-    src_loss, src_tokens = np.asarray(raw["source_loss"]), np.asarray(raw["source_tokens"])
-    for name, loss_sum, count in zip(sources, src_loss, src_tokens):
-        if count > 0:
-            rec[f"loss/{name}"] = float(loss_sum / count)
-    for key in ("lb_loss", "z_loss"):
-        if key in raw:
-            rec[key] = float(raw[key])
-    rec.update(
-        total_loss=float(raw["total_loss"]),
-        grad_norm=float(raw["grad_norm"]),
-        lr=float(raw["lr"]),
-        tokens=int(raw["tokens"]),
-        step_time=step_time,
-        tokens_per_s=batch_tokens / step_time,
-    )
-    if peak_flops:
-        rec["mfu"] = flops_per_step / step_time / (peak_flops * num_devices)
-    if window:
-        rec.update(window)
-    return rec
-
-
-def load_shares(counts_ME: Any) -> list[list[float]]:
-    """`expert_load` from counts [M, E]: each layer's row divided by its sum, rounded to 6 decimals."""
-    counts = np.asarray(counts_ME, dtype=np.float64)
-    return np.round(counts / np.maximum(counts.sum(axis=1, keepdims=True), 1.0), 6).tolist()
-
-
-def source_shares(counts_MSE: Any) -> list[list[list[float] | None]]:
-    """`expert_load_by_source` from per-source counts [M, S, E]: each (layer, source) row divided by its
-    sum and rounded to 6 decimals (as `expert_load`), so it sums to 1; None for a source without tokens."""
-    counts = np.asarray(counts_MSE, dtype=np.float64)
-    totals = counts.sum(axis=2, keepdims=True)
-    shares = np.round(counts / np.where(totals > 0, totals, 1.0), 6)
-    return [[row.tolist() if total > 0 else None for row, total in zip(layer, layer_totals[:, 0])]
-            for layer, layer_totals in zip(shares, totals)]
-
-
-class ExpertWindow:
-    """Token copies per expert (in all and per data source), router entropy and selection bias over the
-    steps since the window opened; `take` turns them into the record's `expert_load`,
-    `expert_load_by_source` and `expert_health` and opens a new window. `state` / `restore` carry an open
-    window through a checkpoint (integers and float sums, exact in JSON)."""
-
-    def __init__(self, spec: ModelSpec, dead_below: float, sources: Sequence[str] = ()):
-        self.top_k = spec.moe.top_k if spec.moe is not None else 1  # unused for a dense model: no counts
-        self.dead_below = dead_below
-        self.sources = list(sources)
-        self._counts: np.ndarray | None = None
-        self._by_source: np.ndarray | None = None
-        self._entropy: np.ndarray | None = None
-        self._steps = 0
-        self._bias: np.ndarray | None = None
-
-    def add(self, raw: Mapping[str, Any]) -> None:
-        """Add one step's host metrics (a dense model's carry no expert counts: nothing happens)."""
-        if "expert_counts" not in raw:
-            return
-        counts = np.asarray(raw["expert_counts"], np.int64)
-        entropy = np.asarray(raw["router_entropy"], np.float64)
-        self._counts = counts if self._counts is None else self._counts + counts
-        self._entropy = entropy if self._entropy is None else self._entropy + entropy
-        if "expert_counts_by_source" in raw:
-            by_source = np.asarray(raw["expert_counts_by_source"], np.int64)
-            self._by_source = by_source if self._by_source is None else self._by_source + by_source
-        self._steps += 1
-        if "selection_bias" in raw:
-            self._bias = np.asarray(raw["selection_bias"], np.float64)
-
-    def take(self) -> dict[str, Any] | None:
-        """The window's record fields (None before any MoE step), and an empty window."""
-        if self._counts is None:
-            return None
-        out: dict[str, Any] = {"expert_load": load_shares(self._counts)}
-        if self._by_source is not None:
-            out.update(expert_load_by_source=source_shares(self._by_source), sources=list(self.sources))
-        out["expert_health"] = layer_health(self._counts, self.top_k, self.dead_below,
-                                            self._entropy / self._steps, self._bias)
-        self._counts = self._by_source = self._entropy = None
-        self._steps = 0
-        return out
-
-    def state(self) -> dict[str, Any]:
-        """The open window as plain JSON data (empty when nothing was added)."""
-        if self._counts is None:
-            return {}
-        state = {"steps": self._steps, "counts": self._counts.tolist(), "entropy": self._entropy.tolist()}
-        if self._by_source is not None:
-            state["by_source"] = self._by_source.tolist()
-        if self._bias is not None:
-            state["bias"] = self._bias.tolist()
-        return state
-
-    def restore(self, state: Mapping[str, Any], where: str) -> None:
-        """Reopen a window saved by `state` (a checkpoint's meta, checked: `UpcyclerError` naming `where`)."""
-        if not state:
-            return
-        try:
-            steps = int(state["steps"])
-            counts = np.asarray(state["counts"], np.int64)
-            entropy = np.asarray(state["entropy"], np.float64)
-            by_source = np.asarray(state["by_source"], np.int64) if "by_source" in state else None
-            bias = np.asarray(state["bias"], np.float64) if "bias" in state else None
-        except (KeyError, TypeError, ValueError, OverflowError):
-            steps, counts = 0, np.zeros(0)
-        if (steps < 1 or counts.ndim != 2 or (counts < 0).any() or entropy.shape != counts.shape[:1]
-                or not np.isfinite(entropy).all()
-                or (by_source is not None and by_source.shape != (counts.shape[0], len(self.sources), counts.shape[1]))):
-            raise UpcyclerError(f"{where}: meta expert_window is not an open window of this model's expert "
-                                "counts; the checkpoint is damaged; resume from an earlier step")
-        self._steps, self._counts, self._entropy, self._by_source, self._bias = steps, counts, entropy, by_source, bias
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -492,136 +278,3 @@ def _check_load_by_source(record: dict[str, Any], where: str) -> None:
     if isinstance(load, list) and (len(load) != len(layers) or experts not in (None, len(load[0]))):
         raise UpcyclerError(f"{where}: expert_load_by_source covers {len(layers)} layers × {experts} "
                             f"experts, but expert_load {len(load)} × {len(load[0])}; {_FIX}")
-
-
-def _finite(value: Any) -> Any:
-    """`value` with every non-finite float replaced by None (JSON null)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, Mapping):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
-_STEP_PREFIX = re.compile(rb'^\{"step": (\d+)[,}]')
-_TAIL_BLOCK = 1 << 20
-
-
-def _truncate_from(path: Path, start_step: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """Keep only the complete records of steps before `start_step`; returns (the last record kept, the
-    last complete record there was), each None when there is none (and both None for step 0: a new run).
-
-    The log is read backwards from its end, as far as the last line kept, and cut there in place. A log
-    whose lines do not all start as the trainer writes them (`{"step": N`) is read whole and rewritten
-    atomically with its checked records instead."""
-    if not os.path.lexists(path):
-        return None, None
-    os.close(open_regular(path, "metrics log"))  # a regular file, or one clear line
-    last: dict[str, Any] | None = None
-    with open(path, "r+b") as f:
-        size = f.seek(0, os.SEEK_END)
-        if start_step == 0:
-            f.truncate(0)
-            return None, None
-        for offset, line in _lines_backwards(f, size, path):
-            if not line.endswith(b"\n"):
-                continue  # only the last line can lack its line break: torn by a run killed mid-write
-            match = _STEP_PREFIX.match(line)
-            if match is None:
-                if not line.strip():
-                    continue
-                break
-            step = int(match.group(1))
-            record = None
-            if last is None or step < start_step:
-                record = parse_metrics_line(line, f"{shown_path(path)}: the line at byte {offset}")
-            if last is None:
-                last = record
-            if step < start_step:
-                f.truncate(offset + len(line))
-                return record, last
-        else:
-            f.truncate(0)
-            return None, last
-    kept = [r for r in read_metrics(path.parent) if r["step"] < start_step]
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return (kept[-1] if kept else None), last
-
-
-def _lines_backwards(f: BinaryIO, size: int, path: Path) -> Iterator[tuple[int, bytes]]:
-    """(offset, line with its line break if it has one) of every line of `f`, last first, read in blocks
-    from the end; a line longer than `MAX_JSON_BYTES` is refused."""
-    pos, tail, tail_ends = size, b"", False  # tail: the earliest, maybe partial, line read so far
-    while pos > 0:
-        n = min(_TAIL_BLOCK, pos)
-        pos -= n
-        f.seek(pos)
-        pieces = (f.read(n) + tail).split(b"\n")
-        offset, found = pos + len(pieces[0]) + 1, []
-        for k, piece in enumerate(pieces[1:], start=1):
-            ends = k < len(pieces) - 1 or tail_ends
-            if piece or ends:
-                found.append((offset, piece + b"\n" if ends else piece))
-            offset += len(piece) + 1
-        yield from reversed(found)
-        tail, tail_ends = pieces[0], len(pieces) > 1 or tail_ends
-        if len(tail) > MAX_JSON_BYTES:
-            raise UpcyclerError(f"{shown_path(path)}: a line longer than {MAX_JSON_BYTES:,} bytes; not a metrics "
-                                f"log the trainer wrote; {_FIX}")
-    if tail or tail_ends:
-        yield 0, tail + b"\n" if tail_ends else tail
-
-
-def _parsed(lines: tuple[bytes | None, bytes | None], run_dir: Path) -> tuple[dict | None, dict | None]:
-    """The records of (kept, last) lines of a bucket run_dir's metrics objects."""
-    where = f"{shown_path(run_dir)}/{metrics_objects.PREFIX}*.jsonl"
-    return tuple(None if line is None else parse_metrics_line(line, where) for line in lines)  # type: ignore[return-value]
-
-
-class Progress:
-    """A tqdm bar on an interactive terminal; otherwise a plain line every `every` steps (primary only)."""
-
-    def __init__(self, *, enabled: bool, start: int, total: int, every: int = 10):
-        self.every = every
-        self.enabled = enabled
-        self._bar = None
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
-
-    def update(self, record: Mapping[str, Any], experts: str = "") -> None:
-        """Show one step's record; `experts` is the expert-health summary of its window, when it has one."""
-        if not self.enabled:
-            return
-        summary = f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s"
-        if "mfu" in record:
-            summary += f" mfu {100 * record['mfu']:.1f}%"
-        if "goodput" in record:
-            summary += f" goodput {100 * record['goodput']:.0f}%"
-        if experts:
-            summary += f" {experts}"
-        if self._bar is not None:
-            self._bar.set_postfix_str(summary, refresh=False)
-            self._bar.update(1)
-        elif record["step"] % self.every == 0:
-            print(f"step {record['step']}: {summary}", flush=True)
-
-    def note(self, text: str) -> None:
-        if not self.enabled:
-            return
-        if self._bar is not None:
-            self._bar.write(text)
-        else:
-            print(text, flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()

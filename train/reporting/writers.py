@@ -1,6 +1,6 @@
 """Mirrors of the metrics log for the tools a team watches a run in: TensorBoard and Weights & Biases.
 
-`metrics.jsonl` (`upcycler.train.reporting.metrics.MetricsLog`) stays the record `upcycle report` and a
+`metrics.jsonl` (`upcycler.train.reporting.metrics_log.MetricsLog`) stays the record `upcycle report` and a
 resume read; the writers chosen in `metrics.writers` get the same records as they are written, on the
 primary process only, and are never read back by the trainer.
 

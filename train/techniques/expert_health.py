@@ -1,9 +1,10 @@
 """Expert health of an MoE run: how evenly each MoE layer's router spreads tokens over its experts.
 
 Host-side and pure (numpy on arrays already fetched from the devices). The trainer sums the train step's
-`expert_counts` [M, E] over a window of `metrics.expert_load_every` steps and calls `layer_health`; the
-result goes into the step's metrics record as `expert_health` (each value a list over the M MoE layers),
-`summary` gives the progress line and `collapsed_layers` the layers to warn (or stop) about.
+`expert_counts` [M, E] over a window of `metrics.expert_load_every` steps (`expert_window`), which calls
+`layer_health`; the result goes into the step's metrics record as `expert_health` (each value a list over
+the M MoE layers), `summary` gives the progress line and `collapsed_layers` the layers to warn (or stop)
+about.
 
 Layers are indexed 0..M-1 among the MoE layers, as in `expert_load`; `moe_layer_numbers(spec)` maps
 those indices to the model's own decoder layer numbers for messages.
