@@ -3,6 +3,7 @@ shuffles, token-share mixing by phase, exact resume, multi-process slicing and c
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import itertools
 import json
@@ -21,7 +22,7 @@ from trainer_fixtures import as_single_file
 from upcycler.cli import main
 from upcycler.errors import UpcyclerError
 from upcycler.train.data.config import DataConfig, Phase
-from upcycler.train.data.format import SHARD_HEADER_BYTES, token_dtype
+from upcycler.train.data.format import SHARD_HEADER_BYTES, BlockChecksums, shard_header, token_dtype
 from upcycler.train.data.mix import MixSchedule, make_data_iterator
 from upcycler.train.data.prepare import parse_sources, prepare_sources
 from upcycler.train.data.sources import (
@@ -31,6 +32,7 @@ from upcycler.train.data.sources import (
     open_source,
     stable_permutation,
 )
+from upcycler.train.data.token_store import ShardFile, TokenStream
 from upcycler.train.data.tokenizer import load_tokenizer
 
 WORDS = [f"w{i}" for i in range(60)]
@@ -311,6 +313,47 @@ def test_truncated_shards_are_reported(tmp_path: Path, prepared: Path) -> None:
     shard.write_bytes(data[: len(data) // 2])
     with pytest.raises(UpcyclerError, match=r"00000\.tokens: holds .* bytes, math\.index\.json says .*truncated"):
         open_source(tmp_path, "math")
+
+
+def test_a_damaged_token_is_refused_where_it_is_read(tmp_path: Path, prepared: Path) -> None:
+    """One byte of a shard's tokens changed on disk (header and size intact, so opening the source cannot
+    tell): the read that covers it is refused in one line naming the shard and its block."""
+    index = json.loads((prepared / "math.index.json").read_text())
+    assert index["block_bytes"] == 1 << 20 and all(s["block_crc32c"] for s in index["shards"])
+    shutil.copy(prepared / "math.index.json", tmp_path)
+    shutil.copytree(prepared / "math.shards", tmp_path / "math.shards")
+    (shard,) = (tmp_path / "math.shards").iterdir()
+    data = bytearray(shard.read_bytes())
+    data[SHARD_HEADER_BYTES + 2 * 100] ^= 0x01  # token 100, still an id of the vocabulary
+    shard.write_bytes(bytes(data))
+    source = open_source(tmp_path, "math")
+    with pytest.raises(UpcyclerError, match=r"math\.shards/00000\.tokens: block 0 \(bytes 128-[\d,]+\) read 2 "
+                                            r"times, its bytes never matched the CRC32C math\.index\.json holds"):
+        source.tokens[90:110]
+
+
+def test_checked_reads_cut_any_span_from_whole_blocks(tmp_path: Path) -> None:
+    """Small blocks (4 KiB) so spans cross them: every span reads the stored tokens exactly, and only the
+    spans that touch a damaged block are refused."""
+    ids = np.random.default_rng(0).integers(0, 60_000, 10_000, dtype=np.uint16)
+    checksums = BlockChecksums(block_bytes=4096)
+    checksums.update(ids.tobytes())
+    header = shard_header(np.dtype(np.uint16), ids.size, 1, hashlib.sha256(ids.tobytes()).hexdigest())
+
+    def stream(path: Path, data: bytes) -> TokenStream:
+        path.write_bytes(header + data)
+        blocks = (4096, base64.b64decode(checksums.text()))
+        return TokenStream([ShardFile(str(path), header, ids.size, 2, "x.index.json", blocks)], np.dtype(np.uint16))
+
+    whole = stream(tmp_path / "whole.tokens", ids.tobytes())
+    spans = [(0, 1), (2047, 2049), (2048, 4096), (4000, 9000), (9999, 10_000), (0, 10_000), (5, 5)]
+    assert all(np.array_equal(got, ids[a:b]) for got, (a, b) in zip(whole.read_spans(spans), spans))
+    damaged = bytearray(ids.tobytes())
+    damaged[3 * 4096 + 7] ^= 0x80  # block 3: tokens 6144-8191
+    broken = stream(tmp_path / "broken.tokens", bytes(damaged))
+    assert np.array_equal(broken[0:6144], ids[:6144]) and np.array_equal(broken[8192:], ids[8192:])
+    with pytest.raises(UpcyclerError, match=r"broken\.tokens: block 3 \(bytes 12,416-16,512\)"):
+        broken[6000:6200]
 
 
 def test_single_file_sources_of_earlier_versions_give_the_same_batches(tmp_path: Path, prepared: Path) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -266,6 +267,19 @@ def faulty():
     proxy.stop()
 
 
+@contextmanager
+def faulty_endpoint(proxy: FaultyStorage):
+    """This process's bucket client pointed at `proxy` inside the block, at the emulator again after it."""
+    emulator = os.environ["STORAGE_EMULATOR_HOST"]
+    os.environ["STORAGE_EMULATOR_HOST"] = proxy.url
+    store.filesystem.cache_clear()
+    try:
+        yield
+    finally:
+        os.environ["STORAGE_EMULATOR_HOST"] = emulator
+        store.filesystem.cache_clear()
+
+
 def users_upload(surgery) -> str:
     """The converted model uploaded as a user's own (no upcycler.json: nothing but the bucket's checksums
     can tell a damaged byte); its URL."""
@@ -456,3 +470,53 @@ def test_the_retry_policy_gives_up_at_its_deadline_and_takes_an_answer_at_once(m
     with pytest.raises(FileNotFoundError):
         asyncio.run(bucket_client.retried(lambda: attempt(FileNotFoundError("gs://b/x"))))
     assert len(tries) == 1
+
+
+def test_a_retrying_storage_shows_in_the_progress_line(monkeypatch, capsys):
+    """While a request waits to be tried again it is counted (and no longer once it is answered); a run's
+    progress says so in its step line and, between steps, in a note of the watcher."""
+    import asyncio
+
+    import aiohttp
+
+    from upcycler.train.reporting.progress import Progress
+
+    seen = []
+
+    async def attempt():
+        seen.append(bucket_client.storage_retrying())
+        if len(seen) < 3:
+            raise aiohttp.ServerDisconnectedError()
+        return "answer"
+
+    assert asyncio.run(bucket_client.retried(attempt)) == "answer"
+    assert seen[0] is None and all(s.startswith("storage retrying: 1 request, ") for s in seen[1:])
+    assert bucket_client.storage_retrying() is None
+    progress = Progress(enabled=True, start=0, total=4, every=1, retry_note_every=0.05)
+    monkeypatch.setitem(bucket_client._RETRYING, 1, (time.monotonic() - 6.0, 2))
+    time.sleep(0.3)
+    progress.update({"step": 1, "loss": 2.5, "lr": 1e-3, "tokens_per_s": 100.0})
+    progress.close()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "storage retrying: 1 request, 6 s"
+    assert re.fullmatch(r"step 1: loss 2\.5000 lr 1\.00e-03 100 tok/s \(storage retrying: 1 request, [6-9] s\)",
+                        lines[-1])
+
+
+def test_an_object_stored_gzip_compressed_is_read_and_checked_by_gzip(faulty, tmp_path):
+    """An object uploaded with `Content-Encoding: gzip` (its bucket CRC32C is of the compressed bytes) is
+    mirrored and read whole as its content; a bit flipped on the way fails gzip's own CRC-32 and is read
+    again, never kept."""
+    import gzip
+
+    url, data = gcs_emulator.unique_prefix("gzip") + "/config.json", b'{"hidden_size": 64}\n' * 500
+    store.filesystem().pipe_file(url.split("://")[1], gzip.compress(data), fixed_key_metadata={"content_encoding": "gzip"})
+    listed = store.object_info(url)
+    store.download_checked([(url, listed, tmp_path / "plain.json")])
+    assert (tmp_path / "plain.json").read_bytes() == data and store.read_bytes(url) == data
+    with faulty_endpoint(faulty):
+        mirrored = faulty.flip_bit(url.split("://")[1], times=1)
+        store.download_checked([(url, listed, tmp_path / "through-faults.json")])
+        read = faulty.flip_bit(url.split("://")[1], times=1)
+        assert store.read_bytes(url) == data
+    assert (tmp_path / "through-faults.json").read_bytes() == data and mirrored.damaged == read.damaged == 1

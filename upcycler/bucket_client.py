@@ -29,8 +29,10 @@ What this module preserves: nothing outside gs:// changes; calling `configure()`
 from __future__ import annotations
 
 import asyncio
+import base64
 import errno
 import functools
+import gzip
 import logging
 import os
 import random
@@ -167,28 +169,89 @@ _TRY_TIMEOUT: ContextVar[Any] = ContextVar("upcycler_gcs_try_timeout", default=N
 """The waiting limits of the try now running in this task (read by `BucketFileSystem.requests_timeout`)."""
 
 
+_RETRYING: dict[int, tuple[float, int]] = {}
+"""The requests of this process waiting to be tried again: (when their first try began, tries so far)."""
+
+
+def storage_retrying() -> str | None:
+    """What a progress line says while requests to Cloud Storage are being retried ("storage retrying:
+    2 requests, 6 s": how many, and how long the oldest has been at it), None while none is."""
+    waiting = list(_RETRYING.values())
+    if not waiting:
+        return None
+    seconds = time.monotonic() - min(started for started, _ in waiting)
+    return f"storage retrying: {len(waiting)} request{'s' if len(waiting) > 1 else ''}, {seconds:.0f} s"
+
+
 async def retried(attempt: Callable[[], Awaitable[T]]) -> T:
     """The result of `attempt()`, tried as `retry_policy()` says; the last failure when it gives up
-    (`StorageUnanswered` when the endpoint did not answer)."""
+    (`StorageUnanswered` when the endpoint did not answer). While it waits to try again it is counted by
+    `storage_retrying`."""
     policy, started = retry_policy(), time.monotonic()
-    tries = 0
-    while True:
-        tries += 1
-        token = _TRY_TIMEOUT.set(policy.try_timeout(policy.deadline - (time.monotonic() - started)))
-        try:
-            return await attempt()
-        except Exception as err:
-            pause, spent = policy.pause(tries), time.monotonic() - started
-            if not is_transient(err):
-                raise
-            if tries >= policy.attempts or spent + pause >= policy.deadline:
-                reason = unanswered_reason(err)
-                if reason is None:
+    tries, me = 0, object()
+    try:
+        while True:
+            tries += 1
+            token = _TRY_TIMEOUT.set(policy.try_timeout(policy.deadline - (time.monotonic() - started)))
+            try:
+                return await attempt()
+            except Exception as err:
+                pause, spent = policy.pause(tries), time.monotonic() - started
+                if not is_transient(err):
                     raise
-                raise StorageUnanswered(reason, tries, spent) from err
-        finally:
-            _TRY_TIMEOUT.reset(token)
-        await asyncio.sleep(pause)
+                if tries >= policy.attempts or spent + pause >= policy.deadline:
+                    reason = unanswered_reason(err)
+                    if reason is None:
+                        raise
+                    raise StorageUnanswered(reason, tries, spent) from err
+            finally:
+                _TRY_TIMEOUT.reset(token)
+            _RETRYING[id(me)] = (started, tries)
+            await asyncio.sleep(pause)
+    finally:
+        _RETRYING.pop(id(me), None)
+
+
+WHOLE_READS = 2  # a whole object whose bytes do not match its CRC32C is read once more, then refused
+
+
+class DamagedRead(UpcyclerError):
+    """An object whose bytes never matched the CRC32C Cloud Storage holds for it, read `WHOLE_READS` times."""
+
+
+async def checked_whole_read(key: str, get: Callable[[], Awaitable[tuple[Any, bytes]]]) -> bytes:
+    """The bytes of the object `key` (`bucket/key`) that `get()` answers (its headers, its body as stored).
+    When they are the whole object (no range, or one from byte 0 to its end), they are kept only once they
+    match the CRC32C the answer's `x-goog-hash` holds for the object, read again once when they do not, and
+    refused after that (`DamagedRead`, one line naming the object). A part of an object cannot be checked
+    against the object's checksum (the token blocks of a prepared source carry their own). An object stored
+    gzip-compressed arrives compressed, is checked so, and is returned decompressed."""
+    import google_crc32c
+
+    seen = []
+    for _ in range(WHOLE_READS):
+        headers, body = await get()
+        expected = _whole_object_crc32c(headers, len(body))
+        got = google_crc32c.value(body).to_bytes(4, "big")
+        if expected is None or got == expected:
+            return gzip.decompress(body) if headers.get("content-encoding", "") == "gzip" else body
+        seen.append(base64.b64encode(got).decode())
+    raise DamagedRead(f"gs://{key}: read {WHOLE_READS} times, its bytes never matched the CRC32C the bucket holds "
+                      f"for it ({base64.b64encode(expected).decode()}; read {', '.join(seen)}): corrupted on the way "
+                      "(check the network or proxy, then rerun) or in the bucket (write it again)")
+
+
+def _whole_object_crc32c(headers: Any, size: int) -> bytes | None:
+    """The object's CRC32C (4 big-endian bytes) from an answer's `x-goog-hash`, when the answer's `size`
+    bytes are the whole object as stored; else None."""
+    stored = headers.get("x-goog-stored-content-encoding", "identity")
+    if stored != "identity" and headers.get("content-encoding", "identity") != stored:
+        return None  # decompressed by the bucket on the way: not the bytes the checksum is of
+    ranged = headers.get("content-range")
+    if ranged is not None and ranged.strip() != f"bytes 0-{size - 1}/{size}":
+        return None
+    found = [part.split("=", 1)[1] for part in headers.get("x-goog-hash", "").split(",") if part.startswith("crc32c=")]
+    return base64.b64decode(found[0]) if found else None
 
 
 def tensorstore_retries(policy: RetryPolicy) -> dict[str, Any]:
@@ -233,6 +296,7 @@ def configure_tensorstore() -> None:
 def bucket_filesystem_class() -> type:
     """`BucketFileSystem`: gcsfs's plain client with the defaults of the module docstring."""
     from gcsfs.core import GCSFileSystem
+    from gcsfs.utils import is_empty_range
 
     plain_request = GCSFileSystem._request.__wrapped__  # gcsfs's requests without gcsfs's retries
     plain_get_file_request = GCSFileSystem._get_file_request.__wrapped__
@@ -265,6 +329,27 @@ def bucket_filesystem_class() -> type:
 
         # One orchestration of a concurrent download, not retried as a whole: its requests each are.
         _get_file_concurrent = GCSFileSystem._get_file_concurrent.__wrapped__
+
+        async def _cat_file_sequential(self, path: str, start: int | None = None, end: int | None = None,
+                                       **kwargs: Any) -> bytes:
+            """gcsfs's one-request read, with a read of a whole object checked (`checked_whole_read`)."""
+            if is_empty_range(start, end):
+                return b""
+            url = self.url(path, generation=kwargs.get("generation"))
+            limits = {} if start is None and end is None else {"Range": await self._process_limits(path, start, end)}
+            return await checked_whole_read(path, lambda: retried(lambda: self._get_as_stored(url, limits)))
+
+        async def _get_as_stored(self, url: str, headers: dict[str, str]) -> tuple[Any, bytes]:
+            """One GET of `url`: the answer's headers and its body as the bucket stores it (a gzip-stored
+            object's compressed bytes, not decompressed on the way)."""
+            from gcsfs.retry import validate_response
+
+            await self._set_session()
+            async with self.session.get(url, headers=self._get_headers(dict(headers)), auto_decompress=False,
+                                        timeout=self.requests_timeout) as answer:
+                body = await answer.read()
+                validate_response(answer.status, body, url)
+                return answer.headers, body
 
     return BucketFileSystem
 

@@ -10,7 +10,12 @@
 - `NAME.index.json` (`INDEX_SUFFIX`), written last (the commit: a source is complete exactly when its
   index exists): `format_version` 2, `name`, `dtype`, `num_tokens`, `num_documents`, `vocab_size`,
   `eos_id`, `tokenizer` {`file`, `sha256`}, `input` (the reading options), `files` [{`path`, `bytes`,
-  `sha256`}] and `shards` [{`file`, `tokens`, `documents`, `sha256`}] in stream order.
+  `sha256`}], `block_bytes` (`BLOCK_BYTES`) and `shards` [{`file`, `tokens`, `documents`, `sha256`,
+  `block_crc32c`}] in stream order. `block_crc32c` is the CRC32C of each `block_bytes` block of the
+  shard's token bytes (the header excluded; the last block may be shorter), each as 4 big-endian bytes,
+  all concatenated and written in base64 (`BlockChecksums`): a reader checks every block it reads, so a
+  token damaged on the way from a bucket (or on a disk) is read again or refused, never trained on.
+  Indexes written before `block_crc32c` existed have neither field; their shards are read unchecked.
 
 **Held-out split** (`prepare-data --heldout FRACTION`, FRACTION in (0, 1)). Source NAME is written as two
 sharded sources: `NAME.heldout` (`heldout_name`) holds the documents that `held_out` picks and NAME the
@@ -29,10 +34,12 @@ original, and the split is the same for any runner, worker count, unit cut, inpu
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import math
 import struct
 
+import google_crc32c
 import numpy as np
 
 FORMAT_VERSION = 1
@@ -46,6 +53,7 @@ NPY_HEADER_BYTES = 128
 SHARD_HEADER_BYTES = 128
 SHARD_MAGIC = b"UPCYCLER-TOKENS\n"
 TOKEN_DTYPES = ("uint16", "uint32")
+BLOCK_BYTES = 1 << 20  # token bytes per checksummed block of a shard (see the module docstring)
 _SHARD_FIELDS = struct.Struct("<16sIIQQ32s")  # magic, format, itemsize, tokens, documents, sha256
 
 
@@ -87,3 +95,40 @@ def held_out(ids: np.ndarray, ends: np.ndarray, fraction: float) -> np.ndarray:
     return np.fromiter((int.from_bytes(hashlib.sha256(words[start:end - 1]).digest()[:8], "little") < threshold
                         for start, end in zip(starts.tolist(), np.asarray(ends).tolist())),
                        dtype=bool, count=len(ends))
+
+
+class BlockChecksums:
+    """The CRC32C of each `block_bytes` block of a stream of token bytes fed in pieces of any size, written
+    as an index's `block_crc32c` holds them (`text`)."""
+
+    def __init__(self, block_bytes: int = BLOCK_BYTES) -> None:
+        self.block_bytes = block_bytes
+        self._done = bytearray()  # 4 big-endian bytes per finished block
+        self._current = google_crc32c.Checksum()
+        self._filled = 0
+
+    def update(self, data: bytes) -> None:
+        at = 0
+        while at < len(data):
+            take = min(len(data) - at, self.block_bytes - self._filled)
+            self._current.update(bytes(data[at:at + take]))
+            self._filled += take
+            at += take
+            if self._filled == self.block_bytes:
+                self._done += self._current.digest()
+                self._current, self._filled = google_crc32c.Checksum(), 0
+
+    def text(self) -> str:
+        """Base64 of every block's checksum, the last (shorter) block's too."""
+        tail = self._current.digest() if self._filled else b""
+        return base64.b64encode(bytes(self._done) + tail).decode()
+
+
+def block_count(token_bytes: int, block_bytes: int = BLOCK_BYTES) -> int:
+    """How many blocks `token_bytes` bytes of tokens make."""
+    return -(-token_bytes // block_bytes)
+
+
+def block_crc32c(data: bytes) -> bytes:
+    """The CRC32C of one block as `block_crc32c` holds it: 4 big-endian bytes."""
+    return google_crc32c.value(data).to_bytes(4, "big")

@@ -51,6 +51,7 @@ from upcycler.train.data.config import SOURCE_NAME
 from upcycler.train.data.decompression import declared_size
 from upcycler.train.data.engine import DEFAULT_RUNNER, EngineFailure, check_engine, run_units
 from upcycler.train.data.format import (
+    BLOCK_BYTES,
     INDEX_SUFFIX,
     META_SUFFIX,
     SHARDED_FORMAT_VERSION,
@@ -490,8 +491,17 @@ def _index(settings: Settings, source: str, shards: Sequence[dict], formats: set
         "tokenizer": {"file": settings.tokenizer_path, "sha256": settings.tokenizer_sha256},
         "input": _input_settings(formats, settings.text_field, settings.text_unit),
         "files": files,
-        "shards": [{k: s[k] for k in ("file", "tokens", "documents", "sha256")} for s in shards],
-    }
+    } | _shard_list(shards)
+
+
+def _shard_list(shards: Sequence[dict]) -> dict:
+    """The index's `shards` (and `block_bytes`), with every shard's block checksums, or (when a shard was
+    tokenised by a version that did not checksum blocks, and the work resumed) with none."""
+    fields = ("file", "tokens", "documents", "sha256", "block_crc32c")
+    if not all("block_crc32c" in s for s in shards):
+        fields = fields[:-1]
+    listed = {"shards": [{k: s[k] for k in fields} for s in shards]}
+    return ({"block_bytes": BLOCK_BYTES} if "block_crc32c" in fields else {}) | listed
 
 
 def _stored(index: dict) -> dict:

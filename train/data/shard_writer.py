@@ -35,6 +35,7 @@ from upcycler.errors import UpcyclerError
 from upcycler.io.hashing import sha256_file
 from upcycler.train.data.format import (
     SHARD_HEADER_BYTES,
+    BlockChecksums,
     held_out,
     heldout_name,
     shard_file,
@@ -244,6 +245,7 @@ class _TokenFile:
         self.path, self.file, self.dtype, self.header = path, file, dtype, header
         self.partial = partial.with_name(f"{partial.name}.{os.getpid()}")
         self.digest = hashlib.sha256()
+        self.blocks = BlockChecksums() if header else None
         self.tokens = self.documents = 0
 
     def __enter__(self) -> Self:
@@ -273,10 +275,13 @@ class _TokenFile:
     def _write(self, data: bytes) -> None:
         self.out.write(data)
         self.digest.update(data)
+        if self.blocks is not None:
+            self.blocks.update(data)
 
     def commit(self, *, keep_empty: bool) -> dict:
         """Write the header (a shard's) and move the file into place (an empty one is dropped unless
-        `keep_empty`); returns its record (`tokens`, `documents`, `sha256`, and a shard's `file`)."""
+        `keep_empty`); returns its record (`tokens`, `documents`, `sha256`, and a shard's `file` and
+        `block_crc32c`)."""
         if self.header:
             self.out.seek(0)
             self.out.write(shard_header(self.dtype, self.tokens, self.documents, self.digest.hexdigest()))
@@ -289,6 +294,8 @@ class _TokenFile:
         else:
             self.partial.unlink()
         record = {"tokens": self.tokens, "documents": self.documents, "sha256": self.digest.hexdigest()}
+        if self.blocks is not None:
+            record["block_crc32c"] = self.blocks.text()
         return ({"file": self.file} if self.file else {}) | record
 
 

@@ -16,6 +16,7 @@ index before use (`token_store`). The token stream is read by positioned reads, 
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import re
@@ -35,6 +36,7 @@ from upcycler.train.data.format import (
     SHARDED_FORMAT_VERSION,
     TOKEN_DTYPES,
     TOKENS_SUFFIX,
+    block_count,
     npy_header,
     shard_header,
 )
@@ -162,6 +164,9 @@ def _sharded_stream(index: dict, root: str, name: str, where: str) -> TokenStrea
     shards = index.get("shards")
     if not isinstance(shards, list) or not 0 < len(shards) <= MAX_SHARDS:
         raise UpcyclerError(f"{where}: unreadable prepared source (no shard list); {_FIX}")
+    block_bytes = None
+    if "block_bytes" in index:
+        block_bytes = integer(index["block_bytes"], "block_bytes", where, low=4096, high=1 << 30, fix=_FIX)
     files = []
     for k, shard in enumerate(shards):
         at = f"{where}: shards[{k}]"
@@ -175,11 +180,28 @@ def _sharded_stream(index: dict, root: str, name: str, where: str) -> TokenStrea
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
             raise UpcyclerError(f"{at}: sha256 {describe(digest)} is not a hex digest; {_FIX}")
         files.append(ShardFile(f"{root}/{file}", shard_header(dtype, tokens, documents, digest), tokens,
-                               dtype.itemsize, where.rsplit("/", 1)[-1]))
+                               dtype.itemsize, where.rsplit("/", 1)[-1],
+                               _block_checksums(shard, tokens * dtype.itemsize, block_bytes, at)))
     if sum(f.tokens for f in files) != count:
         raise UpcyclerError(f"{where}: the shards hold {sum(f.tokens for f in files):,} tokens, num_tokens says "
                             f"{count:,}; {_FIX}")
     return TokenStream(files, dtype)
+
+
+def _block_checksums(shard: dict, token_bytes: int, block_bytes: int | None, at: str) -> tuple[int, bytes] | None:
+    """(block size, the shard's `block_crc32c` decoded: 4 bytes per block), or None for an index written
+    before blocks were checksummed; a value that does not fit the shard is refused."""
+    text = shard.get("block_crc32c")
+    if text is None and block_bytes is None:
+        return None
+    try:
+        raw = base64.b64decode(text, validate=True) if isinstance(text, str) and block_bytes else None
+    except ValueError:
+        raw = None
+    if raw is None or len(raw) != 4 * block_count(token_bytes, block_bytes):
+        raise UpcyclerError(f"{at}: block_crc32c {describe(text)} does not hold one checksum per "
+                            f"{describe(block_bytes)}-byte block of its {token_bytes:,} token bytes; {_FIX}")
+    return block_bytes, raw
 
 
 class Windows:

@@ -8,8 +8,14 @@ number of sources and shards, and no thread is started per source or shard.
 
 Every shard is checked when its source is opened (`verify`) and again whenever a closed file is reopened:
 its header must equal the one its index or metadata implies, byte for byte, and its size must be exactly
-header + tokens. A shard that was replaced,
-swapped with another, truncated or extended is refused with one line naming it.
+header + tokens. A shard that was replaced, swapped with another, truncated or extended is refused with one
+line naming it.
+
+Where the index holds the CRC32C of each block of a shard (`format.BlockChecksums`), every read covers whole
+blocks and each block is checked before a token of it is used: a block whose bytes do not match is read
+once more (a bit flipped on the way), then refused in one line naming the shard and the block. The last
+`CHECKED_BLOCKS_KEPT` checked blocks are kept, so neighbouring reads (an evaluation walking the stream) read
+each block once.
 """
 
 from __future__ import annotations
@@ -18,15 +24,18 @@ import bisect
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from upcycler.errors import UpcyclerError
+from upcycler.train.data.format import block_crc32c
 from upcycler.untrusted import open_regular, shown_path
 
 MAX_OPEN_FILES = 64
+CHECKED_BLOCKS_KEPT = 8  # checked blocks kept for the next reads, process-wide (8 MiB at the default size)
+BLOCK_READS = 2  # a block (or a header) that does not match its index is read once more, then refused
 _FIX = "re-run upcycle prepare-data"
 
 
@@ -39,6 +48,7 @@ class ShardFile:
     tokens: int
     itemsize: int
     index_file: str  # the index or metadata that describes it, for messages
+    blocks: tuple[int, bytes] | None = None  # (block size, 4 bytes of CRC32C per block); None: unchecked
 
 
 class _LocalFiles:
@@ -93,8 +103,11 @@ class _BucketFiles:
         for directory in sorted({s.location.rsplit("/", 1)[0] for s in shards}):
             sizes.update({store.join(directory, name): obj.size for name, obj in store.list_objects(directory).items()})
         present = [s for s in shards if s.location in sizes]
-        headers = dict(zip((s.location for s in present),
-                           store.read_ranges([(s.location, 0, len(s.header)) for s in present])))
+        headers: dict[str, bytes] = {}
+        for _ in range(BLOCK_READS):  # a header that differs is read once more (damaged on the way?)
+            again = [s for s in present if headers.get(s.location) != s.header]
+            headers.update(zip((s.location for s in again),
+                               store.read_ranges([(s.location, 0, len(s.header)) for s in again])))
         for shard in shards:
             _check(shard, headers.get(shard.location, b""), sizes.get(shard.location, -1))
 
@@ -167,14 +180,101 @@ class TokenStream:
                 requests.append((shard, offset + (start - begin) * item, offset + (end - begin) * item))
                 owners.append(number)
                 start, first = end, first + 1
-        if self.remote:
-            pieces = _BUCKET.read_many(requests)
-        else:
-            pieces = [_LOCAL.read(shard, a, b) for shard, a, b in requests]
+        pieces = _CHECKED.read(requests, self._read_unchecked)
         joined: list[list[bytes]] = [[] for _ in spans]
         for owner, piece in zip(owners, pieces):
             joined[owner].append(piece)
         return [np.frombuffer(b"".join(parts), dtype=self.dtype) for parts in joined]
+
+    def _read_unchecked(self, requests: Sequence[tuple[ShardFile, int, int]]) -> list[bytes]:
+        """The bytes of each (shard, start, stop), as stored: concurrently from a bucket, else by pread."""
+        if self.remote:
+            return _BUCKET.read_many(requests)
+        return [_LOCAL.read(shard, a, b) for shard, a, b in requests]
+
+
+class _CheckedBlocks:
+    """Reads of shards through their checksummed blocks (see the module docstring), with the last
+    `CHECKED_BLOCKS_KEPT` checked blocks kept."""
+
+    def __init__(self, kept: int = CHECKED_BLOCKS_KEPT):
+        self.kept = kept
+        self._blocks: OrderedDict[tuple[str, int, bytes], bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def read(self, requests: Sequence[tuple[ShardFile, int, int]],
+             read_raw: Callable[[Sequence[tuple[ShardFile, int, int]]], list[bytes]]) -> list[bytes]:
+        """The bytes of each (shard, start, stop); those of a shard with block checksums only once checked."""
+        wanted = {block for shard, a, b in requests if shard.blocks for block in _blocks_of(shard, a, b)}
+        blocks = self._checked(sorted(wanted, key=lambda k: (k[0].location, k[1])), read_raw)
+        unchecked = [(shard, a, b) for shard, a, b in requests if not shard.blocks]
+        plain = iter(read_raw(unchecked) if unchecked else [])
+        return [_cut(shard, a, b, blocks) if shard.blocks else next(plain) for shard, a, b in requests]
+
+    def _checked(self, wanted: list[tuple[ShardFile, int]], read_raw) -> dict[tuple[str, int, bytes], bytes]:
+        """Each wanted (shard, block) by `_key`, checked: kept ones, the others read (again once
+        when they do not match)."""
+        with self._lock:
+            found = {_key(s, k): self._blocks[_key(s, k)] for s, k in wanted
+                     if _key(s, k) in self._blocks}
+        missing = [(s, k) for s, k in wanted if _key(s, k) not in found]
+        for _ in range(BLOCK_READS):
+            if not missing:
+                break
+            data = read_raw([_block_range(s, k) for s, k in missing])
+            good = {_key(s, k): d for (s, k), d in zip(missing, data) if block_crc32c(d) == _expected(s, k)}
+            found |= good
+            missing = [(s, k) for s, k in missing if _key(s, k) not in good]
+        if missing:
+            shard, block = missing[0]
+            _, start, stop = _block_range(shard, block)
+            raise UpcyclerError(f"{shown_path(shard.location)}: block {block} (bytes {start:,}-{stop:,}) read "
+                                f"{BLOCK_READS} times, its bytes never matched the CRC32C {shard.index_file} holds "
+                                "for it: corrupted on the way (check the network or proxy, then rerun) or where it "
+                                f"is stored ({_FIX})")
+        with self._lock:
+            for key in (key for key in found if key not in self._blocks):
+                self._blocks[key] = found[key]
+            while len(self._blocks) > self.kept:
+                self._blocks.popitem(last=False)
+        return found
+
+
+def _blocks_of(shard: ShardFile, start: int, stop: int) -> list[tuple[ShardFile, int]]:
+    """The blocks of `shard` that the file bytes [start, stop) fall in."""
+    size, offset = shard.blocks[0], len(shard.header)
+    return [(shard, k) for k in range((start - offset) // size, (stop - offset - 1) // size + 1)] if stop > start else []
+
+
+def _block_range(shard: ShardFile, block: int) -> tuple[ShardFile, int, int]:
+    """The read of `shard`'s block `block`: its file bytes [start, stop)."""
+    size, offset = shard.blocks[0], len(shard.header)
+    return shard, offset + block * size, offset + min((block + 1) * size, shard.tokens * shard.itemsize)
+
+
+def _key(shard: ShardFile, block: int) -> tuple[str, int, bytes]:
+    """What names a checked block: where it is, its number and its checksum (a shard rewritten in place
+    under another index is never served from the blocks kept of the old one)."""
+    return shard.location, block, _expected(shard, block)
+
+
+def _expected(shard: ShardFile, block: int) -> bytes:
+    """The CRC32C the index holds for `shard`'s block `block` (4 big-endian bytes)."""
+    return shard.blocks[1][4 * block: 4 * block + 4]
+
+
+def _cut(shard: ShardFile, start: int, stop: int, blocks: dict[tuple[str, int, bytes], bytes]) -> bytes:
+    """The file bytes [start, stop) of `shard`, cut from its checked blocks."""
+    size, offset = shard.blocks[0], len(shard.header)
+    parts = []
+    for _, k in _blocks_of(shard, start, stop):
+        base = offset + k * size
+        data = blocks[_key(shard, k)]
+        parts.append(data[max(start, base) - base: min(stop, base + len(data)) - base])
+    return b"".join(parts)
+
+
+_CHECKED = _CheckedBlocks()
 
 
 def open_files() -> int:

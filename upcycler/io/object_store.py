@@ -12,13 +12,20 @@ import asyncio
 import base64
 import functools
 import os
+import zlib
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from upcycler.bucket_client import StorageUnanswered, bucket_filesystem_class, configure, retried
+from upcycler.bucket_client import (
+    DEADLINE_VARIABLE,
+    StorageUnanswered,
+    bucket_filesystem_class,
+    configure,
+    retried,
+)
 from upcycler.errors import UpcyclerError
 from upcycler.locations import bucket_and_key, url_scheme
 from upcycler.untrusted import describe
@@ -89,6 +96,11 @@ def _errors(url: str, doing: str) -> Iterator[None]:
         raise UpcyclerError(f"{describe(url, 200)}: {doing} failed ({describe(str(err), 160)}); "
                             f"check the network and the bucket, then retry") from err
     except Exception as err:  # the client's own errors (HTTP, auth) have no common base
+        status = getattr(err, "code", None)
+        if isinstance(status, int) and (status in (408, 429) or status >= 500):
+            raise UpcyclerError(f"{describe(url, 200)}: {doing} failed: Cloud Storage answered {status} "
+                                f"({describe(str(getattr(err, 'message', err)), 120)}) to every try of the retry "
+                                f"policy ({DEADLINE_VARIABLE} sets how long); rerun once the bucket answers") from err
         raise UpcyclerError(f"{describe(url, 200)}: {doing} failed ({type(err).__name__}: "
                             f"{describe(str(err), 160)}); check the network and the credentials") from err
 
@@ -140,21 +152,31 @@ def crc32c_text(checksum: Any) -> str:
 
 
 class _HashedCopy:
-    """A local file written piece by piece (replaced), with the CRC32C of every byte written to it."""
+    """A local file written piece by piece (replaced), with the CRC32C of every byte given to it; with
+    `gunzip`, the pieces are a gzip stream, hashed as given and written decompressed."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, gunzip: bool = False):
         import google_crc32c
 
         self._file = open(path, "wb")  # noqa: SIM115  (closed by __exit__)
         self._checksum = google_crc32c.Checksum()
+        self._gunzip = zlib.decompressobj(16 + zlib.MAX_WBITS) if gunzip else None
+        self._undecodable = False
 
     def write(self, piece: bytes) -> None:
-        self._file.write(piece)
         self._checksum.update(piece)
+        if self._gunzip is None:
+            self._file.write(piece)
+        elif not self._undecodable:
+            try:
+                self._file.write(self._gunzip.decompress(piece))
+            except zlib.error:  # damaged: its checksum tells, and it is read again
+                self._undecodable = True
 
     def crc32c(self) -> str:
-        """The CRC32C of what was written (`crc32c_text`)."""
-        return crc32c_text(self._checksum)
+        """The CRC32C of what was given (`crc32c_text`); marked when a gzip stream did not decode whole."""
+        whole = self._gunzip is None or (not self._undecodable and self._gunzip.eof)
+        return crc32c_text(self._checksum) + ("" if whole else " (not a whole gzip stream)")
 
     def __enter__(self) -> Self:
         return self
@@ -165,15 +187,18 @@ class _HashedCopy:
 
 async def _stream_into(fs: Any, key: str, generation: str, local: Path) -> str:
     """Write the bytes of generation `generation` of the object `key` into `local` (replaced) as they arrive,
-    in one GET (one try: no retry here), hashing them on the way; returns their CRC32C (`crc32c_text`)."""
+    in one GET (one try: no retry here), hashing them on the way; returns their CRC32C (`crc32c_text`). An
+    object stored gzip-compressed arrives compressed: its compressed bytes are hashed (the bucket's CRC32C
+    is of them) and its content written."""
     from gcsfs.retry import validate_response
 
     await fs._set_session()
     async with fs.session.get(fs.url(key, generation=generation or None), headers=fs._get_headers(None),
-                              timeout=fs.requests_timeout) as answer:
+                              timeout=fs.requests_timeout, auto_decompress=False) as answer:
         if answer.status >= 400:
             validate_response(answer.status, await answer.read(), key)
-        with _HashedCopy(local) as copy:
+        gzipped = answer.headers.get("content-encoding", "") == "gzip"
+        with _HashedCopy(local, gzipped) as copy:
             async for piece in answer.content.iter_chunked(_PIECE):
                 copy.write(piece)
         return copy.crc32c()
