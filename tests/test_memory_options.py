@@ -205,3 +205,7 @@ def test_weights_cast_keeps_router_and_buffers_in_float32():
     assert cast["embed"].dtype == jnp.bfloat16
     buffers = [k for k in moe_layer if k.endswith("bias") and moe_layer[k].dtype == jnp.float32]
     assert buffers, "the sigmoid router's selection bias is a buffer and stays float32"
+    from upcycler.layout import declare_params
+
+    declared = [d.name for d in declare_params(spec) if d.computed_in_fp32]  # said where it is declared
+    assert declared == [f"layers.{i}.moe.router" for i in range(spec.num_layers) if spec.is_moe_layer(i)]

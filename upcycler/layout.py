@@ -37,16 +37,20 @@ from upcycler.spec import ModelSpec
 
 @dataclass(frozen=True)
 class ParamDecl:
-    """One parameter: canonical name, shape, one logical axis name per dimension, and whether it is a buffer.
+    """One parameter: canonical name, shape, one logical axis name per dimension, whether it is a buffer,
+    and whether it is computed in float32.
 
     A buffer (the sigmoid router's selection bias) is stored, in float32, but not trained, and is not
-    counted as a parameter; the declaration below is the one place that says which tensors are buffers.
+    counted as a parameter; a float32 weight (the router: its logits choose the experts) is read in float32
+    by the forward pass whatever dtype the other weights are read in. The declaration below is the one
+    place that says which tensors are either.
     """
 
     name: str
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     is_buffer: bool = False
+    computed_in_fp32: bool = False
 
     @property
     def numel(self) -> int:
@@ -127,7 +131,7 @@ def _moe(spec: ModelSpec, p: str) -> list[ParamDecl]:
     moe = spec.moe
     assert moe is not None
     D, E, f = spec.hidden_size, moe.num_experts, moe.expert_width
-    out = [ParamDecl(p + "router", (E, D), (None, "embed"))]
+    out = [ParamDecl(p + "router", (E, D), (None, "embed"), computed_in_fp32=True)]
     if moe.router_bias:
         out.append(ParamDecl(p + "router_bias", (E,), (None,), is_buffer=True))
     out += [

@@ -40,6 +40,7 @@ class ParamInfo:
     axes: tuple[str | None, ...]
     names: tuple[str, ...]
     is_buffer: bool = False  # as declared (`upcycler.layout`): not trained, kept in float32
+    computed_in_fp32: bool = False  # as declared: read in float32 by the forward whatever `weights_dtype`
 
     @property
     def stacked(self) -> bool:
@@ -87,7 +88,8 @@ def declare_tree(spec: ModelSpec) -> Params:
             _, layer, suffix = decl.name.split(".", 2)
             stacks.setdefault((layer_kind(spec, int(layer)), suffix), []).append(decl)
         else:
-            _insert(tree, (decl.name,), ParamInfo(decl.shape, decl.axes, (decl.name,), decl.is_buffer))
+            _insert(tree, (decl.name,), ParamInfo(decl.shape, decl.axes, (decl.name,), decl.is_buffer,
+                                                  decl.computed_in_fp32))
     for (kind, suffix), decls in stacks.items():
         first = decls[0]
         if any(d.shape != first.shape or d.axes != first.axes for d in decls):
@@ -95,7 +97,7 @@ def declare_tree(spec: ModelSpec) -> Params:
         if len(decls) != len(layers_of_kind(spec, kind)):
             raise ValueError(f"{suffix} is missing from some {kind} layers")
         info = ParamInfo((len(decls), *first.shape), ("layers", *first.axes), tuple(d.name for d in decls),
-                         first.is_buffer)
+                         first.is_buffer, first.computed_in_fp32)
         _insert(tree, ("layers", kind, *suffix.split(".")), info)
     return tree
 

@@ -94,7 +94,7 @@ forward_jit = jax.jit(forward, static_argnames=("spec", "cfg", "placement"))
 
 def weights_for_compute(params: Params, spec: ModelSpec, cfg: ModelConfig) -> Params:
     """The parameters as the forward pass reads them: every weight in `cfg.weights_dtype`, except what
-    the model computes in fp32 regardless (router weights, buffers).
+    is declared to stay float32 (`ParamDecl.computed_in_fp32`: the router; buffers).
 
     Every other weight is cast to the compute dtype where it is used, so with `weights_dtype` equal to
     `compute_dtype` the forward pass computes the same numbers; the cast happens once, on each device's
@@ -104,13 +104,10 @@ def weights_for_compute(params: Params, spec: ModelSpec, cfg: ModelConfig) -> Pa
     if dtype == jnp.float32:
         return params
 
-    def cast(path, info: ParamInfo, leaf: jax.Array) -> jax.Array:
-        keep = info.is_buffer or getattr(path[-1], "key", None) == "router"
-        return leaf if keep else leaf.astype(dtype)
+    def cast(info: ParamInfo, leaf: jax.Array) -> jax.Array:
+        return leaf if info.is_buffer or info.computed_in_fp32 else leaf.astype(dtype)
 
-    return jax.tree_util.tree_map_with_path(
-        cast, declare_tree(spec), params, is_leaf=lambda x: isinstance(x, ParamInfo)
-    )
+    return jax.tree.map(cast, declare_tree(spec), params, is_leaf=lambda x: isinstance(x, ParamInfo))
 
 
 def unsupported(spec: ModelSpec) -> list[str]:
