@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from upcycler.train.aot.compile_report import _bytes_accessed
 from upcycler.train.aot.hbm_traffic import hbm_array_bytes, hbm_bytes
-from upcycler.train.aot.report import _bytes_accessed
 
 X = jax.ShapeDtypeStruct((256, 512), jnp.float32)
 

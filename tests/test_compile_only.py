@@ -247,7 +247,7 @@ def test_the_roofline_counts_what_each_remat_policy_recomputes():
     keep less; offloading keeps the same set, so it recomputes the same."""
     from trainer_fixtures import tiny_spec
 
-    from upcycler.train.aot.report import executed_flops_per_token
+    from upcycler.train.aot.compile_report import executed_flops_per_token
     from upcycler.train.config import REMAT_POLICIES, LossConfig, ModelConfig
     from upcycler.train.reporting.flops import flops_per_token, matmul_params
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from upcycler.cli import main
 from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec, MoESpec
-from upcycler.train.reporting.report import make_report
+from upcycler.train.reporting.plots import make_report
 from upcycler.train.techniques.expert_health import (
     collapsed_layers,
     layer_health,

@@ -267,16 +267,16 @@ def test_tree_is_one_to_one_with_canonical_names(case, model_dir):
             np.testing.assert_array_equal(back[name].part(1), t.part(1))
 
 
-def test_layer_runs_follow_layer_order(model_dir):
+def test_layer_spans_follow_layer_order(model_dir):
     spec = read_checkpoint(model_dir("qwen3_moe-interleaved")).spec
-    assert [(r.kind, r.start, r.length) for r in P.layer_runs(spec)] == [
+    assert [(r.kind, r.start, r.length) for r in P.layer_spans(spec)] == [
         ("dense", 0, 1),
         ("moe", 0, 1),
         ("dense", 1, 1),
         ("moe", 1, 1),
     ]
     spec = read_checkpoint(model_dir("glm4_moe")).spec
-    assert [(r.kind, r.length) for r in P.layer_runs(spec)] == [("dense", 1), ("moe", 1)]
+    assert [(r.kind, r.length) for r in P.layer_spans(spec)] == [("dense", 1), ("moe", 1)]
 
 
 def test_init_and_abstract_params_follow_the_declaration(model_dir):

@@ -348,7 +348,7 @@ def test_eval_without_a_heldout_split_is_refused_before_the_run_starts(ws, tmp_p
 
 
 def test_report_draws_the_heldout_losses_and_where_the_time_went(runs, tmp_path):
-    from upcycler.train.reporting.report import make_report
+    from upcycler.train.reporting.plots import make_report
 
     names = {p.name for p in make_report(runs["watched"], tmp_path / "report")}
     assert {"heldout.png", "goodput.png", "loss.png"} <= names

@@ -26,7 +26,7 @@ from upcycler.train.model import hidden_states
 from upcycler.train.model.params import init_params
 from upcycler.train.reporting.metrics import read_metrics
 from upcycler.train.reporting.metrics_log import step_record
-from upcycler.train.reporting.report import make_report, usage_layers
+from upcycler.train.reporting.plots import make_report, usage_layers
 from upcycler.train.techniques.expert_window import ExpertWindow
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -3,7 +3,7 @@
 `compile_only(config, topology=...)` builds the train state from the checkpoint's `ModelSpec` alone (a
 directory holding only config.json is enough: no tensor is read, no data file opened), lays it out on the
 configured mesh over the target devices, lowers and compiles the very step `upcycler.train.loop.trainer` runs
-(same `make_train_step`, shardings, remat, dtypes, microbatches), and returns the `report.Report` of
+(same `make_train_step`, shardings, remat, dtypes, microbatches), and returns the `compile_report.Report` of
 what one device needs. A step too large for the target's memory fails the TPU compile with
 RESOURCE_EXHAUSTED; that is reported as "does not fit" with the analytic part of the memory, not raised.
 """
@@ -22,7 +22,7 @@ from upcycler.errors import UpcyclerError
 from upcycler.io import detect_format, read_checkpoint
 from upcycler.io.hf_read import read_spec
 from upcycler.spec import ModelSpec
-from upcycler.train.aot import report
+from upcycler.train.aot import compile_report
 from upcycler.train.aot.topology import parse_slice, tpu_devices
 from upcycler.train.config import TrainConfig
 from upcycler.train.loop.preflight import check_spec_options
@@ -58,7 +58,8 @@ def model_spec(path: Path) -> ModelSpec:
 
 
 def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget: int | None = None,
-                 slices: int = 1, save_bandwidth: float | None = None, spec: ModelSpec | None = None) -> report.Report:
+                 slices: int = 1, save_bandwidth: float | None = None,
+                 spec: ModelSpec | None = None) -> compile_report.Report:
     """Compile the train step of `config` for `topology` (None: the local devices) and report per device;
     `spec` stands for model.init's architecture (a shape not written yet: the upcycling advisor's).
 
@@ -94,7 +95,7 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
         compiled, failure = None, _first_line(str(err), "RESOURCE_EXHAUSTED")
     seconds = time.perf_counter() - started
     budget = hbm_budget if hbm_budget is not None else (tgt.chip.hbm_budget_bytes if tgt.chip else None)
-    return report.build(
+    return compile_report.build(
         config, spec, mesh, layout, batch, compiled,
         target_name=tgt.name, chip=tgt.chip, budget=budget, compile_seconds=seconds, failure=failure,
         **({} if save_bandwidth is None else {"save_bandwidth": save_bandwidth}),

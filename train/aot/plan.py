@@ -46,7 +46,7 @@ from pathlib import Path
 
 from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec
-from upcycler.train.aot.report import executed_flops_per_token
+from upcycler.train.aot.compile_report import executed_flops_per_token
 from upcycler.train.config import REMAT_POLICIES, TrainConfig
 from upcycler.train.reporting.flops import flops_per_token
 from upcycler.units import human_bytes

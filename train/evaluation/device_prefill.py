@@ -2,7 +2,7 @@
 
 `prefill.PrefillModel` on a CPU runs a prompt one layer at a time, choosing FlexPrefill's buckets on the
 host between layers. On a TPU that would recompile per bucket and wait on the host at every layer. Here
-the prompt's layers run in one jit (`prefill`): a `lax.scan` over each run of layers of one kind, the
+the prompt's layers run in one jit (`prefill`): a `lax.scan` over each span of layers of one kind, the
 attention of each layer through `flexprefill_splash` (selection, fallbacks and kernel on device), layers
 with a sliding window dense through the same kernel with their window, chosen per layer at run time. The
 prompts of a batch share one length; one compile per (batch, length, answer length).
@@ -25,7 +25,7 @@ from upcycler.train.config import ModelConfig
 from upcycler.train.model import flexprefill_splash as kernel
 from upcycler.train.model import layers as nn
 from upcycler.train.model.flexprefill import FlexPrefillOptions
-from upcycler.train.model.params import Params, layer_runs, layers_of_kind
+from upcycler.train.model.params import Params, layer_spans, layers_of_kind
 from upcycler.train.model.transformer import layer_output, layer_qkv, layer_windows
 
 
@@ -48,12 +48,12 @@ def prefill(params: Params, prompt_BN: jax.Array, answer_Bm: jax.Array, *, spec:
     ids_BL = jnp.concatenate([prompt_BN, answer_Bm], axis=1)
     x_BLD = jnp.take(params["embed"], ids_BL, axis=0).astype(cfg.compute_dtype)
     density, query_aware = [], []
-    for run in layer_runs(spec):
-        layer_ids = layers_of_kind(spec, run.kind)[run.start:run.start + run.length]
-        stack = jax.tree.map(lambda a, run=run: a[run.start:run.start + run.length], params["layers"][run.kind])
+    for span in layer_spans(spec):
+        layer_ids = layers_of_kind(spec, span.kind)[span.start:span.start + span.length]
+        stack = jax.tree.map(lambda a, span=span: a[span.start:span.start + span.length], params["layers"][span.kind])
         distinct = tuple(sorted({windows[i] for i in layer_ids}))
         index_l = jnp.asarray([distinct.index(windows[i]) for i in layer_ids], jnp.int32)
-        body = partial(_layer, spec=spec, cfg=cfg, opts=opts, kind=run.kind, windows=distinct, prompt_len=N,
+        body = partial(_layer, spec=spec, cfg=cfg, opts=opts, kind=span.kind, windows=distinct, prompt_len=N,
                        sparse=sparse, interpret=interpret)
         x_BLD, (dens, qa) = jax.lax.scan(body, x_BLD, (stack, index_l))
         density.append(dens)

@@ -48,7 +48,7 @@ class ParamInfo:
 
 
 @dataclass(frozen=True)
-class Run:
+class LayerSpan:
     """Consecutive layers of one kind: they are `scan`ned together from `start` in their kind's stack."""
 
     kind: str
@@ -60,18 +60,18 @@ def layer_kind(spec: ModelSpec, layer: int) -> str:
     return "moe" if spec.is_moe_layer(layer) else "dense"
 
 
-def layer_runs(spec: ModelSpec) -> tuple[Run, ...]:
-    """The layers in order, grouped into runs of one kind (dense first layers, then MoE: two runs)."""
-    runs: list[Run] = []
+def layer_spans(spec: ModelSpec) -> tuple[LayerSpan, ...]:
+    """The layers in order, grouped into spans of one kind (dense first layers, then MoE: two spans)."""
+    spans: list[LayerSpan] = []
     seen = {k: 0 for k in KINDS}
     for i in range(spec.num_layers):
         kind = layer_kind(spec, i)
-        if runs and runs[-1].kind == kind:
-            runs[-1] = Run(kind, runs[-1].start, runs[-1].length + 1)
+        if spans and spans[-1].kind == kind:
+            spans[-1] = LayerSpan(kind, spans[-1].start, spans[-1].length + 1)
         else:
-            runs.append(Run(kind, seen[kind], 1))
+            spans.append(LayerSpan(kind, seen[kind], 1))
         seen[kind] += 1
-    return tuple(runs)
+    return tuple(spans)
 
 
 def layers_of_kind(spec: ModelSpec, kind: str) -> tuple[int, ...]:

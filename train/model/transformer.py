@@ -12,7 +12,7 @@ One function covers every supported family:
   `sigmoid(shared_gate · x)` or not);
 - tied or untied embeddings; causal masking, optionally restricted to segments (packing, padding).
 
-Layers of one kind are stacked and run under `jax.lax.scan`, one scan per run of consecutive layers
+Layers of one kind are stacked and run under `jax.lax.scan`, one scan per span of consecutive layers
 (dense first layers, then MoE layers: two scans). Parameters stay in their dtype and are cast to the compute
 dtype where they are used; norms, softmaxes, routers and logits are computed in fp32.
 
@@ -33,7 +33,14 @@ from upcycler.spec import ModelSpec
 from upcycler.train.config import ModelConfig  # declared with the training options, without JAX
 from upcycler.train.model import expert_parallel, moe, remat, splash
 from upcycler.train.model import layers as nn
-from upcycler.train.model.params import ParamInfo, Params, Run, declare_tree, layer_runs, layers_of_kind
+from upcycler.train.model.params import (
+    LayerSpan,
+    ParamInfo,
+    Params,
+    declare_tree,
+    layer_spans,
+    layers_of_kind,
+)
 from upcycler.train.model.placement import ONE_DEVICE, Placement
 
 ACTIVATION_AXES = ("batch", "seq", "act_embed")
@@ -139,11 +146,11 @@ def hidden_states(
     ctx = _context(spec, B, L, segment_ids_BL, positions_BL, placement)
     x_BLD = jnp.take(params["embed"], ids_BL, axis=0).astype(jnp.dtype(cfg.compute_dtype))
     logits, ids = [], []
-    for run in layer_runs(spec):
-        x_BLD, run_aux = _scan_run(params["layers"][run.kind], x_BLD, run, spec, cfg, ctx)
-        if run.kind == "moe":
-            logits.append(run_aux[0])
-            ids.append(run_aux[1])
+    for span in layer_spans(spec):
+        x_BLD, span_aux = _scan_span(params["layers"][span.kind], x_BLD, span, spec, cfg, ctx)
+        if span.kind == "moe":
+            logits.append(span_aux[0])
+            ids.append(span_aux[1])
     aux = Aux(jnp.concatenate(logits), jnp.concatenate(ids)) if logits else Aux()
     return nn.rms_norm(x_BLD, params["final_norm"], spec.rms_norm_eps), aux
 
@@ -184,12 +191,12 @@ def layer_windows(spec: ModelSpec) -> tuple[int, ...]:
     return tuple(window if t == "sliding_attention" else 0 for t in spec.layer_types)
 
 
-def _scan_run(stack: Params, x_BLD: jax.Array, run: Run, spec: ModelSpec, cfg: ModelConfig, ctx: _Context):
-    layer_ids = layers_of_kind(spec, run.kind)[run.start : run.start + run.length]
-    if run.length != len(layers_of_kind(spec, run.kind)):
-        stack = jax.tree.map(lambda a: jax.lax.slice_in_dim(a, run.start, run.start + run.length), stack)
+def _scan_span(stack: Params, x_BLD: jax.Array, span: LayerSpan, spec: ModelSpec, cfg: ModelConfig, ctx: _Context):
+    layer_ids = layers_of_kind(spec, span.kind)[span.start : span.start + span.length]
+    if span.length != len(layers_of_kind(spec, span.kind)):
+        stack = jax.tree.map(lambda a: jax.lax.slice_in_dim(a, span.start, span.start + span.length), stack)
     windows = tuple(layer_windows(spec)[i] for i in layer_ids)
-    body = partial(_layer, kind=run.kind, spec=spec, cfg=cfg, ctx=ctx, windows=windows)
+    body = partial(_layer, kind=span.kind, spec=spec, cfg=cfg, ctx=ctx, windows=windows)
     if cfg.remat != "none":
         body = jax.checkpoint(body, prevent_cse=False, policy=remat.policy(cfg.remat))
     return jax.lax.scan(body, x_BLD, (stack, jnp.asarray(windows, jnp.int32)))

@@ -26,7 +26,7 @@ def command(run_dir: Path | str, out: Path | None) -> None:
     it. The PNGs appear in --out only once all of them are drawn.
     """
     from upcycler.locations import location
-    from upcycler.train.reporting.report import make_report
+    from upcycler.train.reporting.plots import make_report
     from upcycler.untrusted import shown_path
 
     for path in make_report(location(run_dir, "RUN_DIR"), out):
