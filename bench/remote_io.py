@@ -4,6 +4,7 @@ resume's time to first step on a simulated pod.
     python bench/remote_io.py [--scale 0.5] [--repeats 3] [--workdir DIR]
     python bench/remote_io.py --only resume --processes 4 --repeats 3
     python bench/remote_io.py --only download --object-mb 512 --repeats 3
+    python bench/remote_io.py --only tokens --repeats 5
 
 A synthetic bf16 checkpoint at Llama-3.2-1B shapes (widths and vocabulary × `--scale`) is written locally
 and uploaded once to a loopback Cloud Storage emulator (fake-gcs-server, started here and stopped at
@@ -33,6 +34,15 @@ bytes arrive and compared with the bucket's) and `single_stream_s` by gcsfs in o
 same transfer as the checked one, without the hashing). One JSON line: the medians, `ratio` (checked /
 unchecked), `stream_ratio` (checked / single stream: what the check itself adds) and `crc32c_s`, the time
 google-crc32c takes over the same bytes in memory (the hashing alone).
+
+`tokens`: what checking the token blocks of a prepared source costs a training run's reads. One shard of
+`--shard-mb` MB of random uint32 ids, with its blocks' CRC32C (`format.BlockChecksums`, 256 KiB blocks), is
+read in batches of `--batch` windows of 4,097 tokens at random offsets (a 4k-token run's examples), from the
+bucket and from a local file, each way interleaved `--repeats` rounds: `unchecked_s` reads exactly the
+windows (the shard described without its checksums, as an index of an earlier version is read) and
+`checked_s` reads the whole blocks they fall in and checks each (the blocks kept from earlier reads emptied
+before each round). One JSON line per place: the medians per batch, `ratio` (checked / unchecked) and the
+bytes each way reads (`amplification`).
 """
 
 from __future__ import annotations
@@ -70,10 +80,12 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=0.5)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
-    parser.add_argument("--only", choices=("surgery", "resume", "download"), default=None, help="run one part only")
+    parser.add_argument("--only", choices=("surgery", "resume", "download", "tokens"), default=None, help="run one part only")
     parser.add_argument("--processes", type=int, default=4, help="resume: processes of the simulated pod")
     parser.add_argument("--steps", type=int, default=4, help="resume: steps trained before the resume")
     parser.add_argument("--object-mb", type=int, default=512, help="download: the object's size in MB")
+    parser.add_argument("--shard-mb", type=int, default=256, help="tokens: the shard's size in MB")
+    parser.add_argument("--batch", type=int, default=64, help="tokens: windows read together")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="upcycler-bench-remote-", dir=args.workdir))
     emulator, url = start(BUCKET)
@@ -81,6 +93,9 @@ def main() -> None:
     try:
         if args.only in (None, "download"):
             print(json.dumps(checked_download(work, args.object_mb, args.repeats)), flush=True)
+        if args.only in (None, "tokens"):
+            for line in checked_tokens(work, args.shard_mb, args.batch, args.repeats):
+                print(json.dumps(line), flush=True)
         if args.only in (None, "resume"):
             print(json.dumps(pod_resume(work, args.processes, args.steps, args.repeats)), flush=True)
         if args.only in (None, "surgery"):
@@ -151,6 +166,51 @@ def checked_download(work: Path, object_mb: int, repeats: int) -> dict:
             "ratio": round(median["checked_s"] / median["unchecked_s"], 3),
             "stream_ratio": round(median["checked_s"] / median["single_stream_s"], 3),
             "crc32c_s": round(crc32c_s, 3), "rounds": rounds}
+
+
+def checked_tokens(work: Path, shard_mb: int, batch: int, repeats: int) -> list[dict]:
+    """Random windows of a shard read with and without its block checks, in the bucket and locally."""
+    import base64
+    import random
+
+    import numpy as np
+
+    from upcycler.train.data import token_store
+    from upcycler.train.data.format import BLOCK_BYTES, BlockChecksums, shard_header
+
+    ids = np.random.default_rng(0).integers(0, 128_000, shard_mb * 250_000, dtype=np.uint32)
+    checksums = BlockChecksums()
+    checksums.update(ids.tobytes())
+    header = shard_header(np.dtype(np.uint32), ids.size, 1, "0" * 64)
+    local, url = work / "shard.tokens", f"gs://{BUCKET}/tokens/shard.tokens"
+    local.write_bytes(header + ids.tobytes())
+    object_store.upload_all([(local, url)])
+    window, spans = 4097, random.Random(0)
+    lines = []
+    for where, location in (("bucket", url), ("local", str(local))):
+        plain = token_store.ShardFile(location, header, ids.size, 4, "bench.index.json")
+        checked = token_store.ShardFile(location, header, ids.size, 4, "bench.index.json",
+                                        (BLOCK_BYTES, base64.b64decode(checksums.text())))
+        rounds = []
+        for _ in range(repeats):
+            starts = [spans.randrange(ids.size - window) for _ in range(batch)]
+            wanted = [(a, a + window) for a in starts]
+            figures = {}
+            for name, shard in (("unchecked_s", plain), ("checked_s", checked)):
+                token_store._CHECKED._blocks.clear()
+                stream = token_store.TokenStream([shard], np.dtype(np.uint32))
+                began = time.perf_counter()
+                got = stream.read_spans(wanted)
+                figures[name] = round(time.perf_counter() - began, 4)
+                assert all(np.array_equal(g, ids[a:b]) for g, (a, b) in zip(got, wanted))
+            blocks = {k for a, b in wanted for k in range(a * 4 // BLOCK_BYTES, (b * 4 - 1) // BLOCK_BYTES + 1)}
+            figures["amplification"] = round(len(blocks) * BLOCK_BYTES / (batch * window * 4), 1)
+            rounds.append(figures)
+        median = {name: statistics.median(r[name] for r in rounds) for name in rounds[0]}
+        lines.append({"bench": f"remote_io/tokens-{where}", "shard_bytes": ids.nbytes, "batch": batch,
+                      "window_tokens": window, "repeats": repeats, **median,
+                      "ratio": round(median["checked_s"] / median["unchecked_s"], 3), "rounds": rounds})
+    return lines
 
 
 def pod_resume(work: Path, processes: int, steps: int, repeats: int) -> dict:

@@ -53,7 +53,7 @@ NPY_HEADER_BYTES = 128
 SHARD_HEADER_BYTES = 128
 SHARD_MAGIC = b"UPCYCLER-TOKENS\n"
 TOKEN_DTYPES = ("uint16", "uint32")
-BLOCK_BYTES = 1 << 20  # token bytes per checksummed block of a shard (see the module docstring)
+BLOCK_BYTES = 1 << 18  # token bytes per checksummed block of a shard (see the module docstring)
 _SHARD_FIELDS = struct.Struct("<16sIIQQ32s")  # magic, format, itemsize, tokens, documents, sha256
 
 

@@ -34,7 +34,7 @@ from upcycler.train.data.format import block_crc32c
 from upcycler.untrusted import open_regular, shown_path
 
 MAX_OPEN_FILES = 64
-CHECKED_BLOCKS_KEPT = 8  # checked blocks kept for the next reads, process-wide (8 MiB at the default size)
+CHECKED_BLOCKS_KEPT = 32  # checked blocks kept for the next reads, process-wide (8 MiB at the default size)
 BLOCK_READS = 2  # a block (or a header) that does not match its index is read once more, then refused
 _FIX = "re-run upcycle prepare-data"
 
