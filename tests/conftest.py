@@ -11,6 +11,10 @@ Remote locations: the process that starts the run starts one loopback Cloud Stor
 loopback port unless a test names its own Hub server, and W&B runs offline: no gs:// URL, no Hub id and
 no W&B run of any test, forgotten or not, can reach the network.
 
+Two tiers: the tests of `HEAVY_FILES` (the real model, vLLM, TPU compiles, multi-process pods) and every
+`real_model` or `serving` test are marked `heavy`; `pytest -m "not heavy"` runs the rest, the developers'
+loop, and the README's test command runs everything.
+
 Fixtures: `tiny_dir` (tiny Hugging Face models per family, built once per argument set), `ws` (the
 trainer's workspace: tokenizer, prepared data, tiny dense and MoE checkpoints, built once) and `cache`
 (the run's compilation cache directory, for tests that name it).
@@ -58,9 +62,36 @@ LONGEST_FIRST = ("test_long_prefill_real.py", "test_serving.py", "test_trainer_d
                  "test_remote_locations.py", "test_launch_recipes.py", "test_observability.py", "test_lm_eval.py")
 
 
+# The heavy tier (`heavy`): what `pytest -m "not heavy"`, the developers' loop, leaves to the whole suite (the
+# README's test command, what CI runs). Every test of these files, and every `real_model` or `serving` test.
+HEAVY_FILES = {
+    "test_long_prefill_real.py": "the real 30-layer model's long prefills",
+    "test_real_model.py": "the real 30-layer model",
+    "test_serving.py": "vLLM serving the real model's outputs",
+    "test_aot_collectives.py": "TPU compiles",
+    "test_aot_hardware.py": "TPU compiles",
+    "test_aot_hbm_traffic.py": "TPU compiles",
+    "test_compile_only.py": "TPU compiles",
+    "test_plan.py": "TPU compiles",
+    "test_flexprefill_splash.py": "TPU compiles and interpreted kernels",
+    "test_gmm_megablox.py": "TPU compiles and interpreted kernels",
+    "test_trainer_distributed.py": "multi-process pods",
+    "test_bucket_runs.py": "multi-process pods in a bucket",
+    "test_bias_balancing.py": "multi-process training runs",
+    "test_expert_parallel.py": "sharded programs on 8 devices",
+    "test_memory_options.py": "a train step compiled per memory option",
+    "test_storage_faults.py": "every bucket command through a faulty proxy, training runs among them",
+    "test_launch_recipes.py": "pod launch recipes run as processes",
+    "test_notebooks.py": "notebooks executed end to end",
+}
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+    for item in items:
+        if item.path.name in HEAVY_FILES or item.get_closest_marker("real_model") or item.get_closest_marker("serving"):
+            item.add_marker(pytest.mark.heavy)
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
