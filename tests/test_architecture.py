@@ -282,3 +282,66 @@ def test_architecture_names_every_module():
     assert missing == [], f"name these in {DOC.name}, in their layer or room, with what each is for"
     stale = sorted(grouped - set(keys))
     assert stale == [], f"{DOC.name} names modules that do not exist"
+
+
+LENT_LOOKUPS = ("service", "providing")  # the ambient lookup transforms once read their inputs through
+COLLECTOR = "transform_collected"  # the one context variable of transforms/: what a transform says
+
+
+def python_files() -> list[Path]:
+    """Every Python file of the package and of the folders that use it (bench, scripts, examples, tests)."""
+    extra = [path for folder in ("bench", "scripts", "examples", "tests")
+             for path in (ROOT / folder).rglob("*.py")]
+    return sorted({*modules().values(), *extra})
+
+
+def called_name(call: ast.Call) -> str | None:
+    """The name a call is made through: `f` for `f(…)` and `m.f(…)`."""
+    func = call.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+
+
+def ambient_lookups(source: str, *, in_transforms: bool) -> list[str]:
+    """Where `source` defines, imports or calls an ambient lookup (`LENT_LOOKUPS`) and, `in_transforms`,
+    makes a context variable other than the collector of what transforms say: `line: what`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        name = called_name(node) if isinstance(node, ast.Call) else None
+        if name in LENT_LOOKUPS:
+            found.append(f"{node.lineno}: calls {name}(…)")
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in LENT_LOOKUPS:
+            found.append(f"{node.lineno}: defines {node.name}")
+        elif isinstance(node, ast.ImportFrom) and any(a.name in LENT_LOOKUPS for a in node.names):
+            found.append(f"{node.lineno}: imports {', '.join(a.name for a in node.names)}")
+        elif name == "ContextVar" and in_transforms:
+            label = node.args[0] if isinstance(node, ast.Call) and node.args else None
+            if not (isinstance(label, ast.Constant) and label.value == COLLECTOR):
+                found.append(f"{node.lineno}: makes a context variable other than {COLLECTOR!r}")
+    return sorted(found, key=lambda line: int(line.partition(":")[0]))
+
+
+def test_transforms_get_what_they_need_as_an_argument():
+    """A transform is given everything it uses beyond its config, spec and tensors in its `TransformContext`
+    argument, built by `pipeline.plan` from what the command lends: no module defines, imports or calls an
+    ambient lookup (`service(name)`, lent by `providing(...)`), and the only context variable under
+    `transforms/` collects what a transform says (`report`, `record`, `read_input`), never what it reads."""
+    transforms = PACKAGES["upcycler.transforms"]
+    offenders = [f"{path.relative_to(ROOT)}:{line}" for path in python_files()
+                 for line in ambient_lookups(path.read_text(encoding="utf-8"),
+                                             in_transforms=path.is_relative_to(transforms))]
+    assert offenders == []
+
+
+def test_the_lookup_check_sees_every_form():
+    source = ("from contextvars import ContextVar\n"
+              "from upcycler.transforms.registry import service\n"
+              "_LENT = ContextVar('transform_services', default=None)\n"
+              "_SAID = ContextVar('transform_collected', default=None)\n"
+              "def providing(**lent): ...\n"
+              "fit = registry.service('attention_fit')\n"
+              "dtype = service('output_dtype')\n")
+    assert ambient_lookups(source, in_transforms=True) == [
+        "2: imports service", "3: makes a context variable other than 'transform_collected'",
+        "5: defines providing", "6: calls service(…)", "7: calls service(…)"]
+    assert ambient_lookups(source, in_transforms=False) == [
+        "2: imports service", "5: defines providing", "6: calls service(…)", "7: calls service(…)"]

@@ -288,11 +288,12 @@ def test_a_transform_must_account_for_every_tensor(dense):
         pass
 
     ckpt = read_checkpoint(dense)
-    leaky = Transform("leaky", Nothing, lambda cfg, spec, tensors: (spec, tensors.updated(
+    leaky = Transform("leaky", Nothing, lambda cfg, spec, tensors, context: (spec, tensors.updated(
         {"layers.0.mlp.old_proj": tensors["layers.0.mlp.up_proj"]})))
     with pytest.raises(UpcyclerError, match=r"leaky produced .*tensor layers\.0\.mlp\.old_proj is not part of"):
         leaky.apply(Nothing(), ckpt.spec, ckpt.tensors)
-    lossy = Transform("lossy", Nothing, lambda cfg, spec, tensors: (spec, tensors.without(["layers.3.attn.o_proj"])))
+    lossy = Transform("lossy", Nothing, lambda cfg, spec, tensors, context: (
+        spec, tensors.without(["layers.3.attn.o_proj"])))
     with pytest.raises(UpcyclerError, match=r"tensor layers\.3\.attn\.o_proj of the llama model is missing"):
         lossy.apply(Nothing(), ckpt.spec, ckpt.tensors)
 

@@ -4,7 +4,7 @@
 biases or q/k norms dropped, q/k norms inserted. The lossy ones are not written blind: `approximate`
 
 1. fits inserted q/k norms on calibration data (`--calibration DIR`, prepared with the source's tokenizer)
-   instead of leaving them at weight 1, with the trainer's JAX model (the `attention_fit` service,
+   instead of leaving them at weight 1, with the trainer's JAX model (the context's `attention_fit`,
    `upcycler.train.evaluation.attention_fit`, run before anything is written);
 2. measures the result against the source — the same dense model with its own attention — on held-out
    windows of the same data: mean KL(source ‖ approximated) per token and top-1 agreement, reported in the
@@ -25,18 +25,18 @@ from upcycler.io.checkpoint import Checkpoint
 from upcycler.spec import ModelSpec
 from upcycler.tensors import TensorMap, constant
 from upcycler.transforms.moe_target import Target, apply_attention
-from upcycler.transforms.registry import record, report, service
+from upcycler.transforms.registry import TransformContext, record, report
 
 
-def approximate(target: Target, source: ModelSpec, tensors: TensorMap, *, calibration: Path | None,
-                sequences: int, length: int, min_agreement: float) -> TensorMap:
-    """`tensors` with the attention changes of `target` made, inserted q/k norms fitted (module docstring)."""
+def approximate(target: Target, source: ModelSpec, tensors: TensorMap, context: TransformContext, *,
+                calibration: Path | None, sequences: int, length: int, min_agreement: float) -> TensorMap:
+    """`tensors` with the attention changes of `target` made, inserted q/k norms fitted with the attention fit
+    `context` lends (module docstring)."""
     changed = apply_attention(target, source, tensors)
     if not target.lossy:
         return changed
     flag = "--allow-approximate"
-    fit = service("attention_fit")
-    if fit is None:
+    if context.attention_fit is None:
         raise UpcyclerError(f"{flag} fits and measures the changed attention with the JAX model; this command "
                             "cannot (use `upcycle dense-to-moe` or `upcycle run`)")
     if calibration is None:
@@ -44,8 +44,9 @@ def approximate(target: Target, source: ModelSpec, tensors: TensorMap, *, calibr
                             "--calibration DIR (`upcycle prepare-data` output made with the source's tokenizer) "
                             "to fit the change and measure it against the source")
     # the model as this step sees it (a recipe's earlier steps may have changed it), with its tokenizer files
-    reference = Checkpoint(spec=source, tensors=tensors, side_files=service("side_files") or ())
+    reference = Checkpoint(spec=source, tensors=tensors, side_files=context.side_files)
     inserted = dict(target.attention).get("qk_norm") is True
+    fit = context.attention_fit()
     tokens = fit.tokens(Path(calibration), reference, sequences, length)  # checked (and cheap) even in --dry-run
     if not fit.measures:  # --dry-run: nothing is computed
         report(f"{'q/k norms fitted and ' if inserted else ''}the changed attention measured against the source "

@@ -43,6 +43,7 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.families import moe_families
+from upcycler.io.checkpoint import Checkpoint
 from upcycler.layout import layer_prefix
 from upcycler.schema import Range
 from upcycler.spec import ROUTER_KINDS, ModelSpec, MoESpec, spec_real, within_limit
@@ -51,7 +52,7 @@ from upcycler.transforms.approximate_attention import approximate
 from upcycler.transforms.expert_cover import Cover, overlapping, powers_of_two, tiled
 from upcycler.transforms.experts_from import Sources, describe_assignment, open_sources
 from upcycler.transforms.moe_target import MoERequest, choose_target
-from upcycler.transforms.registry import option, record, register, report, service
+from upcycler.transforms.registry import TransformContext, option, record, register, report
 from upcycler.transforms.router_init import RouterCalibration, centroid_router
 
 MAX_GROWTH = 10  # refuse results with more than this many times the source's parameters (--allow-large)
@@ -125,7 +126,8 @@ class DenseToMoE:
 
 
 @register("dense-to-moe", DenseToMoE)
-def dense_to_moe(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap) -> tuple[ModelSpec, TensorMap]:
+def dense_to_moe(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap,
+                 context: TransformContext) -> tuple[ModelSpec, TensorMap]:
     """Upcycle a dense model into a fine-grained MoE with virtual groups, shared experts and dense first layers.
 
     Sparse Upcycling (Komatsuzaki et al., arXiv 2212.05055) for G=1; virtual groups and weight scaling
@@ -155,12 +157,13 @@ def dense_to_moe(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap) -> tuple[
                "moe_intermediate_size wide and fails on 0; transformers and `upcycle continued-pretrain` run "
                "it, and --shared-experts 1 makes it servable")
     _check_size(cfg, spec, out)
-    sources = _sources(cfg, spec, tensors, cover, fits_attention=bool(target.lossy))
-    routers = _routers(cfg, out, sources, tensors["embed"].dtype)  # checked before the attention fit's minutes
+    sources = _sources(cfg, spec, tensors, cover, context.checkpoint, fits_attention=bool(target.lossy))
+    routers = _routers(cfg, out, sources, context)  # checked before the attention fit's minutes
     tensors = approximate(target, spec, tensors if sources is None else _shared(cfg, sources, tensors),
-                          calibration=cfg.calibration, sequences=cfg.calibration_sequences or ATTENTION_SEQUENCES,
+                          context, calibration=cfg.calibration,
+                          sequences=cfg.calibration_sequences or ATTENTION_SEQUENCES,
                           length=cfg.calibration_length, min_agreement=cfg.min_agreement)
-    scaled_dtype = _scaled_dtype(tensors["embed"].dtype)
+    scaled_dtype = _scaled_dtype(tensors["embed"].dtype, context.output_dtype)
     factor = _scale(out.moe, cover, cfg.router_std, scaled_dtype)  # type: ignore[arg-type]
     if cfg.reinit_ratio > 0:
         n = round(cfg.reinit_ratio * cover.width)
@@ -175,9 +178,10 @@ def dense_to_moe(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap) -> tuple[
     return out, tensors.without(dense).updated(new)
 
 
-def _sources(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap, cover: Cover, *,
+def _sources(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap, cover: Cover, base: Checkpoint | None, *,
              fits_attention: bool) -> Sources | None:
-    """The sources of `--experts-from` (None without it), checked; what they change is reported and recorded.
+    """The sources of `--experts-from` (None without it), checked against BASE (`base`: its checkpoint as
+    read, when this is a recipe's first step); what they change is reported and recorded.
     `fits_attention`: --calibration also serves the changed attention."""
     if cfg.experts_from is None:
         unused = [flag for flag, given in (("--expert-sources", cfg.expert_sources is not None),
@@ -199,7 +203,7 @@ def _sources(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap, cover: Cover,
                             "--allow-approximate; add --router-init centroids or drop --calibration")
     groups = cfg.experts // cover.group
     sources = open_sources(cfg.experts_from, spec, tensors, groups=groups, group=cover.group,
-                           assignment=cfg.expert_sources, base_checkpoint=service("checkpoint"),
+                           assignment=cfg.expert_sources, base_checkpoint=base,
                            choices={"--shared-params": cfg.shared_params, "--shared-ffn": cfg.shared_ffn})
     report(f"experts from {len(sources.names)} models: {describe_assignment(sources)}; attention, norms, "
            f"embeddings and head from {cfg.shared_params}; shared experts and dense layers from {cfg.shared_ffn}")
@@ -220,19 +224,21 @@ def _shared(cfg: DenseToMoE, sources: Sources, tensors: TensorMap) -> TensorMap:
     return TensorMap({name: sources.pick(choice(name), tensors, name) for name in tensors})
 
 
-def _routers(cfg: DenseToMoE, out: ModelSpec, sources: Sources | None, dtype: np.dtype) -> RouterCalibration | None:
-    """The centroid calibration shared by every layer's router (None: random routers)."""
+def _routers(cfg: DenseToMoE, out: ModelSpec, sources: Sources | None,
+             context: TransformContext) -> RouterCalibration | None:
+    """The centroid calibration shared by every layer's router (None: random routers), measured with the
+    router inputs `context` lends."""
     if cfg.router_init != "centroids":
         return None
     assert sources is not None and cfg.calibration is not None
     sequences = cfg.calibration_sequences or CENTROID_SEQUENCES
-    measure = service("router_inputs")
-    if measure is None:
+    if context.router_inputs is None:
         raise UpcyclerError("--router-init centroids runs the JAX model on the calibration data; this command "
                             "cannot (use `upcycle dense-to-moe` or `upcycle run`)")
     if len(sources.names) < 2:
         raise UpcyclerError("--router-init centroids tells sources apart; it needs two or more --experts-from "
                             "sources (use --router-init random)")
+    measure = context.router_inputs()
     measure.check(Path(cfg.calibration), sources.names, sources.checkpoints[0], cfg.calibration_length,
                   sequences)
     report(f"router rows point at each source's mean router input on {sequences} × "
@@ -362,10 +368,9 @@ class _Layer:
         return tuple(self.sources.of_expert(e)[n] for n in names)  # type: ignore[return-value]
 
 
-def _scaled_dtype(source: np.dtype) -> np.dtype:
-    """The dtype the routed down_proj is scaled in: the source's, or the output's (`--dtype`) where that is
-    wider, so a scale that is not a power of two rounds once, in the dtype that is written."""
-    output = service("output_dtype")
+def _scaled_dtype(source: np.dtype, output: np.dtype | None) -> np.dtype:
+    """The dtype the routed down_proj is scaled in: the source's, or the output's (`output`, `--dtype`) where
+    that is wider, so a scale that is not a power of two rounds once, in the dtype that is written."""
     return np.dtype(output) if output is not None and np.dtype(output).itemsize > np.dtype(source).itemsize \
         else np.dtype(source)
 

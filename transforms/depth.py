@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec, within_limit
 from upcycler.tensors import LazyTensor, TensorMap, zeros
-from upcycler.transforms.registry import option, record, register, report
+from upcycler.transforms.registry import TransformContext, option, record, register, report
 from upcycler.untrusted import describe
 
 # Residual-stream writers of a layer: zeroed in an identity block.
@@ -48,7 +48,8 @@ class Depth:
 
 
 @register("depth", Depth)
-def depth(cfg: Depth, spec: ModelSpec, tensors: TensorMap) -> tuple[ModelSpec, TensorMap]:
+def depth(cfg: Depth, spec: ModelSpec, tensors: TensorMap,
+          context: TransformContext) -> tuple[ModelSpec, TensorMap]:
     """Grow the number of decoder layers by copying layers, on dense and MoE models alike.
 
     identity: LLaMA Pro block expansion (Wu et al., arXiv 2401.02415); preserves the function exactly,

@@ -48,16 +48,17 @@ import xxhash
 from threadpoolctl import threadpool_limits
 
 from upcycler.errors import UpcyclerError
-from upcycler.families import family_named
+from upcycler.families import Family, family_named
 from upcycler.io.hashing import tensor_digest
 from upcycler.io.hf_read import read_hf, read_spec
 from upcycler.io.manifest import read_manifest
 from upcycler.layout import declare_params, layer_prefix
 from upcycler.spec import ModelSpec
-from upcycler.tensors import LazyTensor, StoredBytes
+from upcycler.tensors import LazyTensor, StoredBytes, TensorMap
 from upcycler.transforms.dense_to_moe import DenseToMoE, cover_for, router_factor
 from upcycler.transforms.expert_cover import Cover
 from upcycler.transforms.moe_block_stream import Buffers, LayerSums, column_window_digests, row_window_digests
+from upcycler.transforms.pipeline import Plan
 from upcycler.untrusted import shown_path
 
 NOISE_FACTOR = 10.0  # the MoE block may differ from the dense MLP by this many times the layer's own floor
@@ -89,7 +90,7 @@ class WriteCheck:
 
     what = "dense-to-moe"
 
-    def __init__(self, source: Path, config: DenseToMoE, spec: ModelSpec, planned: Any):
+    def __init__(self, source: Path, config: DenseToMoE, spec: ModelSpec, planned: TensorMap):
         self.source, self.config, self.spec = Path(source), config, spec
         self._planned = planned  # the plan's lazy tensors: the routers, produced from their seed
         self._out_dtype = np.dtype(planned["embed"].dtype)
@@ -196,7 +197,7 @@ class WriteCheck:
         return expected, failures, worst
 
     # --- one MoE block ------------------------------------------------------------------------------------
-    def _block(self, i: int, cover: Cover, source: Any, family: Any,
+    def _block(self, i: int, cover: Cover, source: TensorMap, family: Family,
                expected: list[_Expected]) -> tuple[float, str | None]:
         """Append what every tensor of MoE layer `i` must hold to `expected`; probe the block against the
         dense MLP. Returns (its largest difference in units of its noise floor, the failure or None)."""
@@ -405,10 +406,10 @@ def _route(logits: np.ndarray, kind: str, k: int, scaling: float) -> tuple[np.nd
     return weights.astype(np.float32), chosen
 
 
-def write_check_for(plan: Any) -> WriteCheck | None:
-    """The in-stream check of a `transforms.pipeline.Plan` that is one exact `dense-to-moe` step (no
-    --experts-from, no re-initialised neurons) from a local HF source to a local HF output; None for any
-    other plan, which keeps the full check."""
+def write_check_for(plan: Plan) -> WriteCheck | None:
+    """The in-stream check of `plan` when it is one exact `dense-to-moe` step (no --experts-from, no
+    re-initialised neurons) from a local HF source to a local HF output; None for any other plan, which keeps
+    the full check."""
     from upcycler.io import detect_format
     from upcycler.locations import is_remote
 

@@ -36,7 +36,13 @@ from upcycler.spec import ModelSpec
 from upcycler.summary import format_summary, spec_summary
 from upcycler.tensors import LazyTensor, TensorMap, dtype_name, parse_dtype
 from upcycler.transforms.recipe import Recipe
-from upcycler.transforms.registry import Note, config_dict, providing
+from upcycler.transforms.registry import (
+    AttentionFitService,
+    Note,
+    RouterInputsService,
+    TransformContext,
+    config_dict,
+)
 from upcycler.units import human_bytes
 from upcycler.untrusted import shown_path
 
@@ -108,17 +114,25 @@ class Plan:
         return "\n".join(lines)
 
 
-def plan(recipe: Recipe, *, allow_config_only: bool = False) -> Plan:
-    """Apply the recipe to the spec and the lazy tensors of its source; nothing is read but headers."""
+def plan(recipe: Recipe, *, allow_config_only: bool = False,
+         router_inputs: Callable[[], RouterInputsService] | None = None,
+         attention_fit: Callable[[], AttentionFitService] | None = None) -> Plan:
+    """Apply the recipe to the spec and the lazy tensors of its source; nothing is read but headers.
+
+    Each step gets a `TransformContext` with the source, the output dtype and the services the caller lends
+    (`router_inputs`, `attention_fit`: the JAX model's, made on first use; None where the caller has none).
+    """
     ckpt, config_only = read_source(recipe.source, allow_config_only=allow_config_only)
     source_dtype = ckpt.tensors["embed"].dtype
+    output_dtype = parse_dtype(recipe.output.dtype) if recipe.output.dtype else None
     results = []
     for k, step in enumerate(recipe.steps):
+        # the first step sees the source as read: a transform may compare other checkpoints with it
+        context = TransformContext(checkpoint=ckpt if k == 0 else None, side_files=ckpt.side_files,
+                                   output_dtype=output_dtype, router_inputs=router_inputs,
+                                   attention_fit=attention_fit)
         try:
-            # the first step sees the source as read: a transform may compare other checkpoints with it
-            with providing(checkpoint=ckpt if k == 0 else None, side_files=ckpt.side_files,
-                           output_dtype=parse_dtype(recipe.output.dtype) if recipe.output.dtype else None):
-                applied = step.transform.apply(step.config, ckpt.spec, ckpt.tensors)
+            applied = step.transform.apply(step.config, ckpt.spec, ckpt.tensors, context)
         except UpcyclerError as err:  # transforms know the model, not where it came from
             raise UpcyclerError(f"{shown_path(recipe.source)}: {err}") from None
         result = StepResult(step.transform.name, config_dict(step.config), applied.notes)

@@ -1,7 +1,8 @@
 """The registry of transforms: a frozen config dataclass plus one pure function, under its CLI name.
 
     @register("depth", Depth)
-    def depth(cfg: Depth, spec: ModelSpec, tensors: TensorMap) -> tuple[ModelSpec, TensorMap]: ...
+    def depth(cfg: Depth, spec: ModelSpec, tensors: TensorMap,
+              context: TransformContext) -> tuple[ModelSpec, TensorMap]: ...
 
 The config's fields are the transform's options, declared once: `option(default, help=…, choices=…)`
 (that is `upcycler.schema.field`) gives each field its help text and allowed values, and both the
@@ -16,21 +17,24 @@ step is not function-preserving) it says with `report(...)`; what its lineage st
 its config (depth's layer map) it gives `record(...)`. A transform that takes tensors from other
 checkpoints (dense-to-moe's `--experts-from`) opens them with `read_input(path)`, so the command knows
 every directory the output is read from (it may not overlap any of them, and every read is checked
-against its manifest). What a transform needs from a higher layer (the JAX model, to calibrate a router)
-the caller lends it with `providing(name=fn)` and the transform asks `service(name)`. `Transform.apply`
-collects notes, records and inputs, so a chain of transforms is still plain function composition over
-`(ModelSpec, TensorMap)`.
+against its manifest). Everything else a transform may use beyond its config, spec and tensors (the
+source as read, the output dtype, and what a higher layer lends: the JAX model, to calibrate a router or
+fit an attention) comes in its `TransformContext`, its fourth argument, built by whoever applies it
+(`transforms.pipeline.plan`, from what the command lends). `Transform.apply` collects notes, records and
+inputs, so a chain of transforms is still plain function composition over `(ModelSpec, TensorMap)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.io import read_checkpoint
@@ -42,7 +46,90 @@ from upcycler.spec import ModelSpec
 from upcycler.tensors import TensorMap
 from upcycler.untrusted import describe
 
-TransformFn = Callable[[Any, ModelSpec, TensorMap], tuple[ModelSpec, TensorMap]]
+
+class RouterInputsService(Protocol):
+    """The JAX model's router inputs on calibration data, which `dense-to-moe --router-init centroids` points
+    its router rows at (`upcycler.train.evaluation.calibration.RouterInputs`)."""
+
+    def check(self, data: Path, names: Sequence[str], base: Checkpoint, length: int,
+              sequences: int = 1) -> None:
+        """Refuse calibration data `data` (one prepared source per name in `names`) that cannot be measured
+        with `base`'s model, before anything is written."""
+        ...
+
+    def mean(self, ckpt: Checkpoint, data: Path, name: str, sequences: int, length: int,
+             layers: Sequence[int]) -> np.ndarray:
+        """[len(layers), D] float64: the mean FFN input of `ckpt` at `layers` on source `name` of `data`."""
+        ...
+
+
+class CalibrationTokens(Protocol):
+    """Token windows [n, L] an attention is fitted and measured on, and where the held-out ones come from."""
+
+    @property
+    def calibration(self) -> np.ndarray: ...
+
+    @property
+    def heldout(self) -> np.ndarray: ...
+
+    @property
+    def heldout_from(self) -> str: ...
+
+
+class AttentionFitService(Protocol):
+    """The JAX model's fit and measurement of an attention changed under `dense-to-moe --allow-approximate`
+    (`upcycler.train.evaluation.attention_fit.AttentionFit`)."""
+
+    @property
+    def measures(self) -> bool:
+        """False for a dry run: the calibration data is checked and nothing is computed."""
+        ...
+
+    def tokens(self, data: Path, model: Checkpoint, sequences: int, length: int) -> CalibrationTokens:
+        """Calibration and held-out windows from the prepared data `data`, checked against `model`."""
+        ...
+
+    def fit_qk_norms(self, reference: Checkpoint, approximated: Checkpoint,
+                     ids_BL: np.ndarray) -> dict[str, np.ndarray]:
+        """{canonical name: weight} of the inserted q/k norms that bring `approximated` closest to
+        `reference`."""
+        ...
+
+    def agreement(self, reference: Checkpoint, approximated: Checkpoint,
+                  ids_BL: np.ndarray) -> tuple[float, float]:
+        """(mean KL(reference ‖ approximated) per token, top-1 agreement) on the windows `ids_BL`."""
+        ...
+
+
+@dataclass(frozen=True)
+class TransformContext:
+    """What a transform may use besides its config, the spec and the tensors: the fourth argument of every
+    transform function. `transforms.pipeline.plan` builds one per step, from the source it read, the
+    recipe's output and what the command lends (`upcycler.cli.transforms.planned`); the empty context
+    (every field at its default) is a caller that lends nothing, and a transform that cannot do without a
+    missing service refuses in one line. A transform keeps what it takes from here for as long as its lazy
+    tensors need it: the writer may call a lent service long after the transform returned."""
+
+    checkpoint: Checkpoint | None = None
+    """The source checkpoint as read, for the first step of a recipe only (a later step's input is no
+    checkpoint on disk): `dense-to-moe --experts-from` compares the other models' weights and tokenizer
+    with it."""
+    side_files: tuple[Path, ...] = ()
+    """The source's files beside its weights (its tokenizer and the like), for every step: an attention fit
+    checks that the calibration data was prepared with that tokenizer."""
+    output_dtype: np.dtype | None = None
+    """The dtype the recipe writes (`--dtype`), None for the source's: a scale is applied in the wider of it
+    and the source's dtype, so it rounds once."""
+    router_inputs: Callable[[], RouterInputsService] | None = None
+    """Makes the JAX model's router-input measurement (`--router-init centroids`), called when a transform
+    needs it, so a command that never calibrates never imports JAX; None where the caller cannot run the
+    model."""
+    attention_fit: Callable[[], AttentionFitService] | None = None
+    """Makes the JAX model's attention fit (`--allow-approximate`), called when a transform needs it; None
+    where the caller cannot run the model."""
+
+
+TransformFn = Callable[[Any, ModelSpec, TensorMap, TransformContext], tuple[ModelSpec, TensorMap]]
 
 
 @dataclass(frozen=True)
@@ -64,7 +151,6 @@ class _Collected:
 
 
 _COLLECTED: ContextVar[_Collected | None] = ContextVar("transform_collected", default=None)
-_SERVICES: ContextVar[Mapping[str, Any] | None] = ContextVar("transform_services", default=None)
 
 
 def report(text: str, *, exact: bool = True, rounds: bool = False) -> None:
@@ -90,22 +176,6 @@ def read_input(path: Path) -> Checkpoint:
     if collected is not None:
         collected.inputs.append(ckpt)
     return ckpt
-
-
-@contextmanager
-def providing(**services: Any) -> Iterator[None]:
-    """Lend the transforms applied inside this block the named services (functions of a higher layer)."""
-    token = _SERVICES.set({**(_SERVICES.get() or {}), **services})
-    try:
-        yield
-    finally:
-        _SERVICES.reset(token)
-
-
-def service(name: str) -> Any | None:
-    """The service `name` lent by the caller (`providing`), or None. A transform captures it while it is
-    applied; its lazy tensors may call it later, when they are written."""
-    return (_SERVICES.get() or {}).get(name)
 
 
 @contextmanager
@@ -158,12 +228,14 @@ class Transform:
         return from_mapping(self.config, values, where or self.name, flags=True,
                             fix=f"see `upcycle {self.name} --help`")
 
-    def apply(self, cfg: Any, spec: ModelSpec, tensors: TensorMap) -> Applied:
-        """Run the transform, collecting its notes and recorded fields, and account for every tensor: the
-        result holds exactly the tensors its spec declares (each source tensor carried, transformed or
-        dropped on purpose). Nothing is read or computed beyond the spec."""
+    def apply(self, cfg: Any, spec: ModelSpec, tensors: TensorMap,
+              context: TransformContext | None = None) -> Applied:
+        """Run the transform with `context` (None: the empty context, a caller that lends nothing),
+        collecting its notes and recorded fields, and account for every tensor: the result holds exactly the
+        tensors its spec declares (each source tensor carried, transformed or dropped on purpose). Nothing is
+        read or computed beyond the spec."""
         with _collecting() as collected:
-            spec, tensors = self.fn(cfg, spec, tensors)
+            spec, tensors = self.fn(cfg, spec, tensors, TransformContext() if context is None else context)
         try:
             account(spec, tensors)
         except UpcyclerError as err:
@@ -176,7 +248,8 @@ TRANSFORMS: dict[str, Transform] = {}
 
 
 def register(name: str, config: type) -> Callable[[TransformFn], TransformFn]:
-    """Register `fn(cfg, spec, tensors) -> (spec, tensors)` as the transform `name` with options `config`."""
+    """Register `fn(cfg, spec, tensors, context) -> (spec, tensors)` as the transform `name` with options
+    `config` (`context`: its `TransformContext`)."""
     if not (dataclasses.is_dataclass(config) and config.__dataclass_params__.frozen):  # type: ignore[attr-defined]
         raise TypeError(f"{config.__name__} must be a frozen dataclass")
 

@@ -12,8 +12,9 @@ same way). The gain `a` makes that preference `margin` logits on average over th
 rows of `--router-std` stay on top: they break the tie between the groups of one source (which would
 otherwise train identically forever), and the R experts of a virtual group still share one row.
 
-The means come from the JAX model (the `router_inputs` service, `upcycler.train.evaluation.calibration`), computed on
-first use, once for all layers, and shared by every layer's router.
+The means come from the JAX model (the `router_inputs` of the transform's context,
+`upcycler.train.evaluation.calibration`), computed on first use, once for all layers, and shared by every
+layer's router.
 """
 
 from __future__ import annotations
@@ -21,20 +22,20 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.tensors import LazyTensor
 from upcycler.transforms.experts_from import Sources
+from upcycler.transforms.registry import RouterInputsService
 
 
 class RouterCalibration:
     """The centroid directions of every MoE layer, computed once from the sources' calibration data."""
 
     def __init__(self, sources: Sources, layers: Sequence[int], data: Path, sequences: int, length: int,
-                 margin: float, measure: Any):
+                 margin: float, measure: RouterInputsService):
         self.sources, self.layers, self.data = sources, tuple(layers), data
         self.sequences, self.length, self.margin, self.measure = sequences, length, margin, measure
         self._rows: dict[int, np.ndarray] | None = None

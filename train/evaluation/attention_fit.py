@@ -18,7 +18,7 @@ weights from calibration data instead, one layer at a time, from the first:
 
 `agreement(reference, approximated, ids)` runs both models on held-out tokens and returns the mean
 KL(reference ‖ approximated) per token and the share of tokens whose top-1 prediction is the same.
-`AttentionFit` is the service `dense-to-moe` borrows for both (`transforms.registry.providing`), with the
+`AttentionFit` is the service `dense-to-moe` borrows for both (a `transforms.registry.TransformContext` field), with the
 tokens: calibration windows of every training source of a prepared directory, held-out windows from the
 sources' `NAME.heldout` (else from between the calibration windows).
 """

@@ -40,7 +40,7 @@ CHUNK = 16  # sequences per forward when their attention scores fit the bound
 
 @dataclass(frozen=True)
 class RouterInputs:
-    """The service `dense-to-moe --router-init centroids` borrows (`transforms.registry.providing`)."""
+    """The service `dense-to-moe --router-init centroids` borrows (a `transforms.registry.TransformContext` field)."""
 
     def check(self, data: Path, names: Sequence[str], base: Checkpoint, length: int, sequences: int = 1) -> None:
         """Refuse calibration data that is missing, too short or of another tokenizer, and a request whose

@@ -12,6 +12,7 @@ import json
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -22,9 +23,15 @@ from upcycler.io.staging import check_output
 from upcycler.locations import Location
 from upcycler.schema import Option
 from upcycler.transforms import TRANSFORMS
-from upcycler.transforms.registry import Transform
+from upcycler.transforms.registry import AttentionFitService, RouterInputsService, Transform
 from upcycler.units import parse_size
 from upcycler.untrusted import describe
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from upcycler.transforms.pipeline import Plan
+    from upcycler.transforms.recipe import Recipe
 
 _CLICK_TYPES = {int: click.INT, float: click.FLOAT, str: click.STRING, Path: SOURCE, Location: BUCKET_OR_LOCAL}
 _RESERVED = {"src", "out", "to", "family", "dtype", "shard_size", "overwrite", "dry_run", "as_json", "no_verify"}
@@ -153,9 +160,9 @@ def _advise(src: Path, out: Path | None, as_json: bool, advice: dict, fixed: dic
            margin=parse_size(advice["plan_margin"], "--plan-margin"), fixed=fixed)
 
 
-def finish(p, *, dry_run: bool, as_json: bool, overwrite: bool, no_verify: bool = False) -> None:
-    """Print the plan (dry run), or write, then print the notes, how the output was checked and what was
-    written.
+def finish(p: Plan, *, dry_run: bool, as_json: bool, overwrite: bool, no_verify: bool = False) -> None:
+    """Print the plan `p` (dry run), or write it, then print the notes, how the output was checked and what
+    was written.
 
     The notes follow the write so that a failed write says one thing only: its error.
     """
@@ -199,44 +206,39 @@ def finish(p, *, dry_run: bool, as_json: bool, overwrite: bool, no_verify: bool 
                f"function {'preserved' if p.exact else 'NOT preserved'}")
 
 
-class _RouterInputs:
-    """The JAX model's router calibration, lent to the transforms (`--router-init centroids`); imported on
-    first use so that commands which never calibrate do not start JAX."""
+def _router_inputs() -> RouterInputsService:
+    """The JAX model's router calibration (`--router-init centroids`), lent to the transforms; imported when a
+    transform first asks, so that commands which never calibrate do not start JAX."""
+    from upcycler.train.evaluation.calibration import RouterInputs
 
-    def __getattr__(self, name: str):
-        from upcycler.train.evaluation.calibration import RouterInputs
-
-        return getattr(RouterInputs(), name)
+    return RouterInputs()
 
 
-class _AttentionFit:
-    """The JAX model's fit and measurement of an attention changed under `--allow-approximate`, imported on
-    first use; `measures` is False for --dry-run, which plans without computing."""
+def _attention_fit(measures: bool) -> Callable[[], AttentionFitService]:
+    """What makes the JAX model's fit and measurement of an attention changed under `--allow-approximate`,
+    imported when a transform first asks; `measures` is False for --dry-run, which plans without computing."""
 
-    def __init__(self, measures: bool):
-        self.measures = measures
-
-    def __getattr__(self, name: str):
+    def make() -> AttentionFitService:
         from upcycler.train.evaluation.attention_fit import AttentionFit
 
-        return getattr(AttentionFit(self.measures), name)
+        return AttentionFit(measures)
+
+    return make
 
 
-def planned(recipe, *, dry_run: bool, overwrite: bool = False):
+def planned(recipe: Recipe, *, dry_run: bool, overwrite: bool = False) -> Plan:
     """`pipeline.plan` with the services a transform may borrow from the trainer. A local output that
     overlaps an input (the source, a step's calibration data or expert sources) or exists without
     `overwrite` is refused first: planning may read and fit for a while."""
     from upcycler.transforms.pipeline import plan
-    from upcycler.transforms.registry import providing
 
     if recipe.output.path is not None and not dry_run and not isinstance(recipe.output.path, str):
         check_output(recipe.output.path, overwrite=overwrite, sources=_named_inputs(recipe))
+    return plan(recipe, allow_config_only=dry_run, router_inputs=_router_inputs,
+                attention_fit=_attention_fit(measures=not dry_run))
 
-    with providing(router_inputs=_RouterInputs(), attention_fit=_AttentionFit(measures=not dry_run)):
-        return plan(recipe, allow_config_only=dry_run)
 
-
-def _named_inputs(recipe) -> list[Path]:
+def _named_inputs(recipe: Recipe) -> list[Path]:
     """The local paths a recipe reads: its source and what its steps name (calibration, expert sources)."""
     named = [recipe.source] if isinstance(recipe.source, Path) else []
     for step in recipe.steps:
@@ -246,7 +248,7 @@ def _named_inputs(recipe) -> list[Path]:
     return named
 
 
-def initial_routing(p, out: Path) -> tuple | None:
+def initial_routing(p: Plan, out: Path) -> tuple[np.ndarray, list[str]] | None:
     """(shares [M, S, S], source names) of the written MoE's first forward on the calibration data of a
     step that calibrated its router (`upcycler.train.evaluation.calibration.routing_shares`); None otherwise."""
     step = next((s for s in p.steps if s.config.get("router_init") == "centroids"), None)
