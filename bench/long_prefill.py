@@ -72,6 +72,7 @@ from upcycler.errors import UpcyclerError
 from upcycler.train.config import ModelConfig
 from upcycler.train.data.readers import read_documents
 from upcycler.train.evaluation import long_eval
+from upcycler.train.evaluation.config import PrefillConfig
 from upcycler.train.evaluation.prefill import PrefillModel
 from upcycler.train.model.flexprefill import (
     FlexPrefillOptions,
@@ -103,7 +104,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tau", type=float, default=0.1)
     parser.add_argument("--min-budget", type=int, default=1024)
     parser.add_argument("--block", type=int, default=128)
-    parser.add_argument("--dense-above", type=float, default=ModelConfig().prefill_dense_above,
+    parser.add_argument("--dense-above", type=float, default=PrefillConfig().prefill_dense_above,
                         help="selection density above which a layer runs dense (1: always sparse)")
     parser.add_argument("--end-to-end", action=argparse.BooleanOptionalAction, default=True,
                         help=f"time whole prefills too, for lengths <= {END_TO_END_MAX} (default: on)")
@@ -275,12 +276,12 @@ def tpu_bounds(qkv: dict[int, tuple[jax.Array, ...]], opts: FlexPrefillOptions, 
 
 def main() -> None:
     args = parse_args()
-    cfg = ModelConfig(attention="flexprefill", prefill_gamma=args.gamma, prefill_tau=args.tau,
-                      prefill_min_budget=args.min_budget, prefill_block=args.block,
-                      prefill_dense_above=args.dense_above)
+    cfg = ModelConfig(attention="flexprefill")
+    prefill = PrefillConfig(prefill_gamma=args.gamma, prefill_tau=args.tau, prefill_min_budget=args.min_budget,
+                            prefill_block=args.block, prefill_dense_above=args.dense_above)
     if args.qkv is not None:
         length, qkv = load_qkv(args.qkv)
-        options = FlexPrefillOptions.of(cfg)
+        options = prefill.options()
         print(json.dumps({
             "bench": "long_prefill", "length": length, "qkv": args.qkv.name, "layers": sorted(qkv),
             "device": jax.devices()[0].platform, "options": dataclasses.asdict(options),
@@ -290,7 +291,7 @@ def main() -> None:
             "load_1min": os.getloadavg()[0],
         }), flush=True)
         return
-    model = PrefillModel.load(args.model, cfg)
+    model = PrefillModel.load(args.model, cfg, prefill=prefill)
     if args.layers[0] < 0 or args.layers[-1] >= model.spec.num_layers:
         sys.exit(f"--layers: the model has layers 0..{model.spec.num_layers - 1}, not {args.layers}")
     for length in args.lengths:

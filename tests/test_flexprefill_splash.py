@@ -21,6 +21,7 @@ from trainer_fixtures import tiny_spec
 from upcycler.errors import UpcyclerError
 from upcycler.train.config import ModelConfig
 from upcycler.train.evaluation import long_eval as le
+from upcycler.train.evaluation.config import PrefillConfig
 from upcycler.train.evaluation.prefill import PrefillModel
 from upcycler.train.model import flexprefill as fp
 from upcycler.train.model import flexprefill_splash as fs
@@ -28,6 +29,7 @@ from upcycler.train.model.params import init_params
 
 BLOCK = 128
 FP32 = {"rtol": 2e-5, "atol": 2e-5}
+SPARSE = PrefillConfig(prefill_min_budget=BLOCK, prefill_gamma=0.3, prefill_tau=0.0, prefill_dense_above=1.0)
 SMOLLM2 = Path(__file__).parents[1] / "bench" / "configs" / "models" / "smollm2-135m"
 
 
@@ -127,10 +129,9 @@ def tiny_models():
     spec = tiny_spec(num_layers=3, layer_types=("sliding_attention", "full_attention", "full_attention"),
                      sliding_window=200, max_position_embeddings=4096)
     params = init_params(spec, jax.random.key(0))
-    cfg = ModelConfig(compute_dtype="float32", attention="flexprefill", prefill_min_budget=BLOCK,
-                      prefill_gamma=0.3, prefill_tau=0.0, prefill_dense_above=1.0)
-    return (PrefillModel(spec, params, cfg, device=False),
-            PrefillModel(spec, params, cfg, device=True, interpret=True))
+    cfg = ModelConfig(compute_dtype="float32", attention="flexprefill")
+    return (PrefillModel(spec, params, cfg, prefill=SPARSE, device=False),
+            PrefillModel(spec, params, cfg, prefill=SPARSE, device=True, interpret=True))
 
 
 def test_device_prefill_equals_the_host_prefill(tiny_models):
@@ -154,12 +155,11 @@ def test_device_prefill_equals_the_host_prefill_on_a_moe_with_a_dense_first_laye
     """Two runs of layers (one dense, then MoE) scanned one after the other, equal to the host's layers."""
     spec = tiny_spec(moe=True, max_position_embeddings=4096)
     params = init_params(spec, jax.random.key(1))
-    cfg = ModelConfig(compute_dtype="float32", attention="flexprefill", prefill_min_budget=BLOCK, prefill_gamma=0.3,
-                      prefill_tau=0.0, prefill_dense_above=1.0)
+    cfg = ModelConfig(compute_dtype="float32", attention="flexprefill")
     rng = np.random.default_rng(7)
     prompts, answers = rng.integers(0, spec.vocab_size, (2, 700)), rng.integers(0, spec.vocab_size, (2, 2))
-    got = PrefillModel(spec, params, cfg, device=True, interpret=True).run_batch(prompts, answers)
-    want = PrefillModel(spec, params, cfg, device=False).run_batch(prompts, answers)
+    got = PrefillModel(spec, params, cfg, prefill=SPARSE, device=True, interpret=True).run_batch(prompts, answers)
+    want = PrefillModel(spec, params, cfg, prefill=SPARSE, device=False).run_batch(prompts, answers)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g.last_logits, w.last_logits, **FP32)
         np.testing.assert_allclose(g.answer_logits, w.answer_logits, **FP32)
@@ -200,7 +200,7 @@ def test_device_prefill_refuses_blocks_off_the_kernel_grid():
     spec = tiny_spec()
     with pytest.raises(UpcyclerError, match="multiple of 128"):
         PrefillModel(spec, init_params(spec, jax.random.key(0)),
-                     ModelConfig(attention="flexprefill", prefill_block=64), device=True)
+                     ModelConfig(attention="flexprefill"), prefill=PrefillConfig(prefill_block=64), device=True)
 
 
 @pytest.mark.parametrize("chip,batch", [("v5e", 4), ("v6e", 1)])

@@ -88,7 +88,7 @@ BAD = {
         {"model.moe_dispatch": "all_gather", "model.moe_chunks": 3}, "model.moe_chunks 3"),
     "NaN chunk count": ({"model.moe_chunks": float("nan")}, "model.moe_chunks"),
     "sparse prefill attention for training": ({"model.attention": "flexprefill"}, "upcycle eval"),
-    "prefill coverage above one": ({"model.prefill_gamma": 1.5}, "model.prefill_gamma"),
+    "a prefill option in a training config": ({"model.prefill_gamma": 0.5}, "'prefill_gamma'"),
     "an HF export no saved step reaches": ({"checkpoint.hf_every": 5}, "checkpoint.hf_every 5 exports no step"),
 }
 

@@ -11,7 +11,7 @@ Schema (every section but `model` and `data` is optional; defaults shown):
       compute_dtype: float32           # float32 | bfloat16 (master weights are always float32)
       weights_dtype: float32           # dtype the forward reads the weights in (bfloat16: half the FSDP traffic)
       attention: einsum                # einsum | dot_product | chunked (query blocks of attention_chunk) | splash (TPU)
-                                       # (flexprefill: `upcycle eval` only; prefill_* options)
+                                       # (flexprefill: `upcycle eval` only; its options: evaluation/config)
       attention_chunk: 512
       moe_impl: dropless               # dropless | reference (one-hot)
       gmm_backend: auto                # auto | tiled | ragged_dot | megablox | mosaic_gpu (the dropless expert matmul)
@@ -83,7 +83,6 @@ from upcycler.untrusted import describe, escape, load_yaml, parse_yaml, shown_pa
 SCHEDULE_KINDS = ("warmup", "constant", "cosine", "linear")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("einsum", "dot_product", "chunked", "splash", "flexprefill")
-PREFILL_BUDGET_RULES = ("coverage", "reference")
 # `upcycler.train.model.remat`, most memory first
 REMAT_POLICIES = ("none", "dots", "all_but_ffn_hidden", "attention_and_ffn_input", "attention", "qkv",
                   "offload_attention", "offload_attention_and_ffn_input", "full")
@@ -120,23 +119,6 @@ class ModelConfig:
                                 "interpreted, for tests), or flexprefill (prefill only, "
                                 "`upcycle eval`: per prompt and head, the key blocks that hold γ of the attention).")
     attention_chunk: int = field(512, range=Range(1, 1 << 22), help="Queries per block of chunked attention.")
-    prefill_gamma: float = field(0.95, range=Range(0, 1, lo_open=True),
-                                 help="flexprefill: the attention mass the selected key blocks must cover.")
-    prefill_tau: float = field(0.1, range=Range(0, 1),
-                               help="flexprefill: heads whose pooled Q/K estimate is closer than this (√JSD) "
-                                    "to the probe choose blocks by pooled Q/K (query-aware); 0: never.")
-    prefill_block: int = field(128, range=Range(16, 4096), help="flexprefill: tokens per query and key block.")
-    prefill_min_budget: int = field(1024, range=Range(0, 1 << 24),
-                                    help="flexprefill: tokens of vertical and of slash blocks kept at least; "
-                                         "prompts up to max(2 blocks, this) run dense.")
-    prefill_max_budget: int = field(0, range=Range(0, 1 << 24),
-                                    help="flexprefill: tokens of vertical and of slash blocks kept at most (0: no limit).")
-    prefill_budget_rule: str = field("coverage", choices=PREFILL_BUDGET_RULES,
-                                     help="flexprefill: coverage (count blocks until their mass reaches γ) or "
-                                          "reference (the official code's tokens // 128 + 1 blocks).")
-    prefill_dense_above: float = field(0.5, range=Range(0, 1),
-                                       help="flexprefill: a layer whose selection keeps more than this fraction of "
-                                            "the causal blocks runs dense.")
     moe_impl: str = field("dropless", choices=MOE_IMPLS,
                           help="dropless (sort, then grouped matmul) or reference (one-hot, for tests).")
     gmm_backend: str = field("auto", choices=GMM_BACKENDS,

@@ -15,6 +15,7 @@ from upcycler import hardware
 from upcycler.spec import ModelSpec
 from upcycler.train.aot.topology import parse_slice, tpu_devices
 from upcycler.train.config import ModelConfig
+from upcycler.train.evaluation.config import PrefillConfig
 
 
 @dataclass(frozen=True)
@@ -34,15 +35,14 @@ class PrefillCompile:
 
 
 def compile_prefill(spec: ModelSpec, cfg: ModelConfig, *, chip: str = "v5e", batch: int = 1, length: int,
-                    answer: int = 0) -> PrefillCompile:
+                    answer: int = 0, prefill: PrefillConfig = PrefillConfig()) -> PrefillCompile:
     """Compile the prefill of `batch` prompts of `length` tokens (then `answer` teacher-forced tokens) for
-    one chip of generation `chip` (v5e, v6e, v5p, v4)."""
+    one chip of generation `chip` (v5e, v6e, v5p, v4), FlexPrefill selecting as `prefill` says."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from upcycler.train.evaluation.device_prefill import prefill
-    from upcycler.train.model.flexprefill import FlexPrefillOptions
+    from upcycler.train.evaluation.device_prefill import prefill as device_prefill
     from upcycler.train.model.params import init_params
 
     slice_ = parse_slice(f"{chip}-{8 if chip in ('v4', 'v5p') else 4}")  # the smallest libtpu describes
@@ -55,7 +55,7 @@ def compile_prefill(spec: ModelSpec, cfg: ModelConfig, *, chip: str = "v5e", bat
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_chip), params)
     ids = [jax.ShapeDtypeStruct((batch, n), jnp.int32, sharding=on_chip) for n in (length, answer)]
     with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
-        compiled = prefill.lower(params, *ids, spec=spec, cfg=cfg, opts=FlexPrefillOptions.of(cfg)).compile()
+        compiled = device_prefill.lower(params, *ids, spec=spec, cfg=cfg, opts=prefill.options()).compile()
     memory = compiled.memory_analysis()
     peak = memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes
     cost = compiled.cost_analysis() or {}

@@ -35,8 +35,9 @@ import numpy as np
 from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec
 from upcycler.train.config import ModelConfig
+from upcycler.train.evaluation.config import PrefillConfig
 from upcycler.train.model import layers as nn
-from upcycler.train.model.flexprefill import FlexPrefillOptions, causal_attention_jit, flexprefill_attention
+from upcycler.train.model.flexprefill import causal_attention_jit, flexprefill_attention
 from upcycler.train.model.flexprefill_splash import LANES
 from upcycler.train.model.params import Params, layer_kind, layers_of_kind
 from upcycler.train.model.transformer import layer_output, layer_qkv, layer_windows, unembed
@@ -62,23 +63,22 @@ class PrefillResult(NamedTuple):
 
 
 class PrefillModel:
-    """A checkpoint's weights held for prefills, with how to attend (`ModelConfig.attention` and `prefill_*`)."""
+    """A checkpoint's weights held for prefills, with how to attend (`ModelConfig.attention`, and
+    FlexPrefill's selection from `prefill`)."""
 
     def __init__(self, spec: ModelSpec, params: Params, cfg: ModelConfig = ModelConfig(), *,
-                 device: bool | None = None, interpret: bool = False):
+                 prefill: PrefillConfig = PrefillConfig(), device: bool | None = None, interpret: bool = False):
         """`device`: prefill through `device_prefill` (default: when JAX's backend is a TPU; `interpret` runs
         its kernel in the Pallas interpreter, for tests off TPU)."""
         self.spec, self.params, self.cfg = spec, params, cfg
-        self.options = FlexPrefillOptions.of(cfg)
+        self.options = prefill.options()
         self.device = jax.default_backend() == "tpu" if device is None else device
         self.interpret = interpret
         self.batch_size = DEVICE_BATCH if self.device else 1
-        if self.device and cfg.attention == "flexprefill" and cfg.prefill_block % LANES:
-            raise UpcyclerError(f"--prefill-block {cfg.prefill_block}: on a TPU FlexPrefill's blocks are the splash "
+        if self.device and cfg.attention == "flexprefill" and self.options.block % LANES:
+            raise UpcyclerError(f"--prefill-block {self.options.block}: on a TPU FlexPrefill's blocks are the splash "
                                 f"kernel's tiles and must be a multiple of {LANES}; pass --prefill-block 128")
-        # what the jitted halves of a layer are specialised on: not how the prompt attends
-        self._layer_cfg = replace(cfg, attention="einsum", **{k: v for k, v in vars(ModelConfig()).items()
-                                                              if k.startswith("prefill_")})
+        self._layer_cfg = replace(cfg, attention="einsum")  # the jitted halves of a layer: not how it attends
 
     @classmethod
     def load(cls, path: str | Path, cfg: ModelConfig = ModelConfig(), **kwargs) -> PrefillModel:

@@ -59,7 +59,8 @@ _SCORES_BYTES = 64 << 20  # scores of the sparse kernel alive at a time
 @dataclass(frozen=True)
 class FlexPrefillOptions:
     """What FlexPrefill selects: coverage γ, pattern threshold τ, block size, budgets in tokens (0: none),
-    the budget rule, and the block density above which a layer runs dense instead."""
+    the budget rule, and the block density above which a layer runs dense instead (`upcycle eval`'s flags:
+    `evaluation.config.PrefillConfig.options`)."""
 
     gamma: float = 0.95
     tau: float = 0.1
@@ -68,13 +69,6 @@ class FlexPrefillOptions:
     max_budget: int = 0
     budget_rule: str = "coverage"
     dense_above: float = 0.5
-
-    @classmethod
-    def of(cls, cfg) -> FlexPrefillOptions:
-        """The options a `ModelConfig` carries (its `prefill_*` fields)."""
-        return cls(gamma=cfg.prefill_gamma, tau=cfg.prefill_tau, block=cfg.prefill_block,
-                   min_budget=cfg.prefill_min_budget, max_budget=cfg.prefill_max_budget,
-                   budget_rule=cfg.prefill_budget_rule, dense_above=cfg.prefill_dense_above)
 
     def blocks(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.block)

@@ -32,14 +32,15 @@ from upcycler.cli.transforms import click_option
 from upcycler.errors import UpcyclerError
 from upcycler.schema import from_mapping, options
 from upcycler.train.config import ModelConfig
+from upcycler.train.evaluation.config import PrefillConfig
 from upcycler.train.evaluation.long_eval import MAX_PROMPTS, TASKS, show_length
 from upcycler.untrusted import escape, integer, shown_path
 
-_PREFILL = tuple(o for o in options(ModelConfig) if o.name.startswith("prefill_"))
+_PREFILL = options(PrefillConfig)
 
 
 def _prefill_options(fn):
-    """The FlexPrefill options of `ModelConfig` as --prefill-* flags."""
+    """FlexPrefill's options (`PrefillConfig`) as --prefill-* flags."""
     for opt in reversed(_PREFILL):
         fn = click_option(opt)(fn)
     return fn
@@ -119,11 +120,11 @@ def command(model: Path, file: Path | None, task: str, other: Path | None, lengt
         if name in given:
             flag = "--" + name.replace("_", "-")
             raise UpcyclerError(f"{flag}: only --task lm-eval:TASKS reads it; drop it for --task {task}")
-    cfg = _model_config(attention, prefill)
+    cfg, flex = _model_config(attention), _prefill_config(prefill)
     if vs_attention is not None and other is None:
         other = model
-    vs_cfg = cfg if vs_attention is None else _model_config(vs_attention, prefill)
-    _check_prefill(attention, vs_attention, cfg, given)
+    vs_cfg = cfg if vs_attention is None else _model_config(vs_attention)
+    _check_prefill(attention, vs_attention, flex, given)
     if task == "prompts":
         for name, flag in (("per_length", "--prompts-per-length"), ("seed", "--seed")):
             if name in given:
@@ -164,14 +165,14 @@ def command(model: Path, file: Path | None, task: str, other: Path | None, lengt
         _check_kept(len(items), models)
     _warn_beyond_positions(items, models)
 
-    outs = _run(le, model, cfg, task, items, keep=other is not None)
-    vs_outs = _run(le, other, vs_cfg, task, items, keep=True) if other is not None else None
+    outs = _run(le, model, cfg, flex, task, items, keep=other is not None)
+    vs_outs = _run(le, other, vs_cfg, flex, task, items, keep=True) if other is not None else None
     header = {"model_path": str(model), "vs_path": None if other is None else str(other),
               "attention": attention, "vs_attention": None if other is None else vs_attention or attention,
               "seed": seed,
               "prompts_per_length": None if task == "prompts" else per_length}
     if attention == "flexprefill":
-        header["prefill"] = {o.name: getattr(cfg, o.name) for o in _PREFILL}
+        header["prefill"] = {o.name: getattr(flex, o.name) for o in _PREFILL}
     result = report.summarize(task, items, outs, vs_outs, flex=attention == "flexprefill", header=header,
                           decode=lambda t: tokenizer.decode([t]))
     written = None if plot is None else report.plot(result, plot, inputs)  # before stdout: a failed plot prints nothing
@@ -265,11 +266,15 @@ def _check_samples_path(path: Path, model: Path) -> None:
         raise UpcyclerError(f"{shown_path(path)}: --samples would write inside MODEL; choose a path outside it")
 
 
-def _model_config(attention: str, prefill: dict[str, Any]) -> ModelConfig:
-    """The run config: fp32, the attention asked for, and the --prefill-* options (checked by the schema)."""
-    values = {"compute_dtype": "float32", "attention": "einsum" if attention == "dense" else "flexprefill",
-              **{o.flag[2:]: prefill[o.name] for o in _PREFILL}}
-    return from_mapping(ModelConfig, values, "upcycle eval", flags=True, fix="see `upcycle eval --help`")
+def _model_config(attention: str) -> ModelConfig:
+    """How the model runs: fp32, with the attention asked for."""
+    return ModelConfig(compute_dtype="float32", attention="einsum" if attention == "dense" else "flexprefill")
+
+
+def _prefill_config(prefill: dict[str, Any]) -> PrefillConfig:
+    """FlexPrefill's selection from the --prefill-* options (checked by the schema)."""
+    values = {o.flag[2:]: prefill[o.name] for o in _PREFILL}
+    return from_mapping(PrefillConfig, values, "upcycle eval", flags=True, fix="see `upcycle eval --help`")
 
 
 def _given(ctx: click.Context) -> set[str]:
@@ -294,7 +299,7 @@ def _check_paths(paths: dict[str, Path | None]) -> None:
                                     "a shorter or accessible path") from None
 
 
-def _check_prefill(attention: str, vs_attention: str | None, cfg: ModelConfig, given: set[str]) -> None:
+def _check_prefill(attention: str, vs_attention: str | None, cfg: PrefillConfig, given: set[str]) -> None:
     """Refuse --prefill-* options that nothing uses (dense attention on both sides) or that contradict."""
     if "flexprefill" not in (attention, vs_attention):
         for opt in _PREFILL:
@@ -395,14 +400,14 @@ def _warn_beyond_positions(items: list, models: list[tuple[Path, Any]]) -> None:
                        "there measure extrapolation", err=True)
 
 
-def _run(le: Any, path: Path, cfg: ModelConfig, task: str, items: list, *,
+def _run(le: Any, path: Path, cfg: ModelConfig, prefill: PrefillConfig, task: str, items: list, *,
          keep: bool) -> list[dict[str, Any]]:
     """Load one model and run every item through it, with a progress bar on a terminal."""
     from tqdm import tqdm
 
     from upcycler.train.evaluation.prefill import PrefillModel
 
-    model = PrefillModel.load(path, cfg)
+    model = PrefillModel.load(path, cfg, prefill=prefill)
     with tqdm(total=len(items), desc=Path(path).name or str(path), unit="prompt", file=sys.stderr,
               disable=not sys.stderr.isatty(), leave=False) as bar:
         return le.evaluate(model, task, items, name=shown_path(path), keep_distribution=keep,
