@@ -345,8 +345,8 @@ def bucket_filesystem_class() -> type:
             from gcsfs.retry import validate_response
 
             await self._set_session()
-            async with self.session.get(url, headers=self._get_headers(dict(headers)), auto_decompress=False,
-                                        timeout=self.requests_timeout) as answer:
+            async with self.session.get(url, params=self._get_params({}), headers=self._get_headers(dict(headers)),
+                                        auto_decompress=False, timeout=self.requests_timeout) as answer:
                 body = await answer.read()
                 validate_response(answer.status, body, url)
                 return answer.headers, body

@@ -193,8 +193,9 @@ async def _stream_into(fs: Any, key: str, generation: str, local: Path) -> str:
     from gcsfs.retry import validate_response
 
     await fs._set_session()
-    async with fs.session.get(fs.url(key, generation=generation or None), headers=fs._get_headers(None),
-                              timeout=fs.requests_timeout, auto_decompress=False) as answer:
+    async with fs.session.get(fs.url(key, generation=generation or None), params=fs._get_params({}),
+                              headers=fs._get_headers(None), timeout=fs.requests_timeout,
+                              auto_decompress=False) as answer:
         if answer.status >= 400:
             validate_response(answer.status, await answer.read(), key)
         gzipped = answer.headers.get("content-encoding", "") == "gzip"
