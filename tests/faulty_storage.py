@@ -8,6 +8,8 @@ passes every request through and damages the answers a test chooses, determinist
   `alt=media`; only those starting at `from_byte` or later) arrive with one bit flipped, at a position drawn
   from a seeded generator (the same run flips the same bits); `times=None` corrupts every download. Metadata (sizes, generations, checksums) is passed as it is,
   as when bytes are damaged on the way;
+- `flip_upload_bit(object, times)`: the next `times` single-request uploads of `bucket/key` (a multipart
+  upload: metadata, then the bytes) reach the emulator with one bit of their bytes flipped;
 - `refuse_writes(prefix, status)`: every request that would change an object whose name (`bucket/key`)
   starts with `prefix` (an upload, a compose or copy into it, a deletion) is answered `status` (503, a
   "transient" error every client retries, by default) with Cloud Storage's JSON error body, for good;
@@ -59,6 +61,15 @@ class BitFlip:
 
 
 @dataclass
+class UploadFlip:
+    """Flip one bit of the bytes of the next `times` multipart uploads of `name` (`bucket/key`)."""
+
+    name: str
+    times: int
+    damaged: int = 0
+
+
+@dataclass
 class RefusedWrites:
     """Answer `status` to every change of an object whose `bucket/key` starts with `prefix`."""
 
@@ -86,7 +97,7 @@ class FaultyStorage:
 
     def __init__(self, upstream: str, seed: int = 0):
         self.upstream = upstream.rstrip("/")
-        self.faults: list[BitFlip | RefusedWrites | Transient] = []
+        self.faults: list[BitFlip | UploadFlip | RefusedWrites | Transient] = []
         self._random = random.Random(seed)
         self._finished_uploads: dict[str, tuple[int, list, bytes]] = {}  # upload_id -> its final answer
         self._persisted: dict[str, int] = {}  # upload_id -> bytes the emulator holds of it
@@ -101,6 +112,12 @@ class FaultyStorage:
         """Damage the next `times` downloads of the object `name` (`bucket/key`) that start at `from_byte` or
         later (a ranged read's first byte); see the module docstring."""
         fault = BitFlip(name, times, from_byte)
+        self.faults.append(fault)
+        return fault
+
+    def flip_upload_bit(self, name: str, times: int = 1) -> UploadFlip:
+        """Damage the bytes of the next `times` multipart uploads of `name`; see the module docstring."""
+        fault = UploadFlip(name, times)
         self.faults.append(fault)
         return fault
 
@@ -173,7 +190,8 @@ class FaultyStorage:
             return 308, [("Range", f"bytes=0-{self._persisted[upload] - 1}")], b""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
         async with self._session.request(request.method, self.upstream + request.raw_path, headers=headers,
-                                         data=await request.read(), allow_redirects=False) as answer:
+                                         data=self._sent(request, await request.read()),
+                                         allow_redirects=False) as answer:
             body = await answer.read()
             status = answer.status
             answer_headers = [(k, v.replace(self.upstream, self.url) if k.lower() == "location" else v)
@@ -183,6 +201,24 @@ class FaultyStorage:
         if upload and status == 308 and chunk_end is not None:
             self._persisted[upload] = chunk_end + 1
         return status, answer_headers, body
+
+    def _sent(self, request: web.Request, body: bytes) -> bytes:
+        """The body passed on: a multipart upload's bytes with one bit flipped when a fault wants them."""
+        if request.method != "POST" or request.query.get("uploadType") != "multipart":
+            return body
+        found = _METADATA_NAME.search(body[:65536].decode("latin-1"))
+        name = f"{_object_name(request.raw_path)}{found[1] if found else ''}"
+        fault = next((f for f in self.faults if isinstance(f, UploadFlip) and f.name == name
+                      and f.damaged < f.times), None)
+        start = body.find(b"\n\n", body.find(b"Content-Type", body.find(b"}"))) + 2  # the bytes' part
+        stop = body.rfind(b"\n--")
+        if fault is None or not 0 < start < stop:
+            return body
+        fault.damaged += 1
+        bit = self._random.randrange(start * 8, stop * 8)
+        damaged = bytearray(body)
+        damaged[bit // 8] ^= 1 << (bit % 8)
+        return bytes(damaged)
 
     def _transient_kind(self) -> str | None:
         """The transient fault this request meets, if any (one draw per transient fault, in order)."""

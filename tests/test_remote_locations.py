@@ -520,3 +520,22 @@ def test_an_object_stored_gzip_compressed_is_read_and_checked_by_gzip(faulty, tm
         read = faulty.flip_bit(url.split("://")[1], times=1)
         assert store.read_bytes(url) == data
     assert (tmp_path / "through-faults.json").read_bytes() == data and mirrored.damaged == read.damaged == 1
+
+
+def test_an_upload_damaged_on_the_way_is_sent_again_or_refused(faulty, tmp_path):
+    """The bucket's CRC32C of an uploaded file or written object is compared with the bytes sent: one
+    damaged upload is sent again (the bucket then holds the file), one that is damaged every time is
+    refused in one line naming the object."""
+    url = gcs_emulator.unique_prefix("upload-check")
+    local = tmp_path / "weights.bin"
+    local.write_bytes(bytes(range(256)) * 64)
+    with faulty_endpoint(faulty):
+        once = faulty.flip_upload_bit(f"{url}/weights.bin".split("://")[1], times=1)
+        store.upload_all([(local, f"{url}/weights.bin")])
+        written = faulty.flip_upload_bit(f"{url}/marker".split("://")[1], times=1)
+        store.write_bytes(f"{url}/marker", b"a marker")
+        always = faulty.flip_upload_bit(f"{url}/again.bin".split("://")[1], times=2)
+        with pytest.raises(UpcyclerError, match=r"again\.bin': written 2 times, the bucket never held the bytes"):
+            store.upload_all([(local, f"{url}/again.bin")])
+    assert once.damaged == written.damaged == 1 and always.damaged == 2
+    assert bucket_files(url)["weights.bin"] == local.read_bytes() and bucket_files(url)["marker"] == b"a marker"

@@ -3,7 +3,8 @@ the client settings of `upcycler.bucket_client` (chosen so that no command hangs
 
 Every failure becomes an `UpcyclerError` naming the URL. What this module preserves: bytes are moved
 as they are, streamed between a local file and an object (never whole in memory); a download is kept only
-once its bytes match the CRC32C the bucket holds for the object (`download_checked`).
+once its bytes match the CRC32C the bucket holds for the object (`download_checked`), and an upload is
+done once the bucket holds the bytes sent (`upload_all`, `write_bytes`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ SCHEMES = ("gs",)
 """The bucket schemes the tool reads and writes."""
 UPLOADS_AT_ONCE = 8  # files moved concurrently by `upload_all` and `download_checked` (each a stream of its own)
 DOWNLOAD_TRIES = 2  # a download whose bytes differ from the object's CRC32C is fetched once more, then refused
+UPLOAD_TRIES = 2  # an upload the bucket holds otherwise than sent is sent once more, then refused
 _PIECE = 1024 * 1024  # how much of a download is written and hashed at a time
 
 
@@ -276,18 +278,61 @@ def download_checked(downloads: list[tuple[str, StoredObject, Path]]) -> None:
 
 def upload_all(pairs: list[tuple[Path, str]]) -> None:
     """Stream each local file into its object (replaced), several at a time: a sharded checkpoint's files
-    go up side by side, not one after another. Returns once every upload has finished."""
+    go up side by side, not one after another. Returns once every upload has finished and the bucket holds
+    each file's bytes (`_uploaded_as_sent`: one listing per directory against the files' CRC32C); a file the
+    bucket holds otherwise is sent once more, then refused in one line naming its object."""
     if not pairs:
         return
-    with _errors(pairs[0][1], "uploading"):
-        filesystem().put([str(local) for local, _ in pairs], [_key(url) for _, url in pairs],
-                         batch_size=UPLOADS_AT_ONCE)
+    for _ in range(UPLOAD_TRIES):
+        with _errors(pairs[0][1], "uploading"):
+            filesystem().put([str(local) for local, _ in pairs], [_key(url) for _, url in pairs],
+                             batch_size=UPLOADS_AT_ONCE)
+        pairs = _not_as_sent(pairs)
+        if not pairs:
+            return
+    _refuse_stored(pairs[0][1])
 
 
 def write_bytes(url: str, data: bytes) -> None:
-    """Write the object `url` with `data` (small objects: markers, metrics)."""
-    with _errors(url, "writing"):
-        filesystem().pipe_file(_key(url), data)
+    """Write the object `url` with `data` (small objects: markers, metrics), checked as `upload_all` checks
+    its files."""
+    import google_crc32c
+
+    for _ in range(UPLOAD_TRIES):
+        with _errors(url, "writing"):
+            filesystem().pipe_file(_key(url), data)
+        stored = object_info(url)
+        if stored is not None and stored.crc32c == crc32c_text(google_crc32c.Checksum(data)):
+            return
+    _refuse_stored(url)
+
+
+def _not_as_sent(pairs: list[tuple[Path, str]]) -> list[tuple[Path, str]]:
+    """The (file, object) pairs whose object does not hold the file's bytes (by CRC32C), listed once per
+    directory."""
+    import google_crc32c
+
+    stored: dict[str, StoredObject] = {}
+    for directory in sorted({url.rsplit("/", 1)[0] for _, url in pairs}):
+        if bucket_and_key(directory)[1]:
+            stored |= {join(directory, name): obj for name, obj in list_objects(directory).items()}
+        else:  # at the top of a bucket: not a listing of the whole bucket
+            stored |= {url: obj for _, url in pairs if url.rsplit("/", 1)[0] == directory
+                       and (obj := object_info(url)) is not None}
+    wrong = []
+    for local, url in pairs:
+        checksum = google_crc32c.Checksum()
+        with open(local, "rb") as f:
+            while piece := f.read(_PIECE * 8):
+                checksum.update(piece)
+        if url not in stored or stored[url].crc32c != crc32c_text(checksum):
+            wrong.append((local, url))
+    return wrong
+
+
+def _refuse_stored(url: str) -> None:
+    raise UpcyclerError(f"{describe(url, 200)}: written {UPLOAD_TRIES} times, the bucket never held the bytes sent "
+                        "(its CRC32C differs): corrupted on the way; check the network or proxy, then rerun")
 
 
 def read_bytes(url: str) -> bytes:
