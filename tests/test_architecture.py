@@ -345,3 +345,67 @@ def test_the_lookup_check_sees_every_form():
         "5: defines providing", "6: calls service(…)", "7: calls service(…)"]
     assert ambient_lookups(source, in_transforms=False) == [
         "2: imports service", "5: defines providing", "6: calls service(…)", "7: calls service(…)"]
+
+
+TRAINER = ROOT / "train" / "loop" / "trainer.py"
+LOOP_LINES = 250  # the loop is the step, the clock and the actions; techniques live beside it
+LONGEST_FUNCTION = 100
+
+
+def test_the_training_loop_stays_small():
+    lines = len(TRAINER.read_text(encoding="utf-8").splitlines())
+    assert lines < LOOP_LINES, f"{TRAINER.relative_to(ROOT)} has {lines} lines: move what is not the loop out"
+
+
+def test_no_function_is_longer_than_a_screenful():
+    long = sorted(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1})"
+                  for path in modules().values()
+                  for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.end_lineno - node.lineno + 1 > LONGEST_FUNCTION)
+    assert long == []
+
+
+def technique_classes() -> dict[str, type]:
+    """Every class a module of train/techniques/ defines, by `module.Class`."""
+    import importlib
+    import inspect
+
+    found = {}
+    for name in sorted(m for m in modules() if m.startswith("upcycler.train.techniques.")):
+        module = importlib.import_module(name)
+        for cls_name, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == name:
+                found[f"{name.rpartition('.')[2]}.{cls_name}"] = cls
+    return found
+
+
+# what train/techniques/ defines that is no technique: the protocol's own types, and the window of counts
+# the expert technique keeps
+NOT_TECHNIQUES = {"protocol.Technique", "protocol.StepContext", "protocol.Action", "protocol.Rewind",
+                  "protocol.Checkpoints", "expert_window.ExpertWindow"}
+
+
+def test_every_technique_implements_the_protocol():
+    """A class of train/techniques/ is a `Technique` (or one of the protocol's own types): its hooks keep the
+    protocol's signatures, and the checkpoint meta's keys it declares are its own, none of the loop's."""
+    import inspect
+
+    from upcycler.train.loop.heldout_eval import HeldoutEvaluation
+    from upcycler.train.loop.profiling import ProfileWindow
+    from upcycler.train.techniques.protocol import Technique
+
+    classes = technique_classes()
+    assert set(NOT_TECHNIQUES) <= set(classes)
+    techniques = {k: c for k, c in classes.items() if k not in NOT_TECHNIQUES}
+    assert sorted(k for k, c in techniques.items() if not issubclass(c, Technique)) == []
+    assert len(techniques) >= 5  # spike guard, finiteness, expert window, checkpoint schedule, preemption
+    techniques.update({"heldout_eval.HeldoutEvaluation": HeldoutEvaluation, "profiling.ProfileWindow": ProfileWindow})
+    hooks = [n for n, f in vars(Technique).items() if inspect.isfunction(f)]
+    wrong = [f"{k}.{hook}" for k, cls in techniques.items() for hook in hooks
+             if list(inspect.signature(getattr(cls, hook)).parameters)
+             != list(inspect.signature(getattr(Technique, hook)).parameters)]
+    assert wrong == []
+    keys = [key for cls in techniques.values() for key in cls.meta_keys]
+    assert len(keys) == len(set(keys))
+    assert not set(keys) & {"step", "tokens_seen", "lr", "spec", "lineage"}

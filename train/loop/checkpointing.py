@@ -7,8 +7,10 @@ Layout of `RUN_DIR/<step>/`:
     ema/             with `optimizer.ema`: the weights' moving average, in the same layout as params/
     opt_state/       the optax state (Adam moments laid out like the training parameters)
     data/            the data iterator's state (JSON; the same on every process)
-    meta/            step, tokens_seen, lr (of the last step trained), ModelSpec, lineage, and the
-                     loss-spike guard's record of rewinds (JSON)
+    meta/            step, tokens_seen, lr (of the last step trained), ModelSpec, lineage, and each
+                     technique's entries (`techniques_meta`: the loss-spike guard's window and record of
+                     rewinds, the open expert window), at the top level under the keys the technique
+                     declares (JSON)
     upcycler.json    the model manifest (spec + lineage, as `upcycler.io.orbax_write` writes it), added once
                      the step is committed, with the side files beside it (tokenizer, chat template,
                      generation config: `upcycler.io.SIDE_FILES`, from the tokenizer's directory, else the
@@ -44,13 +46,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from upcycler.bucket_client import configure_tensorstore, refusals
 from upcycler.errors import UpcyclerError
-from upcycler.io.manifest import MANIFEST, write_manifest
+from upcycler.io.manifest import MANIFEST, PretrainStep, pretrain_step, write_manifest
 from upcycler.io.orbax_layout import COMMIT_FILE, PARAMS, STEP_HF, STEP_SIDE_FILES
 from upcycler.io.orbax_write import quiet_failed_writes
 from upcycler.locations import is_remote
 from upcycler.spec import ModelSpec
+from upcycler.train.config import TrainConfig
 from upcycler.train.loop.preflight import committed_steps
 from upcycler.train.model.params import ParamInfo, Params, declare_tree
+from upcycler.train.techniques.protocol import Technique
 
 ITEMS = ("params", "ema", "opt_state", "data", "meta")
 HF_DIR, SIDE_FILES = STEP_HF, STEP_SIDE_FILES  # the step layout's (`upcycler.io.orbax_layout`)
@@ -289,6 +293,39 @@ class RunCheckpoints:
         # no `files` or `tensors` digests: hashing every parameter byte at every checkpoint would cost more
         # than the save, and `read_checkpoint` does not need them
         write_manifest(step_dir, ModelSpec.from_json(json.dumps(meta["spec"])), meta["lineage"])
+
+
+def techniques_meta(techniques: Sequence[Technique]) -> dict[str, Any]:
+    """The techniques' entries of a checkpoint's meta, in the order of the list (each under its own keys)."""
+    meta: dict[str, Any] = {}
+    for technique in techniques:
+        meta.update(technique.state())
+    return meta
+
+
+def restore_techniques(techniques: Sequence[Technique], meta: Mapping[str, Any], where: Path) -> None:
+    """Give each technique back its entries of a checkpoint's meta (`where`: the checkpoint, for errors)."""
+    for technique in techniques:
+        technique.restore({k: meta[k] for k in technique.meta_keys if k in meta}, str(where))
+
+
+def lineage_step(config: TrainConfig, step: int, rewinds: Sequence[Mapping[str, Any]]) -> PretrainStep:
+    """This run's lineage step as of step `step`: its data, optimiser, and the rewinds so far."""
+    o = config.optimizer
+    optimizer: dict[str, Any] = {"lr": o.lr, "schedule": [vars(p) for p in o.schedule]}
+    if o.trainable != "all":
+        optimizer["trainable"] = o.trainable
+    if o.ema:
+        optimizer["ema"] = o.ema
+    details: dict[str, Any] = {"rewinds": list(rewinds)} if rewinds else {}
+    if config.model.init_from_merge:
+        details["init_from_merge"] = config.model.init_from_merge
+    return pretrain_step(
+        step, step * config.data.global_batch_size * config.data.seq_len,
+        data={"sources": list(config.data.source_names),
+              "phases": [{"until_step": p.until_step, "weights": dict(p.weights)} for p in config.data.phases]},
+        optimizer=optimizer, **details,
+    )
 
 
 def _storage_failures() -> tuple[type[BaseException], ...]:

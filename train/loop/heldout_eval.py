@@ -15,7 +15,9 @@ parameters bit-identical. It runs after every `eval.every`-th step and after the
 that step's record as `eval/loss/<source>` (the token-weighted mean cross-entropy over all its batches)
 and `eval/ppl/<source>` (its exponential). A run that starts from its init also evaluates the starting
 parameters, before its first step: the baseline of every curve, on step 0's record as
-`eval_start/loss/<source>` and `eval_start/ppl/<source>` (`baseline`).
+`eval_start/loss/<source>` and `eval_start/ppl/<source>` (`baseline`). `HeldoutEvaluation` rides on the
+loop as a technique (`upcycler.train.techniques.protocol`); its time is the clock's `eval` (its compile:
+`program_startup`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from upcycler.train.data.format import HELDOUT_SUFFIX, heldout_name
 from upcycler.train.data.sources import Windows, open_source, prepared_names
 from upcycler.train.loop import sharding
 from upcycler.train.loop.train_step import batch_shardings, global_batch, loss_fn
+from upcycler.train.techniques.protocol import StepContext, Technique
 from upcycler.untrusted import shown_path
 
 
@@ -93,6 +96,29 @@ class HeldoutEval:
     def baseline(self, params: Any, mesh: Mesh) -> dict[str, float]:
         """`run` on the starting parameters, named `eval_start/…` (before any step changed them)."""
         return {key.replace("eval/", "eval_start/", 1): value for key, value in self.run(params, mesh).items()}
+
+
+class HeldoutEvaluation(Technique):
+    """`HeldoutEval` on the loop: compiled with the step, the starting point measured before step 0, and
+    the evaluation's figures on the record of every step it is due after (never a discarded one's)."""
+
+    def __init__(self, heldout: HeldoutEval, mesh: Mesh, param_shardings: Any):
+        self.heldout, self.mesh, self.param_shardings = heldout, mesh, param_shardings
+        self._baseline: dict[str, float] = {}
+
+    def start(self, ctx: StepContext) -> None:
+        with ctx.clock.timed("program_startup"):
+            self.heldout.compile(ctx.params, self.mesh, self.param_shardings)
+        if ctx.step == 0:  # the starting point of every eval curve
+            with ctx.clock.timed("eval"):
+                self._baseline = self.heldout.baseline(ctx.params, self.mesh)
+
+    def before_write(self, ctx: StepContext) -> None:
+        if ctx.step == 0:
+            ctx.record.update(self._baseline)
+        if ctx.discarded is None and self.heldout.due(ctx.step):
+            with ctx.clock.timed("eval"):
+                ctx.record.update(self.heldout.run(ctx.params, self.mesh))
 
 
 def default_sources(directory: Any, training: tuple[str, ...]) -> list[str]:

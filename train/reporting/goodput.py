@@ -95,6 +95,12 @@ class RunClock:
         return clock
 
 
+def stamp(record: dict[str, Any], clock: RunClock) -> None:
+    """Add the run's clock so far and its goodput to `record`, just before it is written."""
+    record["clock"] = clock.snapshot()
+    record["goodput"] = goodput(record["clock"])
+
+
 def goodput(clock: Mapping[str, float]) -> float:
     """Productive share of the run's wall time so far."""
     return clock["productive"] / clock["total"] if clock["total"] > 0 else 0.0

@@ -32,6 +32,7 @@ from upcycler.errors import UpcyclerError
 from upcycler.locations import is_remote
 from upcycler.train.config import MetricsConfig
 from upcycler.train.reporting.goodput import badput
+from upcycler.train.reporting.metrics_log import MetricsLog
 
 NUMBER_FIELDS = ("loss", "lb_loss", "z_loss", "total_loss", "grad_norm", "lr", "tokens", "step_time",
                  "tokens_per_s", "mfu", "data_wait", "goodput")
@@ -142,6 +143,30 @@ def open_writers(options: MetricsConfig, run_dir: Path, *, start_step: int, moe_
     if "wandb" in options.writers:
         writers.append(WandbWriter(run_dir, options.wandb, config, moe_layers))
     return writers
+
+
+class RecordSinks:
+    """Where each record goes: metrics.jsonl (`MetricsLog`, the source of truth) and the other
+    `metrics.writers` (opened once the loop starts; primary process only)."""
+
+    def __init__(self, log: MetricsLog):
+        self.log = log
+        self.writers: list[Writer] = []
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.log.write(record)
+        for writer in self.writers:
+            writer.write(record)
+
+    def saved(self) -> None:
+        self.log.saved()
+        for writer in self.writers:
+            writer.saved()
+
+    def close(self) -> None:
+        self.log.close()
+        for writer in self.writers:
+            writer.close()
 
 
 def run_id(run_dir: Path) -> str:

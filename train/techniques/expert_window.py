@@ -11,6 +11,11 @@ have uninterrupted. The fields' format is `upcycler.train.reporting.metrics`.
 What this module preserves: nothing is sampled (every step's counts are in its window); a window crosses a
 checkpoint exactly (integer counts and float sums, exact in JSON); each layer's (and each source's) row
 of shares sums to 1 before it is rounded to 6 decimals.
+
+`ExpertWatch` is the technique on the loop (`upcycler.train.techniques.protocol`): it feeds the window,
+puts it on the record of the step where it ends (and its health summary on the progress line), and with
+`metrics.stop_on_collapse` stops the run once that record is written if a layer has collapsed
+(`expert_health.collapsed_layers`), naming the layer and the last checkpoint.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec
-from upcycler.train.techniques.expert_health import layer_health
+from upcycler.train.config import MetricsConfig
+from upcycler.train.techniques.expert_health import collapsed_layers, layer_health, moe_layer_numbers, summary
+from upcycler.train.techniques.protocol import StepContext, Technique
 
 
 def load_shares(counts_ME: Any) -> list[list[float]]:
@@ -114,3 +121,51 @@ class ExpertWindow:
             raise UpcyclerError(f"{where}: meta expert_window is not an open window of this model's expert "
                                 "counts; the checkpoint is damaged; resume from an earlier step")
         self._steps, self._counts, self._entropy, self._by_source, self._bias = steps, counts, entropy, by_source, bias
+
+
+class ExpertWatch(Technique):
+    """The expert window of a run and its health (see the module docstring); the open window is its entry
+    of a checkpoint's meta (`expert_window`)."""
+
+    meta_keys = ("expert_window",)
+
+    def __init__(self, spec: ModelSpec, metrics: MetricsConfig, steps: int, sources: Sequence[str] = ()):
+        self.window = ExpertWindow(spec, metrics.dead_below, sources)
+        self.spec, self.layers = spec, moe_layer_numbers(spec)
+        self.every, self.steps, self.stop_on_collapse = metrics.expert_load_every, steps, metrics.stop_on_collapse
+        self._health: dict[str, Any] | None = None
+
+    def after_step(self, ctx: StepContext) -> None:
+        """Add the step to the window; where a window ends (windows start at multiples of `every`), its
+        fields go on the record and its health on the progress line."""
+        self.window.add(ctx.raw)
+        ends = (ctx.step + 1) % self.every == 0 or ctx.step + 1 == self.steps
+        window = self.window.take() if ends else None
+        if window:
+            ctx.record.update(window)
+        self._health = (window or {}).get("expert_health")
+        if self._health:
+            ctx.progress = summary(self._health, self.layers)
+
+    def after_write(self, ctx: StepContext) -> None:
+        """`metrics.stop_on_collapse`: stop when a layer has lost at least half its experts in this window."""
+        health, self._health = self._health, None
+        if not (health and self.stop_on_collapse and ctx.discarded is None):
+            return
+        num_experts = self.spec.moe.num_experts  # type: ignore[union-attr]
+        collapsed = collapsed_layers(health, num_experts)
+        if not collapsed:
+            return
+        m, last = collapsed[0], ctx.last_checkpoint
+        where = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+        raise UpcyclerError(
+            f"expert collapse at step {ctx.step}: MoE layer {self.layers[m]} has {health['dead'][m]} of "
+            f"{num_experts} experts dead (load_cv {health['load_cv'][m]:.2f}); stopped; {where}; "
+            "raise loss.lb_coef or loss.bias_update_rate, or lower optimizer.lr, then resume"
+        )
+
+    def state(self) -> dict[str, Any]:
+        return {"expert_window": self.window.state()}
+
+    def restore(self, state: Mapping[str, Any], where: str) -> None:
+        self.window.restore(state.get("expert_window", {}), where)

@@ -22,23 +22,33 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
+from upcycler.errors import UpcyclerError
 from upcycler.train.config import SpikeConfig
+from upcycler.train.techniques.protocol import Action, Rewind, StepContext, Technique
 
 
-class SpikeGuard:
-    """The window of recent good losses, and the verdict on each new one."""
+class SpikeGuard(Technique):
+    """The window of recent good losses, the verdict on each new one, and the rewinds so far (a technique:
+    `upcycler.train.techniques.protocol`). Without a config (`loss.spike` absent) it judges nothing, and
+    still carries the rewinds a checkpoint recorded."""
 
-    def __init__(self, config: SpikeConfig, recent: Sequence[float] = ()):
+    meta_keys = ("rewinds", "spike_window")
+
+    def __init__(self, config: SpikeConfig | None, recent: Sequence[float] = ()):
         """`recent`: the window a checkpoint saved (`meta/spike_window`), oldest first."""
         self.config = config
-        self.recent: deque[float] = deque((float(x) for x in recent), maxlen=config.window)
+        self.recent: deque[float] = deque((float(x) for x in recent), maxlen=config.window if config else 0)
+        self.rewinds: list[dict[str, Any]] = []
+        self._spike: tuple[str, list[int], list[int]] | None = None  # what, good and chosen checkpoints
 
     def median(self) -> float | None:
         """The median of the window, or None while it holds fewer than `window` losses."""
+        assert self.config is not None
         if len(self.recent) < self.config.window:
             return None
         return float(np.median(np.asarray(self.recent, np.float64)))
@@ -52,8 +62,60 @@ class SpikeGuard:
         return False
 
     def describe(self, step: int, loss: float) -> str:
+        assert self.config is not None
         median = self.median()
         if median is None or not math.isfinite(loss):
             return f"loss {loss} at step {step}"
         return (f"loss {loss:.4g} at step {step} is {loss / median:.1f}× the median {median:.4g} of the last "
                 f"{self.config.window} steps (loss.spike.factor {self.config.factor:g})")
+
+    def after_step(self, ctx: StepContext) -> None:
+        """Judge the step's loss; a spike discards the step, its record naming the checkpoints a rewind
+        would average (the good ones: before the spiking step)."""
+        self._spike = None
+        if self.config is None or not self.is_spike(float(ctx.raw["loss"])):
+            return
+        assert ctx.checkpoints is not None
+        loss = ctx.record["loss"]
+        what = self.describe(ctx.step, float(loss) if loss is not None else float("nan"))
+        good = [n for n in ctx.checkpoints.committed() if n < ctx.step]
+        chosen = good[-self.config.average:]
+        self._spike = (what, good, chosen)
+        ctx.discard({"spike": {"action": self.config.action, "median": self.median(), "averaged": chosen}})
+
+    def after_write(self, ctx: StepContext) -> Action | None:
+        """After a spike: stop (naming the good checkpoints), or rewind to the average of the chosen ones."""
+        if self._spike is None:
+            return None
+        assert self.config is not None and ctx.checkpoints is not None
+        (what, good, chosen), self._spike = self._spike, None
+        if self.config.action == "stop" or not good:
+            names = ", ".join(str(ctx.checkpoints.step_dir(n)) for n in chosen) or "none (no checkpoint before it)"
+            later = [n for n in ctx.checkpoints.committed() if n >= ctx.step]
+            caveat = (f"; checkpoint(s) {', '.join(map(str, later))} hold the spiked state: delete them before "
+                      "resuming" if later else "")
+            why = "" if good else "; there is no good checkpoint to rewind to"
+            raise UpcyclerError(f"loss spike: {what}; stopped without saving it{why}; the last good checkpoints "
+                                f"are {names}{caveat}; lower optimizer.lr or check the data")
+        self.rewinds.append({"step": ctx.step, "averaged": chosen})
+        return Rewind(to=tuple(chosen),
+                      why=f"loss spike: {what}; rewound to the average of steps {', '.join(map(str, chosen))}")
+
+    def state(self) -> dict[str, Any]:
+        return {"rewinds": self.rewinds, "spike_window": list(self.recent) if self.config is not None else []}
+
+    def restore(self, state: Mapping[str, Any], where: str) -> None:
+        self.rewinds = list(state.get("rewinds", []))
+        if self.config is not None:
+            self.recent = deque(_spike_window(state, where), maxlen=self.config.window)
+
+
+def _spike_window(meta: Mapping[str, Any], where: str) -> list[float]:
+    """The loss-spike guard's window saved in a checkpoint's meta (empty when saved without a guard)."""
+    window = meta.get("spike_window", [])
+    if not isinstance(window, list) or not all(
+        isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) for x in window
+    ):
+        raise UpcyclerError(f"{where}: meta spike_window is not a list of finite losses; the checkpoint is "
+                            "damaged; resume from an earlier step")
+    return [float(x) for x in window]
