@@ -83,6 +83,7 @@ HEAVY_FILES = {
     "test_storage_faults.py": "every bucket command through a faulty proxy, training runs among them",
     "test_launch_recipes.py": "pod launch recipes run as processes",
     "test_notebooks.py": "notebooks executed end to end",
+    "test_demo.py": "the demo end to end (surgery, data, a training run, a report)",
 }
 
 
