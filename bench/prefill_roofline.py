@@ -1,30 +1,32 @@
 """FlexPrefill's attention on a TPU chip, bounded from compiled executables: `long_prefill.py --topology`.
 
-For one layer's real q, k (a prompt of N tokens) and a TPU generation, against dense splash attention on
-the same shapes:
+For one layer's real q, k (a prompt of N tokens) and a TPU generation, three ways to attend, each charged
+by `upcycler.train.model.flexprefill_cost` (FLOPs, HBM bytes and every kernel step at `TPU_STEP_S`, the
+Pallas TPU guide's 0.35 µs):
 
-- the selection (`flexprefill.select_blocks`) compiled for the chip: its FLOPs are XLA's count (the
-  program has no loop, so it is whole), its HBM bytes the compile report's walk of the optimised HLO
-  (`upcycler.train.aot.hbm_traffic`; XLA's own "bytes accessed" charges each sort many times over and
-  counts arrays kept on chip: 644 MB against 44 MB for a 4k prompt);
-- the sparse kernel (`flexprefill_splash`, the selection's blocks) and the dense one (splash's causal
-  attention in `DENSE_TILE` tiles), both compiled for the chip: XLA counts a Pallas kernel as
-  `compiler_flops` (reported; the kernels declare no cost, so it stays near 0), so their work is
-  counted here from the masks: every executed (head, query block, key block) step does 4·b²·h FLOPs
-  (QKᵀ and PV, the diagonal's masked half included) and reads one key and one value block; each query
-  block and output is read and written once;
-- the roofline time of each, max(FLOPs / peak, bytes / HBM bandwidth), with the chip's published bf16
-  peak and bandwidth, inputs in bf16 (what a TPU prefill would use); `ratio` = dense / (selection + sparse).
+- `dense`: dense causal splash attention in 512-token tiles (`flexprefill_splash.dense_attention`), the
+  baseline; its grid steps include the empty ones above the diagonal, which splash iterates.
+  `dense_nonempty_steps_s` charges only the tiles it computes, the strictest dense figure.
+- `grouped`: FlexPrefill's selection then the grouped kernel (`flexprefill_tpu`): a key head's query heads
+  together, each row's selected blocks walked in slabs, one grid step per (key head, query block). This
+  is what `upcycle eval` runs where the model predicts it beats dense.
+- `splash_selection`: the selection's blocks through splash per query head in the narrowest fixed-width
+  grid that holds the densest row (the earlier TPU path), for comparison.
 
-These are bounds, not measurements. A kernel step also pays a fixed cost, about 0.35 µs on TPU as the
-Pallas TPU pipelining guide gives it, which a 128-token block (4 MFLOP at h = 64) does not hide:
-`grid_steps` (the kernel's iterations, empty ones included) is reported, and `with_step_cost_s` adds
-`STEP_COST_S` per step to each kernel's roofline time, an estimate rather than a bound.
+The selection (`flexprefill.select_blocks`) is compiled for the chip: its FLOPs are XLA's count (the
+program has no loop), its HBM bytes the compile report's walk of the optimised HLO
+(`upcycler.train.aot.hbm_traffic`). The XLA work around each kernel (padding, folding the batch into the
+heads, step tables, the output's transpose) is charged the same way from its compiled program, the
+kernels left out of the walk (their traffic depends on the mask: the cost model counts it). Inputs are
+bf16, what a TPU prefill would use. `ratio` = dense / (selection + wrapper + grouped kernel), step costs
+included; `ratio_without_steps` drops every step cost from both sides.
+
+These are bounds and estimates, not measurements: each kernel is assumed to reach the roofline of its
+FLOPs and bytes, plus the stated cost per step.
 """
 
 from __future__ import annotations
 
-import math
 import time
 
 import jax
@@ -33,11 +35,10 @@ import numpy as np
 
 from upcycler import hardware
 from upcycler.train.aot.topology import parse_slice, tpu_devices
+from upcycler.train.model import flexprefill_cost as cost
 from upcycler.train.model import flexprefill_splash as fs
+from upcycler.train.model import flexprefill_tpu as tpu
 from upcycler.train.model.flexprefill import FlexPrefillOptions, select_blocks
-
-BF16 = 2
-STEP_COST_S = 0.35e-6  # a Pallas TPU grid step's fixed cost (JAX's Pallas TPU pipelining guide)
 
 
 def _compile(fn, shapes, chip: str):
@@ -53,74 +54,97 @@ def _compile(fn, shapes, chip: str):
     return compiled, hardware.for_devices(devices), time.perf_counter() - start
 
 
-def _costs(compiled) -> dict:
+def _outside_kernels(compiled) -> dict:
+    """The HBM bytes of a program's XLA work, its kernels left out, and its compiled temporaries."""
+    from upcycler.train.aot.hbm_traffic import charges, hbm_bytes
+
+    text = compiled.as_text()
+    kernels = sum(c.total for c in charges(text) if c.is_kernel)
+    return {"hbm_bytes": hbm_bytes(text) - kernels,
+            "temp_gib": round(compiled.memory_analysis().temp_size_in_bytes / 2**30, 3)}
+
+
+def _selection_costs(compiled) -> dict:
     from upcycler.train.aot.hbm_traffic import hbm_bytes
 
     cost = compiled.cost_analysis() or {}
-    memory = compiled.memory_analysis()
-    return {"compiler_flops": float(cost.get("flops", 0.0)), "compiler_bytes": float(cost.get("bytes accessed", 0.0)),
-            "hbm_bytes": hbm_bytes(compiled.as_text()), "temp_gib": round(memory.temp_size_in_bytes / 2**30, 3)}
+    return {"flops": float(cost.get("flops", 0.0)), "hbm_bytes": hbm_bytes(compiled.as_text()),
+            "bytes_by_xla": float(cost.get("bytes accessed", 0.0)),
+            "temp_gib": round(compiled.memory_analysis().temp_size_in_bytes / 2**30, 3)}
 
 
-def _kernel_work(steps: int, q_blocks: int, block: int, h: int) -> tuple[float, float]:
-    """FLOPs and HBM bytes of a splash kernel executing `steps` (head, query block, key block) steps over
-    `q_blocks` (head, query block) rows of `block` tokens and head size h, in bf16."""
-    flops = 4.0 * block * block * h * steps
-    bytes_ = 2.0 * block * h * BF16 * steps + 2.0 * block * h * BF16 * q_blocks  # k, v per step; q in, out
-    return flops, bytes_
-
-
-def _roofline(flops: float, bytes_: float, chip) -> float:
-    return max(flops / chip.peak_bf16_flops, bytes_ / chip.hbm_bandwidth)
+def _work(w: cost.KernelWork, rates: cost.ChipRates) -> dict:
+    return {"flops": float(w.flops), "bytes": float(w.bytes), "grid_steps": int(w.grid_steps),
+            "iterations": int(w.iterations), "seconds": float(w.seconds(rates))}
 
 
 def layer_bound(q_NHh, k_NKh, opts: FlexPrefillOptions, chip_name: str, compiled: dict) -> dict:
-    """The roofline comparison of one layer (module docstring); `compiled` caches executables by shape."""
+    """The comparison of one layer (module docstring); `compiled` caches executables by shape."""
     N, H, h = q_NHh.shape
     K = k_NKh.shape[1]
     nb = opts.blocks(N)
     with jax.default_matmul_precision("highest"):
         mask_Hnn = np.asarray(jax.jit(select_blocks, static_argnames="opts")(q_NHh, k_NKh, opts).mask_Hnn)
+    mask_BHnn = mask_Hnn[None]
     causal = nb * (nb + 1) / 2
-    density = float(mask_Hnn.sum() / (H * causal))
-    fallback = bool(opts.runs_dense(N) or density > opts.dense_above)
-    key = (N, H, K, h, chip_name)
-    if key not in compiled:
-        bf = jnp.bfloat16
-        qkv = [((1, N, H, h), bf), ((1, N, K, h), bf), ((1, N, K, h), bf)]
-        compiled[key] = {
+    union_Knn = mask_Hnn.reshape(K, H // K, nb, nb).any(1) | np.eye(nb, dtype=bool)
+    width = next(w for w in tpu.step_widths(nb) if w >= int(union_Knn.sum(-1).max()))
+    bf = jnp.bfloat16
+    qkv = [((1, N, H, h), bf), ((1, N, K, h), bf), ((1, N, K, h), bf)]
+    if (N, H, K, h, chip_name) not in compiled:
+        compiled[(N, H, K, h, chip_name)] = {
             "select": _compile(lambda q, k: select_blocks(q, k, opts), [((N, H, h), bf), ((N, K, h), bf)], chip_name),
-            "flexprefill": _compile(lambda q, k, v: fs.flexprefill_attention(q, k, v, opts), qkv, chip_name),
             "dense": _compile(lambda q, k, v: fs.dense_attention(q, k, v), qkv, chip_name),
         }
-    programs = compiled[key]
+    if (N, H, K, h, chip_name, width) not in compiled:  # the width the selection runs (one branch of the program)
+        compiled[(N, H, K, h, chip_name, width)] = _compile(
+            lambda q, k, v, m: tpu.block_sparse_attention(q, k, v, m, opts.block, widths=(width,)),
+            [*qkv, ((1, H, nb, nb), jnp.bool_)], chip_name)
+    programs = compiled[(N, H, K, h, chip_name)]
+    grouped_program = compiled[(N, H, K, h, chip_name, width)]
     chip = programs["select"][1]
+    rates = cost.ChipRates.of(chip)
+    bare = cost.ChipRates(rates.peak_flops, rates.hbm_bandwidth, 0.0)
 
-    T = fs.DENSE_TILE
-    nt = math.ceil(N / T)
-    dense_flops, dense_bytes = _kernel_work(int(H * nt * (nt + 1) / 2), H * nt, T, h)
-    if fallback:  # one prompt: a fallback runs the dense kernel
-        sparse_flops, sparse_bytes, sparse_grid = dense_flops, dense_bytes, H * nt * nt
-    else:
-        width = next(w for w in fs.step_widths(nb) if w >= int(mask_Hnn.sum(-1).max()))
-        sparse_flops, sparse_bytes = _kernel_work(int(mask_Hnn.sum()), H * nb, opts.block, h)
-        sparse_grid = H * nb * width
-    select = _costs(programs["select"][0])
-    select_s = _roofline(select["compiler_flops"], select["hbm_bytes"], chip)
-    sparse_s, dense_s = _roofline(sparse_flops, sparse_bytes, chip), _roofline(dense_flops, dense_bytes, chip)
+    select = _selection_costs(programs["select"][0])
+    select_s = max(select["flops"] / rates.peak_flops, select["hbm_bytes"] / rates.hbm_bandwidth)
+    around_grouped, around_dense = _outside_kernels(grouped_program[0]), _outside_kernels(programs["dense"][0])
+    grouped = cost.grouped_sparse(mask_BHnn, K, opts.block, h, tpu.SLAB)
+    dense = cost.dense_causal(1, N, H, h, fs.DENSE_TILE)
+    splash_width = next(w for w in tpu.step_widths(nb) if w >= int((mask_Hnn | np.eye(nb, dtype=bool)).sum(-1).max()))
+    splash = cost.per_head_sparse(mask_BHnn, opts.block, h)._replace(grid_steps=H * nb * splash_width)
+    nt = -(-N // fs.DENSE_TILE)
+    seconds = {
+        "selection": select_s,
+        "around_grouped": around_grouped["hbm_bytes"] / rates.hbm_bandwidth,
+        "grouped_kernel": float(grouped.seconds(rates)),
+        "around_dense": around_dense["hbm_bytes"] / rates.hbm_bandwidth,
+        "dense_kernel": float(dense.seconds(rates)),
+        "splash_selection_kernel": float(splash.seconds(rates)),
+    }
+    flexprefill_s = seconds["selection"] + seconds["around_grouped"] + seconds["grouped_kernel"]
+    dense_s = seconds["around_dense"] + seconds["dense_kernel"]
+    without_steps = ((seconds["around_dense"] + float(dense.seconds(bare)))
+                     / (seconds["selection"] + seconds["around_grouped"] + float(grouped.seconds(bare))))
+    nonempty = seconds["around_dense"] + float(dense._replace(grid_steps=nt * (nt + 1) // 2 * H).seconds(rates))
     return {
-        "density": round(density, 4), "fallback": fallback,
-        "flops": {"selection": select["compiler_flops"], "sparse_kernel": sparse_flops, "dense_kernel": dense_flops},
-        "bytes": {"selection": select["hbm_bytes"], "sparse_kernel": sparse_bytes, "dense_kernel": dense_bytes,
-                  "selection_by_xla": select["compiler_bytes"]},
-        "compiler_flops": {"flexprefill": _costs(programs["flexprefill"][0])["compiler_flops"],
-                           "dense": _costs(programs["dense"][0])["compiler_flops"]},
-        "roofline_s": {"selection": select_s, "sparse_kernel": sparse_s, "flexprefill": select_s + sparse_s,
-                       "dense": dense_s},
-        "ratio": round(dense_s / (select_s + sparse_s), 3),
-        "grid_steps": {"flexprefill": sparse_grid, "dense": H * nt * nt},
-        "with_step_cost_s": {"flexprefill": select_s + sparse_s + STEP_COST_S * sparse_grid,
-                             "dense": dense_s + STEP_COST_S * H * nt * nt},
-        "temp_gib": {name: _costs(programs[name][0])["temp_gib"] for name in programs},
-        "compile_s": {name: round(programs[name][2], 1) for name in programs},
+        "density": round(float(mask_Hnn.sum() / (H * causal)), 4),
+        "union_density": round(float(union_Knn.sum() / (K * causal)), 4),
+        "step_s": rates.step_s, "width": width,
+        "selection": {k: v for k, v in select.items() if k != "temp_gib"},
+        "kernels": {"grouped": _work(grouped, rates), "dense": _work(dense, rates),
+                    "splash_selection": _work(splash, rates)},
+        "around_kernels_bytes": {"grouped": around_grouped["hbm_bytes"], "dense": around_dense["hbm_bytes"]},
+        "seconds": {**seconds, "flexprefill": flexprefill_s, "dense": dense_s,
+                    "dense_nonempty_steps": nonempty,
+                    "splash_selection": seconds["selection"] + seconds["splash_selection_kernel"]},
+        "ratio": round(dense_s / flexprefill_s, 3),
+        "ratio_vs_dense_nonempty_steps": round(nonempty / flexprefill_s, 3),
+        "ratio_without_steps": round(without_steps, 3),
+        "ratio_splash_selection": round(dense_s / (seconds["selection"] + seconds["splash_selection_kernel"]), 3),
+        "chosen": "sparse" if seconds["grouped_kernel"] < seconds["dense_kernel"] else "dense",
+        "temp_gib": {"select": select["temp_gib"], "grouped": around_grouped["temp_gib"],
+                     "dense": around_dense["temp_gib"]},
+        "compile_s": {"select": round(programs["select"][2], 1), "grouped": round(grouped_program[2], 1),
+                      "dense": round(programs["dense"][2], 1)},
     }

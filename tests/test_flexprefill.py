@@ -364,20 +364,20 @@ def test_full_selection_through_the_sparse_path_equals_dense(monkeypatch) -> Non
         raise AssertionError("the dense path ran")
 
     monkeypatch.setattr(fp, "causal_attention_jit", no_dense)
-    out, density, qaware = fp.flexprefill_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                                    options(64, gamma=1.0, tau=0.0, dense_above=1.0))
+    out, density, qaware, sparse = fp.flexprefill_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                                            options(64, gamma=1.0, tau=0.0, dense_above=1.0))
     np.testing.assert_array_equal(density, 1.0)
-    assert not qaware.any()
+    assert not qaware.any() and sparse
     np.testing.assert_allclose(np.asarray(out), np_attention(q, k, v), **F32_EXACT)
 
 
 def test_min_budget_over_the_prompt_runs_dense() -> None:
     q, k, v = random_qkv(11, 700, 4, 2)
-    out, density, qaware = fp.flexprefill_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                                    fp.FlexPrefillOptions(gamma=1.0, tau=0.0, block=64,
-                                                                          min_budget=700))
+    out, density, qaware, sparse = fp.flexprefill_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                                            fp.FlexPrefillOptions(gamma=1.0, tau=0.0, block=64,
+                                                                                  min_budget=700))
     np.testing.assert_array_equal(density, 1.0)
-    assert not qaware.any()
+    assert not qaware.any() and not sparse
     np.testing.assert_allclose(np.asarray(out), np_attention(q, k, v), **F32_EXACT)
 
 
@@ -438,10 +438,10 @@ def test_short_prompts_run_dense() -> None:
         opts = fp.FlexPrefillOptions(block=block, min_budget=min_budget)
         assert [opts.runs_dense(n) for n in (limit - 1, limit, limit + 1)] == [True, True, False]
     q, k, v = random_qkv(15, 128, 2, 1)
-    out, density, qaware = fp.flexprefill_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                                    options(64, gamma=0.5))
+    out, density, qaware, sparse = fp.flexprefill_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                                            options(64, gamma=0.5))
     np.testing.assert_array_equal(density, 1.0)
-    assert not qaware.any()
+    assert not qaware.any() and not sparse
     np.testing.assert_allclose(np.asarray(out), np_attention(q, k, v), **F32_EXACT)
 
 
@@ -458,9 +458,10 @@ def test_sparse_op_matches_official_selection_and_block_sparse_softmax() -> None
                                                   min_budget_blocks=min_blocks, max_budget_blocks=NO_LIMIT)
     nb = blocks_of(n, block)
     want_mask &= causal_blocks(nb)
-    out, density, qaware = fp.flexprefill_attention(
+    out, density, qaware, sparse = fp.flexprefill_attention(
         jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
         options(block, gamma=gamma, tau=tau, min_blocks=min_blocks, budget_rule="reference", dense_above=1.0))
+    assert sparse
     np.testing.assert_array_equal(qaware, want_qaware)
     np.testing.assert_allclose(density, want_mask.sum((1, 2)) / causal_blocks(nb).sum(), rtol=0, atol=1e-12)
     assert density.max() < 1
@@ -475,9 +476,10 @@ def test_dense_selection_falls_back_to_dense() -> None:
                                         max_budget_blocks=NO_LIMIT)
     nb = blocks_of(n, block)
     assert (want_mask & causal_blocks(nb)).sum() / (4 * causal_blocks(nb).sum()) > 0.5
-    out, density, _ = fp.flexprefill_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                                               options(block, gamma=0.95, tau=0.0, budget_rule="reference"))
+    out, density, _, sparse = fp.flexprefill_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                                       options(block, gamma=0.95, tau=0.0, budget_rule="reference"))
     np.testing.assert_array_equal(density, 1.0)
+    assert not sparse
     np.testing.assert_allclose(np.asarray(out), np_attention(q, k, v), **F32_EXACT)
 
 

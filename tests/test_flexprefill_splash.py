@@ -24,12 +24,15 @@ from upcycler.train.evaluation import long_eval as le
 from upcycler.train.evaluation.config import PrefillConfig
 from upcycler.train.evaluation.prefill import PrefillModel
 from upcycler.train.model import flexprefill as fp
+from upcycler.train.model import flexprefill_device as fd
 from upcycler.train.model import flexprefill_splash as fs
 from upcycler.train.model.params import init_params
 
 BLOCK = 128
 FP32 = {"rtol": 2e-5, "atol": 2e-5}
-SPARSE = PrefillConfig(prefill_min_budget=BLOCK, prefill_gamma=0.3, prefill_tau=0.0, prefill_dense_above=1.0)
+# the sparse kernel whenever the selection is under dense_above: at these lengths the cost model picks dense
+SPARSE = PrefillConfig(prefill_min_budget=BLOCK, prefill_gamma=0.3, prefill_tau=0.0, prefill_dense_above=1.0,
+                       prefill_kernel="sparse")
 SMOLLM2 = Path(__file__).parents[1] / "bench" / "configs" / "models" / "smollm2-135m"
 
 
@@ -107,16 +110,16 @@ def test_batched_selection_and_fallbacks_are_the_hosts_per_prompt():
     densities = [fp.flexprefill_attention(q[b], k[b], v[b], opts).density_H.mean() for b in range(2)]
     assert densities[0] < densities[1] < 1
     opts = fp.FlexPrefillOptions(block=BLOCK, gamma=0.9, min_budget=BLOCK, tau=0.1,
-                                 dense_above=float(np.mean(densities)))
+                                 dense_above=float(np.mean(densities)), kernel="sparse")
     host = [fp.flexprefill_attention(q[b], k[b], v[b], opts) for b in range(2)]
     assert host[0].density_H.mean() < 1 and host[0].query_aware_H.any() and (host[1].density_H == 1).all()
-    got = jax.jit(lambda *a: fs.flexprefill_attention(*a, opts, interpret=True))(q, k, v)
+    got = jax.jit(lambda *a: fd.flexprefill_attention(*a, opts, interpret=True))(q, k, v)
     for b, want in enumerate(host):
         np.testing.assert_allclose(got.out_BNHh[b], want.out_NHh, **FP32)
         np.testing.assert_allclose(got.density_BH[b], want.density_H, rtol=1e-6)
         np.testing.assert_array_equal(got.query_aware_BH[b], want.query_aware_H)
     every_prompt_dense = dataclasses.replace(opts, dense_above=0.0)  # the dense kernel's own tiles
-    got = jax.jit(lambda *a: fs.flexprefill_attention(*a, every_prompt_dense, interpret=True))(q, k, v)
+    got = jax.jit(lambda *a: fd.flexprefill_attention(*a, every_prompt_dense, interpret=True))(q, k, v)
     for b in range(2):
         want = fp.flexprefill_attention(q[b], k[b], v[b], every_prompt_dense)
         np.testing.assert_allclose(got.out_BNHh[b], want.out_NHh, **FP32)
@@ -179,7 +182,7 @@ class _BatchRecorder:
         from upcycler.train.evaluation.prefill import PrefillResult, PrefillStats
 
         self.calls.append((prompts.shape, answers.shape))
-        stats = PrefillStats(np.ones((2, 4)), np.zeros((2, 4), bool))
+        stats = PrefillStats(np.ones((2, 4)), np.zeros((2, 4), bool), np.zeros(2, bool))
         return [PrefillResult(np.eye(64)[p[0]], np.eye(64)[a[:-1]], stats) for p, a in zip(prompts, answers)]
 
 

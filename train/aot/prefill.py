@@ -43,6 +43,7 @@ def compile_prefill(spec: ModelSpec, cfg: ModelConfig, *, chip: str = "v5e", bat
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from upcycler.train.evaluation.device_prefill import prefill as device_prefill
+    from upcycler.train.model.flexprefill_cost import ChipRates
     from upcycler.train.model.params import init_params
 
     slice_ = parse_slice(f"{chip}-{8 if chip in ('v4', 'v5p') else 4}")  # the smallest libtpu describes
@@ -55,7 +56,9 @@ def compile_prefill(spec: ModelSpec, cfg: ModelConfig, *, chip: str = "v5e", bat
     params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_chip), params)
     ids = [jax.ShapeDtypeStruct((batch, n), jnp.int32, sharding=on_chip) for n in (length, answer)]
     with jax.set_mesh(mesh), jax.default_matmul_precision("highest"):
-        compiled = device_prefill.lower(params, *ids, spec=spec, cfg=cfg, opts=prefill.options()).compile()
+        rates = ChipRates.of(hardware.for_devices(devices))
+        compiled = device_prefill.lower(params, *ids, spec=spec, cfg=cfg, opts=prefill.options(),
+                                        rates=rates).compile()
     memory = compiled.memory_analysis()
     peak = memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes
     cost = compiled.cost_analysis() or {}

@@ -19,12 +19,14 @@ if TYPE_CHECKING:
     from upcycler.train.model.flexprefill import FlexPrefillOptions
 
 PREFILL_BUDGET_RULES = ("coverage", "reference")
+PREFILL_KERNELS = ("auto", "sparse")
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """FlexPrefill's selection: coverage γ, pattern threshold τ, block size, budgets, budget rule and the
-    density above which a layer runs dense (each an `upcycle eval --prefill-*` flag)."""
+    """FlexPrefill's selection: coverage γ, pattern threshold τ, block size, budgets, budget rule, the
+    density above which a layer runs dense and how the accelerator's kernel is chosen (each an
+    `upcycle eval --prefill-*` flag)."""
 
     prefill_gamma: float = field(0.95, range=Range(0, 1, lo_open=True),
                                  help="flexprefill: the attention mass the selected key blocks must cover.")
@@ -43,6 +45,10 @@ class PrefillConfig:
     prefill_dense_above: float = field(0.5, range=Range(0, 1),
                                        help="flexprefill: a layer whose selection keeps more than this fraction of "
                                             "the causal blocks runs dense.")
+    prefill_kernel: str = field("auto", choices=PREFILL_KERNELS,
+                                help="flexprefill on a TPU or GPU: auto (the sparse kernel only where the cost model "
+                                     "predicts it beats dense attention for the batch) or sparse (whenever the "
+                                     "selection is under --prefill-dense-above).")
 
     def options(self) -> FlexPrefillOptions:
         """The model's FlexPrefill options these flags give."""
@@ -50,4 +56,5 @@ class PrefillConfig:
 
         return FlexPrefillOptions(gamma=self.prefill_gamma, tau=self.prefill_tau, block=self.prefill_block,
                                   min_budget=self.prefill_min_budget, max_budget=self.prefill_max_budget,
-                                  budget_rule=self.prefill_budget_rule, dense_above=self.prefill_dense_above)
+                                  budget_rule=self.prefill_budget_rule, dense_above=self.prefill_dense_above,
+                                  kernel=self.prefill_kernel)

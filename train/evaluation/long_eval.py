@@ -399,7 +399,8 @@ def evaluate(model: Any, task: str, items: Sequence[Item], *, name: str = "the m
              advance: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
     """Per item, what one model does: `top1`, `retrieved` (None without an answer), `logp` (the last
     token's log-distribution, float32, with `keep_distribution`), `nll` (perplexity: per target token) and
-    `density` (per layer, mean over heads: fraction of causal key blocks computed). Non-finite logits (NaN
+    `density` (per layer, mean over heads: fraction of causal key blocks computed) and `sparse` (per
+    layer: whether the sparse attention ran, else dense). Non-finite logits (NaN
     or inf weights) are an error naming `name`.
 
     Items go to the model in batches of up to `model.batch_size` consecutive items of one shape (prompt
@@ -450,6 +451,7 @@ def _score(task: str, item: Item, result: Any, name: str, keep_distribution: boo
             record["logp"] = log_softmax(last).astype(np.float32)
     record["density"] = np.asarray(stats.density, dtype=np.float64).reshape(
         np.shape(stats.density)[0], -1).mean(axis=1)
+    record["sparse"] = np.asarray(stats.sparse, dtype=bool)
     return record
 
 

@@ -51,7 +51,9 @@ def _model_summary(task: str, items: Sequence[Item], outs: Sequence[dict[str, An
                                             for k, v in sorted(buckets.items())}
     if flex:
         layers = np.stack([o["density"] for o in outs]).mean(axis=0)
-        summary.update(density=float(layers.mean()), density_by_layer=[float(v) for v in layers])
+        sparse = np.stack([o["sparse"] for o in outs]).mean(axis=0)
+        summary.update(density=float(layers.mean()), density_by_layer=[float(v) for v in layers],
+                       sparse_by_layer=[float(v) for v in sparse])
     return summary
 
 
@@ -81,6 +83,7 @@ def summarize(task: str, items: Sequence[Item], outs: Sequence[dict[str, Any]],
                              retrieved=record["retrieved"])
             if flex:
                 shown["density"] = float(record["density"].mean())
+                shown["sparse_layers"] = int(record["sparse"].sum())
             row[key] = shown
         if pairs is not None:
             row["kl"], row["top1_agree"] = pairs[index][0], pairs[index][1]

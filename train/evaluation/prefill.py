@@ -32,13 +32,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from upcycler import hardware
 from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec
 from upcycler.train.config import ModelConfig
 from upcycler.train.evaluation.config import PrefillConfig
 from upcycler.train.model import layers as nn
 from upcycler.train.model.flexprefill import causal_attention_jit, flexprefill_attention
-from upcycler.train.model.flexprefill_splash import LANES
+from upcycler.train.model.flexprefill_cost import ChipRates
+from upcycler.train.model.flexprefill_device import PLATFORMS, V5E, check_block
 from upcycler.train.model.params import Params, layer_kind, layers_of_kind
 from upcycler.train.model.transformer import layer_output, layer_qkv, layer_windows, unembed
 
@@ -48,10 +50,13 @@ DEVICE_BATCH = 4  # prompts of one length prefilled together on a TPU
 
 class PrefillStats(NamedTuple):
     """Per layer and query head: the fraction of causal key blocks the prompt's attention computed (1 when
-    dense) and whether FlexPrefill chose the head's blocks from pooled Q/K (query-aware)."""
+    dense) and whether FlexPrefill chose the head's blocks from pooled Q/K (query-aware); per layer, whether
+    the prompt ran FlexPrefill's sparse attention (else dense: a short prompt, a dense selection, a
+    sliding window, or a kernel choice that predicted dense faster)."""
 
     density: np.ndarray
     query_aware: np.ndarray
+    sparse: np.ndarray
 
 
 class PrefillResult(NamedTuple):
@@ -68,16 +73,20 @@ class PrefillModel:
 
     def __init__(self, spec: ModelSpec, params: Params, cfg: ModelConfig = ModelConfig(), *,
                  prefill: PrefillConfig = PrefillConfig(), device: bool | None = None, interpret: bool = False):
-        """`device`: prefill through `device_prefill` (default: when JAX's backend is a TPU; `interpret` runs
-        its kernel in the Pallas interpreter, for tests off TPU)."""
+        """`device`: prefill through `device_prefill` (default: when JAX's backend is a TPU or a GPU;
+        `interpret` runs its kernels in the Pallas interpreter, for tests off the accelerator, as a TPU's
+        unless the backend is a GPU)."""
         self.spec, self.params, self.cfg = spec, params, cfg
         self.options = prefill.options()
-        self.device = jax.default_backend() == "tpu" if device is None else device
+        self.platform = jax.default_backend() if jax.default_backend() in PLATFORMS else "tpu"
+        self.device = jax.default_backend() in PLATFORMS if device is None else device
         self.interpret = interpret
         self.batch_size = DEVICE_BATCH if self.device else 1
-        if self.device and cfg.attention == "flexprefill" and self.options.block % LANES:
-            raise UpcyclerError(f"--prefill-block {self.options.block}: on a TPU FlexPrefill's blocks are the splash "
-                                f"kernel's tiles and must be a multiple of {LANES}; pass --prefill-block 128")
+        if self.device and cfg.attention == "flexprefill":
+            try:
+                check_block(self.options.block, spec.head_dim, self.platform)
+            except ValueError as err:
+                raise UpcyclerError(f"--prefill-block {self.options.block}: {err}") from None
         self._layer_cfg = replace(cfg, attention="einsum")  # the jitted halves of a layer: not how it attends
 
     @classmethod
@@ -116,7 +125,14 @@ class PrefillModel:
 
         with jax.default_matmul_precision("highest"):
             return prefill(self.params, jnp.asarray(prompts), jnp.asarray(answers), spec=self.spec,
-                           cfg=self._device_cfg, opts=self.options, interpret=self.interpret)
+                           cfg=self._device_cfg, opts=self.options, rates=self._rates, platform=self.platform,
+                           interpret=self.interpret)
+
+    @property
+    def _rates(self) -> ChipRates:
+        """The running chip's figures for the kernel choice (a v5e's when the chip is not known: interpreted)."""
+        chip = hardware.for_devices(jax.devices()[:1])
+        return ChipRates.of(chip) if chip is not None else V5E
 
     @property
     def _device_cfg(self) -> ModelConfig:
@@ -125,7 +141,8 @@ class PrefillModel:
 
     @staticmethod
     def _stats(out, b: int) -> PrefillStats:
-        return PrefillStats(np.asarray(out.density_LBH[:, b], np.float64), np.asarray(out.query_aware_LBH[:, b]))
+        return PrefillStats(np.asarray(out.density_LBH[:, b], np.float64), np.asarray(out.query_aware_LBH[:, b]),
+                            np.asarray(out.sparse_L))
 
     def run(self, prompt_ids: np.ndarray, answer_ids: np.ndarray | None = None) -> PrefillResult:
         """Prefill `prompt_ids` [N], then `answer_ids` [m] teacher-forced: logits after the last prompt token
@@ -165,6 +182,7 @@ class PrefillModel:
         spec, N = self.spec, len(prompt_ids)
         H, windows = spec.num_heads, layer_windows(spec)
         density, query_aware = np.ones((spec.num_layers, H)), np.zeros((spec.num_layers, H), bool)
+        sparse = np.zeros(spec.num_layers, bool)
         ids = np.concatenate([prompt_ids, answer_ids]).astype(np.int32)
         dtype = jnp.dtype(self.cfg.compute_dtype)
         with jax.default_matmul_precision("highest"):
@@ -177,7 +195,7 @@ class PrefillModel:
                     observe(i, q[:N], k[:N], v[:N])
                 if self.cfg.attention == "flexprefill" and not windows[i]:
                     result = flexprefill_attention(q[:N], k[:N], v[:N], self.options)
-                    prompt_out, density[i], query_aware[i] = result
+                    prompt_out, density[i], query_aware[i], sparse[i] = result
                 else:
                     prompt_out = causal_attention_jit(q[:N], k[:N], v[:N], window=windows[i])
                 out = prompt_out
@@ -185,7 +203,7 @@ class PrefillModel:
                     out = jnp.concatenate([prompt_out, _answer_attention_jit(q[N:], k, v, N, windows[i])])
                 x_LD = _output_jit(x_LD, out, p, spec, self._layer_cfg, kind)
             hidden_LD = nn.rms_norm(x_LD, self.params["final_norm"], spec.rms_norm_eps)
-        return hidden_LD, PrefillStats(density, query_aware)
+        return hidden_LD, PrefillStats(density, query_aware, sparse)
 
 
 def _layer_params(params: Params, spec: ModelSpec, i: int, kind: str) -> Params:

@@ -52,6 +52,7 @@ import numpy as np
 from upcycler.train.model import layers as nn
 
 BUDGET_RULES = ("coverage", "reference")
+KERNEL_CHOICES = ("auto", "sparse")
 _REFERENCE_TOKENS_PER_BLOCK = 128  # the official count → blocks rule divides by 128 whatever the block size
 _SCORES_BYTES = 64 << 20  # scores of the sparse kernel alive at a time
 
@@ -59,7 +60,9 @@ _SCORES_BYTES = 64 << 20  # scores of the sparse kernel alive at a time
 @dataclass(frozen=True)
 class FlexPrefillOptions:
     """What FlexPrefill selects: coverage γ, pattern threshold τ, block size, budgets in tokens (0: none),
-    the budget rule, and the block density above which a layer runs dense instead (`upcycle eval`'s flags:
+    the budget rule, the block density above which a layer runs dense instead, and on an accelerator
+    whether the sparse kernel runs only where the cost model predicts it faster (`auto`) or whenever the
+    selection is under `dense_above` (`sparse`) (`upcycle eval`'s flags:
     `evaluation.config.PrefillConfig.options`)."""
 
     gamma: float = 0.95
@@ -69,6 +72,7 @@ class FlexPrefillOptions:
     max_budget: int = 0
     budget_rule: str = "coverage"
     dense_above: float = 0.5
+    kernel: str = "auto"
 
     def blocks(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.block)
@@ -89,11 +93,12 @@ class Selection(NamedTuple):
 
 class Result(NamedTuple):
     """`flexprefill_attention`'s output [N, H, h]; per head, the fraction of causal key blocks computed
-    (1 for a dense run) and whether it was query-aware."""
+    (1 for a dense run) and whether it was query-aware; whether the sparse path ran (else dense)."""
 
     out_NHh: jax.Array
     density_H: np.ndarray
     query_aware_H: np.ndarray
+    sparse: bool
 
 
 # --- selection -------------------------------------------------------------------------------------------
@@ -347,7 +352,7 @@ def flexprefill_attention(q_NHh, k_NKh, v_NKh, opts: FlexPrefillOptions) -> Resu
     """FlexPrefill attention of one prompt: select, choose the bucket on the host, attend sparsely; dense
     (`causal_attention`) for short prompts and when the selection's density exceeds `opts.dense_above`."""
     N, H, _ = q_NHh.shape
-    dense = lambda: Result(causal_attention_jit(q_NHh, k_NKh, v_NKh), np.ones(H), np.zeros(H, bool))
+    dense = lambda: Result(causal_attention_jit(q_NHh, k_NKh, v_NKh), np.ones(H), np.zeros(H, bool), False)
     if opts.runs_dense(N):
         return dense()
     selection = select_blocks_jit(q_NHh, k_NKh, opts)
@@ -357,4 +362,4 @@ def flexprefill_attention(q_NHh, k_NKh, v_NKh, opts: FlexPrefillOptions) -> Resu
     if density_H.mean() > opts.dense_above:
         return dense()
     out = bucketed_attention(q_NHh, k_NKh, v_NKh, selection.mask_Hnn, counts_Hn, opts.block)
-    return Result(out, density_H, np.asarray(selection.query_aware_H))
+    return Result(out, density_H, np.asarray(selection.query_aware_H), True)

@@ -1,31 +1,23 @@
-"""FlexPrefill on TPU: the selected key blocks computed by JAX's splash attention kernel, batched, on device.
+"""Splash attention over block masks on a TPU: dense causal attention (FlexPrefill's baseline and fallback)
+and, for comparison, FlexPrefill's selection computed per query head in splash's fixed-width grid.
 
-`flexprefill.flexprefill_attention` is shaped for a CPU: the block counts go to the host to choose a
-bucket, and the keys of every (head, query block) are gathered. Here the whole prefill attention of a
-batch of prompts stays one jit-able function with one compile per prompt length:
+`block_sparse_attention` drives JAX's splash kernel (`jax.experimental.pallas.ops.tpu.splash_attention`)
+with block metadata written from a block mask directly, never from a token mask: per (head, query block)
+the listed key blocks, the diagonal first (`flexprefill.block_lists`), become the kernel's kv steps
+(`data_next`). Off-diagonal blocks are whole (no mask is read), the diagonal reads the one causal tile
+every head shares. JAX's own dynamic-mask entry point (`process_dynamic_mask`) would materialise a
+[heads, N, N] token mask instead: 9.7 GB for SmolLM2's 9 heads at 32k, 155 GB at 128k.
 
-1. The selection is `flexprefill.select_blocks`, unchanged, one prompt after another (`lax.map`).
-2. Fallbacks are decided on device, per prompt: a prompt whose mean density exceeds `dense_above`
-   attends through the causal block mask, i.e. dense attention in the same kernel; when every prompt of
-   the batch falls back, and for short prompts (a static decision), `dense_attention` runs instead, in
-   the dense kernel's larger tiles.
-3. The kernel is splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) with block
-   metadata written from the selection directly, never from a token mask: per (head, query block) the
-   listed key blocks, the diagonal first (`flexprefill.block_lists`), become the kernel's kv steps
-   (`data_next`). Off-diagonal blocks are whole (no mask is read), the diagonal reads the one causal tile
-   every head shares. JAX's own dynamic-mask entry point (`process_dynamic_mask`) would materialise a
-   [heads, N, N] token mask instead: 9.7 GB for SmolLM2's 9 heads at 32k, 155 GB at 128k.
-4. The kernel's grid has a static number of kv steps per query block. It is chosen on device among
-   `step_widths(nb)` (nb, nb/2, nb/4, nb/8 key blocks) as the smallest that holds the densest row
-   (`lax.switch`): every width is compiled into the one executable, the work follows the selection.
-5. The batch is folded into the heads (prompt b's query head i is kernel head b·H + i, its key head
-   b·K + i // G). The kernel keeps its step tables in the TPU's 1 MiB of scalar memory, so it is called
-   once per key head's query heads and run of query blocks whose tables fit (`lax.map`: one compile).
+The grid has a static number of kv steps per query block, the narrowest of `step_widths(nb)` that holds
+the densest row (`lax.switch`), and the step tables live in the TPU's 1 MiB of scalar memory, so the kernel
+is called once per key head's query heads and run of query blocks whose tables fit (`lax.map`: one
+compile). For a sparse selection that grid is the problem `flexprefill_tpu` solves (every row pays the
+densest row's steps, every step a 128-token tile); for the causal mask in `DENSE_TILE` tiles it is dense
+splash attention (`dense_attention`), whose step tables fit scalar memory at any length.
 
-What it preserves: the selection and its masks are those of the CPU path, and the attention over them is
-the same exact softmax over the listed blocks (tested against `flexprefill.sparse_attention` in the
-interpreter). Lengths that are not a multiple of the block are padded at the end: padded keys come after
-every real query, so causality alone hides them. The block must be a multiple of 128 (TPU lanes).
+What it preserves: the exact softmax over the listed blocks (tested against `flexprefill.sparse_attention`
+in the interpreter). Lengths that are not a multiple of the block are padded at the end: padded keys come
+after every real query, so causality alone hides them. The block must be a multiple of 128 (TPU lanes).
 
 Shapes: q [B, N, H, h], k and v [B, N, K, h] after RoPE, before the h^-½ scale (applied here); n counts
 blocks, F folded heads (B·H).
@@ -35,62 +27,15 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from upcycler.train.model.flexprefill import FlexPrefillOptions, block_lists, select_blocks
+from upcycler.train.model.flexprefill import block_lists
+from upcycler.train.model.flexprefill_tpu import LANES, check_block, step_widths
 
-LANES = 128  # a kernel tile's sides must be multiples of this
-WIDTH_FRACTIONS = (1, 2, 4, 8)  # kv steps per query block: nb / these
 DENSE_TILE = 512  # dense causal attention's tiles (splash's largest: fewer, fuller kernel steps)
 SMEM_ENTRIES = 96 * 1024  # step-table entries per kernel call (4 bytes each, in the TPU's 1 MiB scalar memory)
-
-
-class BatchResult(NamedTuple):
-    """The attention [B, N, H, h]; per prompt and head, the fraction of causal key blocks computed (1 when
-    dense) and whether the head was query-aware. All on device."""
-
-    out_BNHh: jax.Array
-    density_BH: jax.Array
-    query_aware_BH: jax.Array
-
-
-def check_block(block: int) -> None:
-    """The kernel tiles by the FlexPrefill block: it must be a positive multiple of 128."""
-    if block <= 0 or block % LANES:
-        raise ValueError(f"prefill_block {block} cannot tile the TPU kernel: use a multiple of {LANES} "
-                         "(128 is the paper's)")
-
-
-def step_widths(nb: int) -> tuple[int, ...]:
-    """The kv step counts compiled for nb key blocks, smallest first (distinct, each ≥ 1)."""
-    return tuple(sorted({max(1, math.ceil(nb / f)) for f in WIDTH_FRACTIONS}))
-
-
-def flexprefill_attention(q_BNHh, k_BNKh, v_BNKh, opts: FlexPrefillOptions, *, interpret: bool = False
-                          ) -> BatchResult:
-    """FlexPrefill attention of a batch of prompts of one length through the splash kernel (jit-able)."""
-    B, N, H, _ = q_BNHh.shape
-    check_block(opts.block)
-    nb = opts.blocks(N)
-    if opts.runs_dense(N):
-        return BatchResult(dense_attention(q_BNHh, k_BNKh, v_BNKh, interpret=interpret),
-                           jnp.ones((B, H), jnp.float32), jnp.zeros((B, H), bool))
-    # one prompt at a time: the probe's [H, block, N] scores dominate the memory, not the batch's work
-    selection = jax.lax.map(lambda qk: select_blocks(*qk, opts), (q_BNHh, k_BNKh))
-    causal_blocks = nb * (nb + 1) / 2
-    dense_B = selection.mask_Hnn.sum((-1, -2)).mean(-1) / causal_blocks > opts.dense_above
-    mask_BHnn = jnp.where(dense_B[:, None, None, None], jnp.tril(jnp.ones((nb, nb), bool)), selection.mask_Hnn)
-    query_aware_BH = selection.query_aware_H & ~dense_B[:, None]
-    density_BH = jnp.where(dense_B[:, None], 1.0, selection.mask_Hnn.sum((-1, -2)) / causal_blocks)
-    # every prompt dense: the dense kernel's larger tiles; else the selection's blocks (causal for a prompt
-    # that fell back)
-    out = jax.lax.cond(dense_B.all(),
-                       lambda: dense_attention(q_BNHh, k_BNKh, v_BNKh, interpret=interpret),
-                       lambda: block_sparse_attention(q_BNHh, k_BNKh, v_BNKh, mask_BHnn, opts.block, interpret=interpret))
-    return BatchResult(out, density_BH, query_aware_BH)
 
 
 def block_sparse_attention(q_BNHh, k_BNKh, v_BNKh, mask_BHnn, block: int, *, interpret: bool = False,
