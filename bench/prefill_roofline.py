@@ -15,7 +15,10 @@ Pallas TPU guide's 0.35 µs):
 
 The selection (`flexprefill.select_blocks`) is compiled for the chip: its FLOPs are XLA's count (the
 program has no loop), its HBM bytes the compile report's walk of the optimised HLO
-(`upcycler.train.aot.hbm_traffic`). The XLA work around each kernel (padding, folding the batch into the
+(`upcycler.train.aot.hbm_traffic`). A layer without query-aware heads is charged the program without the
+query-aware branch (τ = 0), which is what runs; one with them is charged the whole program, both branches
+of its `cond` counted, and the pooled blocks' sort of nb² entries per head charged its operands once (a
+TPU sorts in several passes: an undercount at 128k, where that sort holds 1M entries per head). The XLA work around each kernel (padding, folding the batch into the
 heads, step tables, the output's transpose) is charged the same way from its compiled program, the
 kernels left out of the walk (their traffic depends on the mask: the cost model counts it). Inputs are
 bf16, what a TPU prefill would use. `ratio` = dense / (selection + wrapper + grouped kernel), step costs
@@ -27,6 +30,7 @@ FLOPs and bytes, plus the stated cost per step.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -84,7 +88,8 @@ def layer_bound(q_NHh, k_NKh, opts: FlexPrefillOptions, chip_name: str, compiled
     K = k_NKh.shape[1]
     nb = opts.blocks(N)
     with jax.default_matmul_precision("highest"):
-        mask_Hnn = np.asarray(jax.jit(select_blocks, static_argnames="opts")(q_NHh, k_NKh, opts).mask_Hnn)
+        selection = jax.jit(select_blocks, static_argnames="opts")(q_NHh, k_NKh, opts)
+    mask_Hnn, query_aware = np.asarray(selection.mask_Hnn), int(np.asarray(selection.query_aware_H).sum())
     mask_BHnn = mask_Hnn[None]
     causal = nb * (nb + 1) / 2
     union_Knn = mask_Hnn.reshape(K, H // K, nb, nb).any(1) | np.eye(nb, dtype=bool)
@@ -94,6 +99,9 @@ def layer_bound(q_NHh, k_NKh, opts: FlexPrefillOptions, chip_name: str, compiled
     if (N, H, K, h, chip_name) not in compiled:
         compiled[(N, H, K, h, chip_name)] = {
             "select": _compile(lambda q, k: select_blocks(q, k, opts), [((N, H, h), bf), ((N, K, h), bf)], chip_name),
+            # without the query-aware branch (τ = 0): what runs when no head is query-aware
+            "select_vertical_slash": _compile(lambda q, k: select_blocks(q, k, dataclasses.replace(opts, tau=0.0)),
+                                              [((N, H, h), bf), ((N, K, h), bf)], chip_name),
             "dense": _compile(lambda q, k, v: fs.dense_attention(q, k, v), qkv, chip_name),
         }
     if (N, H, K, h, chip_name, width) not in compiled:  # the width the selection runs (one branch of the program)
@@ -106,7 +114,9 @@ def layer_bound(q_NHh, k_NKh, opts: FlexPrefillOptions, chip_name: str, compiled
     rates = cost.ChipRates.of(chip)
     bare = cost.ChipRates(rates.peak_flops, rates.hbm_bandwidth, 0.0)
 
-    select = _selection_costs(programs["select"][0])
+    # the branch that runs: the query-aware heads' pooled blocks only when some head is query-aware (that
+    # program's HLO walk counts both branches of its cond, and charges the pooled blocks' sort its operands)
+    select = _selection_costs(programs["select" if query_aware else "select_vertical_slash"][0])
     select_s = max(select["flops"] / rates.peak_flops, select["hbm_bytes"] / rates.hbm_bandwidth)
     around_grouped, around_dense = _outside_kernels(grouped_program[0]), _outside_kernels(programs["dense"][0])
     grouped = cost.grouped_sparse(mask_BHnn, K, opts.block, h, tpu.SLAB)
@@ -128,7 +138,7 @@ def layer_bound(q_NHh, k_NKh, opts: FlexPrefillOptions, chip_name: str, compiled
                      / (seconds["selection"] + seconds["around_grouped"] + float(grouped.seconds(bare))))
     nonempty = seconds["around_dense"] + float(dense._replace(grid_steps=nt * (nt + 1) // 2 * H).seconds(rates))
     return {
-        "density": round(float(mask_Hnn.sum() / (H * causal)), 4),
+        "density": round(float(mask_Hnn.sum() / (H * causal)), 4), "query_aware_heads": query_aware,
         "union_density": round(float(union_Knn.sum() / (K * causal)), 4),
         "step_s": rates.step_s, "width": width,
         "selection": {k: v for k, v in select.items() if k != "temp_gib"},
@@ -145,6 +155,7 @@ def layer_bound(q_NHh, k_NKh, opts: FlexPrefillOptions, chip_name: str, compiled
         "chosen": "sparse" if seconds["grouped_kernel"] < seconds["dense_kernel"] else "dense",
         "temp_gib": {"select": select["temp_gib"], "grouped": around_grouped["temp_gib"],
                      "dense": around_dense["temp_gib"]},
-        "compile_s": {"select": round(programs["select"][2], 1), "grouped": round(grouped_program[2], 1),
+        "compile_s": {"select": round(programs["select"][2] + programs["select_vertical_slash"][2], 1),
+                      "grouped": round(grouped_program[2], 1),
                       "dense": round(programs["dense"][2], 1)},
     }

@@ -74,6 +74,8 @@ HEAVY_FILES = {
     "test_compile_only.py": "TPU compiles",
     "test_plan.py": "TPU compiles",
     "test_flexprefill_splash.py": "TPU compiles and interpreted kernels",
+    "test_flexprefill_tpu.py": "interpreted TPU kernels",
+    "test_flexprefill_gpu.py": "interpreted Triton kernels",
     "test_gmm_megablox.py": "TPU compiles and interpreted kernels",
     "test_trainer_distributed.py": "multi-process pods",
     "test_bucket_runs.py": "multi-process pods in a bucket",

@@ -133,3 +133,31 @@ def test_the_lowering_check_catches_tiles_triton_rejects(monkeypatch):
     monkeypatch.setattr(fg, "check_tile", lambda *_: None)
     with pytest.raises(ValueError, match="power of 2"):
         lower_for_cuda(96, 24, jnp.float32)
+
+
+def test_device_prefill_on_the_gpu_kernels_equals_the_host_prefill():
+    """A 3-layer model (a sliding-window layer, two full ones) prefilled as on a GPU, the Triton kernel and
+    the platform's fused dense attention interpreted here, equals the layer-by-layer host prefill: logits,
+    densities, and the sparse kernel reported for the full layers only."""
+    from trainer_fixtures import tiny_spec
+
+    from upcycler.train.config import ModelConfig
+    from upcycler.train.evaluation.config import PrefillConfig
+    from upcycler.train.evaluation.prefill import PrefillModel
+    from upcycler.train.model.params import init_params
+
+    spec = tiny_spec(num_layers=3, layer_types=("sliding_attention", "full_attention", "full_attention"),
+                     sliding_window=50, max_position_embeddings=1024, head_dim=16)
+    params = init_params(spec, jax.random.key(0))
+    cfg = ModelConfig(compute_dtype="float32", attention="flexprefill")
+    prefill = PrefillConfig(prefill_block=32, prefill_min_budget=32, prefill_gamma=0.3, prefill_tau=0.0,
+                            prefill_dense_above=1.0, prefill_kernel="sparse")
+    host = PrefillModel(spec, params, cfg, prefill=prefill, device=False)
+    device = PrefillModel(spec, params, cfg, prefill=prefill, device=True, interpret=True, platform="gpu")
+    rng = np.random.default_rng(5)
+    prompts, answers = rng.integers(0, spec.vocab_size, (2, 300)), rng.integers(0, spec.vocab_size, (2, 3))
+    for got, want in zip(device.run_batch(prompts, answers), host.run_batch(prompts, answers), strict=True):
+        np.testing.assert_allclose(got.last_logits, want.last_logits, **FP32)
+        np.testing.assert_allclose(got.answer_logits, want.answer_logits, **FP32)
+        np.testing.assert_allclose(got.stats.density, want.stats.density, rtol=1e-6)
+        assert got.stats.sparse.tolist() == want.stats.sparse.tolist() == [False, True, True]

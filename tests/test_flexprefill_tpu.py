@@ -5,8 +5,8 @@ The kernel computes what the CPU path computes on the same block masks: grouped-
 multi-head, lengths on and off the block grid, heads of one key head selecting different blocks, a batch
 whose prompts fall back differently (one causal mask, one sparse), step tables split across several
 kernel calls (the next row's first slab fetched across a call's rows, and rows of padding past the last
-block), and a sliding window through a band mask. The cost model counts what the kernels do by hand-counted
-masks, and the device prefill chooses dense where the model predicts it faster and says so.
+block), and a sliding window through a band mask. The device prefill chooses dense where the cost model
+predicts it faster, and says so. (The step tables and the cost model alone: test_flexprefill_cost.py.)
 """
 
 from __future__ import annotations
@@ -19,14 +19,9 @@ import numpy as np
 import pytest
 from test_flexprefill_splash import BLOCK, FP32, block_masks, host_sparse, qkv
 
-from upcycler import hardware
 from upcycler.train.model import flexprefill as fp
-from upcycler.train.model import flexprefill_cost as cost
 from upcycler.train.model import flexprefill_device as fd
-from upcycler.train.model import flexprefill_splash as fs
 from upcycler.train.model import flexprefill_tpu as tpu
-
-V5E = cost.ChipRates.of(next(c for c in hardware.chips() if c.name == "TPU v5e"))
 
 
 @pytest.fixture(autouse=True)
@@ -70,53 +65,6 @@ def test_a_band_mask_with_a_window_equals_the_windowed_path():
     band = np.broadcast_to((c <= r) & (r - c <= 2), (1, 4, nb, nb))  # 200 keys reach at most 2 blocks back
     got = tpu.block_sparse_attention(q, k, v, jnp.asarray(band), BLOCK, window=200, interpret=True)
     np.testing.assert_allclose(got[0], fp.causal_attention(q[0], k[0], v[0], window=200), **FP32)
-
-
-def test_step_tables_hold_the_union_diagonal_first_with_each_heads_bits():
-    mask = np.zeros((1, 2, 3, 3), bool)  # one key head, G = 2, three blocks
-    mask[0, 0, 2, [0, 2]] = True  # head 0, row 2: the sink and the diagonal
-    mask[0, 1, 2, [1, 2]] = True  # head 1, row 2: block 1 and the diagonal
-    entries, count = tpu.step_tables(jnp.asarray(mask), 1, 3, rows=4)
-    ids, bits = np.asarray(entries) & ((1 << 20) - 1), np.asarray(entries) >> 20
-    assert count.tolist() == [[1, 1, 3, 1]]  # the diagonal alone, then the union; a padding row lists one
-    assert ids[0, 2, :3].tolist() == [2, 0, 1] and bits[0, 2, :3].tolist() == [0b11, 0b01, 0b10]
-    assert bits[0, 2, 3:].tolist() == [0] * (entries.shape[-1] - 3)  # slots past the count select nothing
-    assert ids[0, 0, 0] == 0 and bits[0, 0, 0] == 0b11  # the diagonal is every head's
-    assert ids[0, 3, 0] == 0 and bits[0, 3, 0] == 0b11  # the padding row reads block 0 for every head
-
-
-def test_cost_model_counts_by_hand():
-    """The counts of a hand-built selection: N = 1024 in 8 blocks, H = 4 query heads on K = 2 key heads."""
-    mask = np.zeros((1, 4, 8, 8), bool)
-    mask[0, 0, 7, :5] = True  # key head 0, row 7: head 0 lists blocks 0-4, head 1 blocks 3-6
-    mask[0, 1, 7, 3:7] = True
-    grouped = cost.grouped_sparse(mask, 2, 128, 64, slab=4)
-    # union per (key head, row): 1 (the diagonal) everywhere except key head 0's row 7: blocks 0-7, 8 of them
-    assert int(grouped.grid_steps) == 16 and int(grouped.iterations) == 15 + 2
-    assert float(grouped.flops) == 4.0 * 256 * 512 * 64 * 17
-    assert float(grouped.bytes) == 17 * 2 * 512 * 64 * 2 + 16 * 2 * 256 * 64 * 2
-    dense = cost.dense_causal(1, 1024, 4, 64, tile=512)
-    assert dense.grid_steps == 4 * 2 * 2 and dense.flops == 4.0 * 512 * 512 * 64 * 4 * 3
-    seconds = float(dense.seconds(V5E))
-    assert seconds == pytest.approx(max(dense.flops / V5E.peak_flops, dense.bytes / V5E.hbm_bandwidth) + 16 * 0.35e-6)
-
-
-def test_the_model_prefers_sparse_for_long_sparse_prompts_only():
-    """At 32k a selection of sink, diagonal and a few slashes (density ~3%) is predicted several times
-    faster than dense splash on a v5e, even charged its computed tiles alone (the figure the choice uses);
-    every causal block selected costs the grouped kernel about dense's FLOPs and over 4× the sparse time."""
-    nb, H, K = 256, 9, 3
-    r, c = np.arange(nb)[:, None], np.arange(nb)[None, :]
-    sparse = np.broadcast_to((c <= r) & ((c == 0) | (r - c < 8)), (1, H, nb, nb))
-    full = np.broadcast_to(c <= r, (1, H, nb, nb))
-    dense_s = float(cost.dense_causal(1, nb * 128, H, 64, fs.DENSE_TILE, empty_steps=False).seconds(V5E))
-    splash_s = float(cost.dense_causal(1, nb * 128, H, 64, fs.DENSE_TILE).seconds(V5E))
-    sparse_s = float(cost.grouped_sparse(sparse, K, 128, 64, tpu.SLAB).seconds(V5E))
-    assert sparse_s < dense_s / 3 < splash_s / 3
-    full_work = cost.grouped_sparse(full, K, 128, 64, tpu.SLAB)
-    assert float(full_work.seconds(V5E)) > 4 * sparse_s
-    dense_flops = cost.dense_causal(1, nb * 128, H, 64, 128).flops  # causal in the kernel's 128-token blocks
-    assert 1 <= float(full_work.flops) / dense_flops < 1.05  # rows rounded up to whole slabs
 
 
 def test_auto_runs_dense_where_predicted_faster_and_says_so():

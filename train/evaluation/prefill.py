@@ -72,13 +72,15 @@ class PrefillModel:
     FlexPrefill's selection from `prefill`)."""
 
     def __init__(self, spec: ModelSpec, params: Params, cfg: ModelConfig = ModelConfig(), *,
-                 prefill: PrefillConfig = PrefillConfig(), device: bool | None = None, interpret: bool = False):
+                 prefill: PrefillConfig = PrefillConfig(), device: bool | None = None, interpret: bool = False,
+                 platform: str | None = None):
         """`device`: prefill through `device_prefill` (default: when JAX's backend is a TPU or a GPU;
         `interpret` runs its kernels in the Pallas interpreter, for tests off the accelerator, as a TPU's
-        unless the backend is a GPU)."""
+        unless the backend is a GPU; `platform` names the kernels' platform, tpu or gpu, instead)."""
         self.spec, self.params, self.cfg = spec, params, cfg
         self.options = prefill.options()
-        self.platform = jax.default_backend() if jax.default_backend() in PLATFORMS else "tpu"
+        backend = jax.default_backend()
+        self.platform = platform or (backend if backend in PLATFORMS else "tpu")
         self.device = jax.default_backend() in PLATFORMS if device is None else device
         self.interpret = interpret
         self.batch_size = DEVICE_BATCH if self.device else 1
@@ -86,7 +88,7 @@ class PrefillModel:
             try:
                 check_block(self.options.block, spec.head_dim, self.platform)
             except ValueError as err:
-                raise UpcyclerError(f"--prefill-block {self.options.block}: {err}") from None
+                raise UpcyclerError(f"FlexPrefill on a {self.platform.upper()}: {err}") from None
         self._layer_cfg = replace(cfg, attention="einsum")  # the jitted halves of a layer: not how it attends
 
     @classmethod

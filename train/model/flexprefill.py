@@ -105,12 +105,15 @@ class Result(NamedTuple):
 def select_blocks(q_NHh: jax.Array, k_NKh: jax.Array, opts: FlexPrefillOptions) -> Selection:
     """Which key blocks every query block of every head computes (see the module docstring)."""
     N, H, h = q_NHh.shape
-    G = H // k_NKh.shape[1]
+    K = k_NKh.shape[1]
+    G = H // K
     bs, nb = opts.block, opts.blocks(N)
-    q_NHh, k_NHh = q_NHh.astype(jnp.float32), jnp.repeat(k_NKh.astype(jnp.float32), G, axis=1)
     P = min(bs, N)
-    probe_PHh = q_NHh[N - P:] * h**-0.5
-    scores_HPN = jnp.einsum("phd,nhd->hpn", probe_PHh, k_NHh, precision="highest")
+    # fp32 throughout; the keys are read once per key head (not repeated per query head) and the queries
+    # only where the probe and the block means need them
+    probe_PHh = q_NHh[N - P:].astype(jnp.float32) * h**-0.5
+    scores_HPN = jnp.einsum("pkgd,nkd->kgpn", probe_PHh.reshape(P, K, G, h), k_NKh.astype(jnp.float32),
+                            precision="highest").reshape(H, P, N)
     visible_PN = jnp.arange(N)[None, :] <= (N - P + jnp.arange(P))[:, None]
     probs_HPN = jax.nn.softmax(jnp.where(visible_PN, scores_HPN, -jnp.inf), axis=-1)
     vertical_HN = probs_HPN.mean(1)
@@ -127,7 +130,7 @@ def select_blocks(q_NHh: jax.Array, k_NKh: jax.Array, opts: FlexPrefillOptions) 
         n_vertical_H = _coverage_count(vertical_Hn, 0, opts.gamma)
         n_slash_H = _coverage_count(slash_Hn, nb - 1, opts.gamma)
 
-    key_means_nHh = _block_means(k_NHh, bs)
+    key_means_nHh = jnp.repeat(_block_means(k_NKh, bs), G, axis=1)
     estimate_Hn = jax.nn.softmax(jnp.einsum("hd,nhd->hn", probe_PHh.mean(0), key_means_nHh, precision="highest"))
     query_aware_H = _sqrt_js_divergence(estimate_Hn, vertical_Hn) < opts.tau
     n_vertical_H = jnp.where(query_aware_H, lo, jnp.clip(n_vertical_H, lo, hi))
@@ -141,8 +144,11 @@ def select_blocks(q_NHh: jax.Array, k_NKh: jax.Array, opts: FlexPrefillOptions) 
     r, c = jnp.arange(nb)[:, None], jnp.arange(nb)[None, :]
     causal_nn = c <= r
     mask_Hnn = causal_nn & (columns_Hn[:, None, :] | offsets_Hn[:, jnp.clip(r - c, 0, nb - 1)])
-    pooled_Hnn = _pooled_blocks(q_NHh, key_means_nHh, causal_nn, opts.gamma, bs)
-    mask_Hnn = mask_Hnn | (query_aware_H[:, None, None] & pooled_Hnn)
+    if opts.tau > 0:  # the pooled blocks (a sort of nb² entries per head) only when some head is query-aware
+        pooled_Hnn = jax.lax.cond(query_aware_H.any(),
+                                  lambda: _pooled_blocks(q_NHh, key_means_nHh, causal_nn, opts.gamma, bs),
+                                  lambda: jnp.zeros((H, nb, nb), bool))
+        mask_Hnn = mask_Hnn | (query_aware_H[:, None, None] & pooled_Hnn)
     return Selection(mask_Hnn, query_aware_H, vertical_Hn)
 
 
@@ -153,7 +159,8 @@ def _pooled_slash(probs_HPN: jax.Array, vertical_Hn: jax.Array, bs: int) -> jax.
     probe, no shifted copies)."""
     P, N = probs_HPN.shape[1:]
     stays_PN = jnp.arange(N)[None, :] % bs <= jnp.arange(P)[:, None]
-    stay_Hn = _sum_pool(jnp.einsum("hpn,pn->hn", probs_HPN, stays_PN.astype(probs_HPN.dtype), precision="highest"), bs)
+    # an elementwise product and a sum, not a matmul: it fuses with the vertical's sum over the probe rows
+    stay_Hn = _sum_pool(jnp.where(stays_PN, probs_HPN, 0.0).sum(1), bs)
     move_Hn = P * vertical_Hn - stay_Hn
     return (stay_Hn + jnp.pad(move_Hn[:, :-1], ((0, 0), (1, 0)))) / P
 
@@ -174,10 +181,11 @@ def _sum_pool(x_HN: jax.Array, bs: int) -> jax.Array:
 
 
 def _block_means(x_NHh: jax.Array, bs: int) -> jax.Array:
-    """Per block of `bs` positions, the mean vector [nb, H, h] (the last block over its real positions)."""
+    """Per block of `bs` positions, the mean vector [nb, H, h] in fp32 (the last block over its real
+    positions)."""
     N, H, h = x_NHh.shape
     nb = math.ceil(N / bs)
-    sums = jnp.pad(x_NHh, ((0, nb * bs - N), (0, 0), (0, 0))).reshape(nb, bs, H, h).sum(1)
+    sums = jnp.pad(x_NHh, ((0, nb * bs - N), (0, 0), (0, 0))).reshape(nb, bs, H, h).sum(1, dtype=jnp.float32)
     counts = jnp.minimum(bs, N - bs * jnp.arange(nb)).astype(jnp.float32)
     return sums / counts[:, None, None]
 

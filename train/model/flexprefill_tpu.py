@@ -62,7 +62,7 @@ _MASKED = float(np.finfo(np.float32).min) * 0.7  # finite: masked scores give ex
 def check_block(block: int) -> None:
     """A TPU kernel tiles by the FlexPrefill block: it must be a positive multiple of 128 (the lanes)."""
     if block <= 0 or block % LANES:
-        raise ValueError(f"a block of {block} tokens cannot tile the TPU kernels: use a multiple of {LANES} "
+        raise ValueError(f"prefill_block {block} cannot tile the TPU kernels: use a multiple of {LANES} "
                          "(128 is the paper's)")
 
 
