@@ -21,8 +21,10 @@ of its `cond` counted, and the pooled blocks' sort of nb² entries per head char
 TPU sorts in several passes: an undercount at 128k, where that sort holds 1M entries per head). The XLA work around each kernel (padding, folding the batch into the
 heads, step tables, the output's transpose) is charged the same way from its compiled program, the
 kernels left out of the walk (their traffic depends on the mask: the cost model counts it). Inputs are
-bf16, what a TPU prefill would use. `ratio` = dense / (selection + wrapper + grouped kernel), step costs
-included; `ratio_without_steps` drops every step cost from both sides.
+bf16, what a TPU prefill would use. `ratio` = dense / what the device prefill runs, step costs included:
+the selection, then the grouped kernel and the XLA work around it, or dense after a fallback (a selection
+over `dense_above`) or where the model predicts dense faster (`chosen`); `ratio_without_steps` is the
+grouped path's with every step cost dropped from both sides.
 
 These are bounds and estimates, not measurements: each kernel is assumed to reach the roofline of its
 FLOPs and bytes, plus the stated cost per step.
@@ -123,7 +125,6 @@ def layer_bound(q_NHh, k_NKh, opts: FlexPrefillOptions, chip_name: str, compiled
     dense = cost.dense_causal(1, N, H, h, fs.DENSE_TILE)
     splash_width = next(w for w in tpu.step_widths(nb) if w >= int((mask_Hnn | np.eye(nb, dtype=bool)).sum(-1).max()))
     splash = cost.per_head_sparse(mask_BHnn, opts.block, h)._replace(grid_steps=H * nb * splash_width)
-    nt = -(-N // fs.DENSE_TILE)
     seconds = {
         "selection": select_s,
         "around_grouped": around_grouped["hbm_bytes"] / rates.hbm_bandwidth,
@@ -132,11 +133,17 @@ def layer_bound(q_NHh, k_NKh, opts: FlexPrefillOptions, chip_name: str, compiled
         "dense_kernel": float(dense.seconds(rates)),
         "splash_selection_kernel": float(splash.seconds(rates)),
     }
-    flexprefill_s = seconds["selection"] + seconds["around_grouped"] + seconds["grouped_kernel"]
     dense_s = seconds["around_dense"] + seconds["dense_kernel"]
+    nt = -(-N // fs.DENSE_TILE)
+    nonempty = seconds["around_dense"] + float(dense._replace(grid_steps=nt * (nt + 1) // 2 * H).seconds(rates))
+    # what the device prefill runs for this prompt: a selection over `dense_above` falls back to dense; else
+    # the grouped kernel where the model predicts it beats dense charged its computed tiles alone
+    fallback = bool(opts.runs_dense(N) or mask_Hnn.sum() / (H * causal) > opts.dense_above)
+    chosen = "sparse" if not fallback and seconds["grouped_kernel"] < nonempty - seconds["around_dense"] else "dense"
+    flexprefill_s = seconds["selection"] + (seconds["around_grouped"] + seconds["grouped_kernel"] if chosen == "sparse"
+                                            else dense_s)
     without_steps = ((seconds["around_dense"] + float(dense.seconds(bare)))
                      / (seconds["selection"] + seconds["around_grouped"] + float(grouped.seconds(bare))))
-    nonempty = seconds["around_dense"] + float(dense._replace(grid_steps=nt * (nt + 1) // 2 * H).seconds(rates))
     return {
         "density": round(float(mask_Hnn.sum() / (H * causal)), 4), "query_aware_heads": query_aware,
         "union_density": round(float(union_Knn.sum() / (K * causal)), 4),
@@ -146,13 +153,14 @@ def layer_bound(q_NHh, k_NKh, opts: FlexPrefillOptions, chip_name: str, compiled
                     "splash_selection": _work(splash, rates)},
         "around_kernels_bytes": {"grouped": around_grouped["hbm_bytes"], "dense": around_dense["hbm_bytes"]},
         "seconds": {**seconds, "flexprefill": flexprefill_s, "dense": dense_s,
+                    "grouped": seconds["selection"] + seconds["around_grouped"] + seconds["grouped_kernel"],
                     "dense_nonempty_steps": nonempty,
                     "splash_selection": seconds["selection"] + seconds["splash_selection_kernel"]},
         "ratio": round(dense_s / flexprefill_s, 3),
         "ratio_vs_dense_nonempty_steps": round(nonempty / flexprefill_s, 3),
         "ratio_without_steps": round(without_steps, 3),
         "ratio_splash_selection": round(dense_s / (seconds["selection"] + seconds["splash_selection_kernel"]), 3),
-        "chosen": "sparse" if seconds["grouped_kernel"] < seconds["dense_kernel"] else "dense",
+        "fallback": fallback, "chosen": chosen,
         "temp_gib": {"select": select["temp_gib"], "grouped": around_grouped["temp_gib"],
                      "dense": around_dense["temp_gib"]},
         "compile_s": {"select": round(programs["select"][2] + programs["select_vertical_slash"][2], 1),

@@ -182,7 +182,12 @@ def test_needle_against_itself(against_itself):
         density = e["model"]["density_by_layer"]
         assert len(density) == 4 and all(0 < d <= 1 for d in density) and 0 < e["model"]["density"] < 1
         assert e["model"]["density"] == pytest.approx(np.mean(density))
+        # which layers ran sparse, per layer over the prompts: exactly those that computed fewer blocks
+        assert [s > 0 for s in e["model"]["sparse_by_layer"]] == [d < 1 for d in density]
     assert len(result["items"]) == 6
+    for item in result["items"]:  # a prompt ran some layer sparse exactly when it computed fewer blocks
+        assert 0 <= item["model"]["sparse_layers"] <= 4
+        assert (item["model"]["sparse_layers"] > 0) == (item["model"]["density"] < 1)
     for item in result["items"]:
         assert {"length", "key", "depth", "target_depth", "needle_start", "answer_ids", "model", "vs", "kl",
                 "top1_agree"} <= item.keys()
