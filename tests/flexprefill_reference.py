@@ -250,3 +250,47 @@ def reference_block_mask(
     sel = reference_selection(q_NHh, k_NKh, block=block, gamma=gamma, tau=tau,
                               min_budget_blocks=min_budget_blocks, max_budget_blocks=max_budget_blocks)
     return sel.mask_Hnn, sel.query_aware_H
+
+
+def attention_rows(
+    q_NHh: np.ndarray,
+    k_NKh: np.ndarray,
+    v_NKh: np.ndarray,
+    rows: np.ndarray,
+    *,
+    block: int,
+    masks: tuple[np.ndarray, ...] = (),
+    chunk: int = 256,
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """Causal softmax attention of the queries `rows` only, in fp64, dense and over block masks.
+
+    Returns (dense [R, H, h], block_mass [R, H, nb], [sparse [R, H, h] per mask]): the dense output, the
+    dense softmax probability each key block holds for each row (its entries sum to 1 over the blocks), and
+    for each mask [H, nb, nb] the output of the softmax taken over the keys of the selected blocks only
+    (key j is seen by query i when j <= i and mask[head, i // block, j // block]). The sparse outputs come
+    from the same probabilities as the dense one, renormalised over the selected keys: an independent check
+    of a block-sparse kernel, with no block lists, slots or padding. `chunk` rows at a time.
+    """
+    n, heads, head_dim = q_NHh.shape
+    group = heads // k_NKh.shape[1]
+    nb = math.ceil(n / block)
+    rows = np.asarray(rows)
+    dense = np.empty((len(rows), heads, head_dim))
+    mass = np.empty((len(rows), heads, nb))
+    sparse = [np.empty((len(rows), heads, head_dim)) for _ in masks]
+    key_block = np.arange(n) // block
+    for h in range(heads):
+        k = np.asarray(k_NKh[:, h // group], np.float64)
+        v = np.asarray(v_NKh[:, h // group], np.float64)
+        for start in range(0, len(rows), chunk):
+            r = rows[start:start + chunk]
+            s = (np.asarray(q_NHh[r, h], np.float64) / math.sqrt(head_dim)) @ k.T
+            s = np.where(np.arange(n)[None, :] <= r[:, None], s, -np.inf)
+            p = np.exp(s - s.max(1, keepdims=True))
+            p /= p.sum(1, keepdims=True)
+            dense[start:start + chunk, h] = p @ v
+            mass[start:start + chunk, h] = _sum_pool(p, block)
+            for out, mask in zip(sparse, masks, strict=True):
+                selected = p * mask[h][(r // block)[:, None], key_block[None, :]]
+                out[start:start + chunk, h] = (selected @ v) / selected.sum(1, keepdims=True)
+    return dense, mass, sparse
