@@ -4,7 +4,8 @@
     python bench/prefill_aot.py --chips v5e --lengths 32k --batches 4 --model DIR
 
 For each (chip, batch, prompt length): one JSON line with the compiled peak per chip (arguments, weights
-included, plus temporaries plus outputs) against the chip's HBM, whether it fits, and the compile time.
+included, plus temporaries plus outputs) against the chip's HBM, whether it fits, and the compile time; a
+program the compiler refuses as over the chip's HBM is `fits: false` with the compiler's line.
 The model's weights are abstract (its config.json alone), fp32 as `upcycle eval` runs them.
 """
 
@@ -14,6 +15,8 @@ import argparse
 import json
 import time
 from pathlib import Path
+
+import jax
 
 from upcycler.io.hf_read import read_spec
 from upcycler.train.aot.prefill import compile_prefill
@@ -37,13 +40,18 @@ def main() -> None:
         for length in parse_lengths(args.lengths):
             for batch in (int(b) for b in args.batches.split(",")):
                 start = time.perf_counter()
-                compiled = compile_prefill(spec, cfg, chip=chip, batch=batch, length=length)
-                print(json.dumps({
-                    "bench": "prefill_aot", "model": args.model.name, "attention": args.attention, "chip": chip,
-                    "batch": batch, "length": length, "peak_gib": round(compiled.peak_bytes / 2**30, 2),
-                    "hbm_gib": round(compiled.hbm_bytes / 2**30, 2), "fits": compiled.fits,
-                    "compile_s": round(time.perf_counter() - start, 1),
-                }), flush=True)
+                line = {"bench": "prefill_aot", "model": args.model.name, "attention": args.attention, "chip": chip,
+                        "batch": batch, "length": length}
+                try:
+                    compiled = compile_prefill(spec, cfg, chip=chip, batch=batch, length=length)
+                except jax.errors.JaxRuntimeError as err:  # the compiler refuses a program over the chip's HBM
+                    if "RESOURCE_EXHAUSTED" not in str(err):
+                        raise
+                    line.update(fits=False, error=str(err).splitlines()[0][:300])
+                else:
+                    line.update(peak_gib=round(compiled.peak_bytes / 2**30, 2),
+                                hbm_gib=round(compiled.hbm_bytes / 2**30, 2), fits=compiled.fits)
+                print(json.dumps({**line, "compile_s": round(time.perf_counter() - start, 1)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -90,8 +90,8 @@ def step_tables(mask_BHnn: jax.Array, kv_heads: int, width: int, rows: int) -> t
     G = H // kv_heads
     mask_FGnn = mask_BHnn.reshape(B * kv_heads, G, nb, nb) | jnp.eye(nb, dtype=bool)
     ids_Fns, valid_Fns = block_lists(mask_FGnn.any(1), width)
-    picked_FGns = jnp.take_along_axis(mask_FGnn, ids_Fns[:, None], axis=-1) & valid_Fns[:, None]
-    bits_Fns = (picked_FGns.astype(jnp.int32) << jnp.arange(G, dtype=jnp.int32)[None, :, None, None]).sum(1)
+    bits_Fns = sum((jnp.take_along_axis(mask_FGnn[:, g], ids_Fns, axis=-1) & valid_Fns).astype(jnp.int32) << g
+                   for g in range(G))
     count_Fn = valid_Fns.sum(-1).astype(jnp.int32)
     last_Fn1 = jnp.take_along_axis(ids_Fns, jnp.maximum(count_Fn - 1, 0)[..., None], axis=-1)
     entries_Fns = jnp.where(valid_Fns, ids_Fns | (bits_Fns << _ID_BITS), last_Fn1)
@@ -122,24 +122,23 @@ def block_sparse_attention(q_BNHh, k_BNKh, v_BNKh, mask_BHnn, block: int, *, win
     union_Fnn = mask_BHnn.reshape(B * K, H // K, nb, nb).any(1) | jnp.eye(nb, dtype=bool)
     densest = union_Fnn.sum(-1).max()
     branch = sum((densest > w).astype(jnp.int32) for w in widths[:-1])
-    kernels = [partial(_attend, mask_BHnn=mask_BHnn, width=w, block=block, window=window, interpret=interpret)
+    kernels = [partial(_attend, mask_BHnn=mask_BHnn, width=w, block=block, window=window, length=N,
+                       interpret=interpret)
                for w in widths]
-    out_FGPh = jax.lax.switch(branch, kernels, q_FGPh, k_FPh, v_FPh)
-    out = out_FGPh.reshape(B, K, H // K, P, h)[:, :, :, :N].transpose(0, 3, 1, 2, 4).reshape(B, N, H, h)
-    return out.astype(q_BNHh.dtype)
+    return jax.lax.switch(branch, kernels, q_FGPh, k_FPh, v_FPh).astype(q_BNHh.dtype)
 
 
-def _attend(q_FGPh, k_FPh, v_FPh, *, mask_BHnn, width: int, block: int, window: int, interpret: bool):
+def _attend(q_FGPh, k_FPh, v_FPh, *, mask_BHnn, width: int, block: int, window: int, length: int,
+            interpret: bool):
     """The kernel over step tables of `width` slots, one call per key head and run of query blocks whose
-    tables fit `SMEM_ENTRIES` (`lax.map`): [F, G, P, h]."""
+    tables fit `SMEM_ENTRIES` (`lax.map`, the runs as even as they can be): [B, length, H, h]."""
     F, G, P, h = q_FGPh.shape
-    nb = P // block
+    B, nb = mask_BHnn.shape[0], P // block
     slots = math.ceil(width / SLAB) * SLAB
-    rows = max(1, min(nb, SMEM_ENTRIES // slots))
-    chunks = math.ceil(nb / rows)
-    entries_Fns, count_Fn = step_tables(mask_BHnn, F // mask_BHnn.shape[0], width, chunks * rows)
-    q_FGPh = jnp.pad(q_FGPh, ((0, 0), (0, 0), (0, chunks * rows * block - P), (0, 0)))
-    kernel = _kernel_call(G, rows, block, h, window, q_FGPh.dtype, interpret)
+    chunks = math.ceil(nb / max(1, min(nb, SMEM_ENTRIES // slots)))
+    rows = math.ceil(nb / chunks)
+    entries_Fns, count_Fn = step_tables(mask_BHnn, F // B, width, chunks * rows)
+    kernel = _kernel_call(G, rows, block, h, window, q_FGPh.dtype, interpret, last_block=nb - 1)
 
     def one_call(index):
         head, chunk = index // chunks, index % chunks
@@ -151,13 +150,15 @@ def _attend(q_FGPh, k_FPh, v_FPh, *, mask_BHnn, width: int, block: int, window: 
         return kernel(place, entries, count, first, q_FGPh, k_FPh, v_FPh)
 
     out_cGRh = jax.lax.map(one_call, jnp.arange(F * chunks))
-    out = out_cGRh.reshape(F, chunks, G, rows * block, h).transpose(0, 2, 1, 3, 4).reshape(F, G, -1, h)
-    return out[:, :, :P]
+    # one transpose to the caller's layout: [B, K, chunks, G, rows·block, h] → [B, chunks·rows·block, K·G, h]
+    out = out_cGRh.reshape(B, F // B, chunks, G, rows * block, h).transpose(0, 2, 4, 1, 3, 5)
+    return out.reshape(B, chunks * rows * block, F // B * G, h)[:, :length]
 
 
-def _kernel_call(G: int, rows: int, block: int, h: int, window: int, dtype, interpret: bool):
-    """The pallas_call of one key head and `rows` query blocks: grid (rows,), q and out by BlockSpec, k and v
-    left in HBM and copied slab by slab."""
+def _kernel_call(G: int, rows: int, block: int, h: int, window: int, dtype, interpret: bool, *, last_block: int):
+    """The pallas_call of one key head and `rows` query blocks: grid (rows,), q and out by BlockSpec (a row
+    past `last_block`, padding, reads the last query block again), k and v left in HBM and copied slab by
+    slab."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
@@ -166,7 +167,8 @@ def _kernel_call(G: int, rows: int, block: int, h: int, window: int, dtype, inte
     spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=4,  # place [key head, first row], entries [rows, slots], count [rows], first [rows]
         grid=(rows,),
-        in_specs=[pl.BlockSpec((None, G, block, h), lambda i, place, *_: (place[0], 0, place[1] + i, 0)),
+        in_specs=[pl.BlockSpec((None, G, block, h),
+                               lambda i, place, *_: (place[0], 0, jnp.minimum(place[1] + i, last_block), 0)),
                   pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec((G, block, h), lambda i, *_: (0, i, 0)),
         scratch_shapes=[pltpu.VMEM((2, keys, h), dtype), pltpu.VMEM((2, keys, h), dtype),
