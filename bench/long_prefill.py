@@ -40,7 +40,9 @@ For each length, one JSON line with:
 them without the model (no end-to-end), so a machine that cannot hold the model or build the prompt (an
 accelerator host) still times real selections. Off CPU, `dot_product` (`jax.nn.dot_product_attention`,
 causal, in bfloat16: the platform's fused dense attention, cuDNN's flash attention on a GPU) is timed
-beside the model's own dense path (on a CPU it would materialise every score: skipped).
+beside the model's own dense path (on a CPU it would materialise every score: skipped), and so is `device`:
+FlexPrefill as `upcycle eval` runs it on that accelerator (`flexprefill_device`, the selection then the
+platform's sparse kernel, forced, in bfloat16); `ratio_device_vs_dot_product` = dot_product / device.
 
 `--topology v5e` (or v6e, v5p, v4) replaces the timing by bounds on one chip of that TPU, from executables
 compiled here (`bench/prefill_roofline.py`): per layer the selection's and the kernels' FLOPs and bytes,
@@ -189,6 +191,19 @@ def fused_dense(q, k, v):
 fused_dense_jit = jax.jit(fused_dense)
 
 
+def device_flexprefill(q, k, v, opts: FlexPrefillOptions):
+    """FlexPrefill as the device prefill runs it on this accelerator (`flexprefill_device`: the selection,
+    then the platform's sparse kernel, forced), in bfloat16 like `fused_dense`, [N, H, h]."""
+    from upcycler.train.model.flexprefill_device import flexprefill_attention
+
+    q, k, v = (x.astype(jax.numpy.bfloat16)[None] for x in (q, k, v))
+    forced = dataclasses.replace(opts, kernel="sparse", dense_above=1.0)
+    return flexprefill_attention(q, k, v, forced, platform=jax.default_backend()).out_BNHh[0]
+
+
+device_flexprefill_jit = jax.jit(device_flexprefill, static_argnames="opts")
+
+
 def keeping(outputs: dict, name: str, fn: Callable) -> Callable:
     """`fn`, its last result kept in `outputs[name]` (the timed calls also give the outputs compared)."""
 
@@ -209,6 +224,7 @@ def attention_op(qkv: dict[int, tuple[jax.Array, ...]], opts: FlexPrefillOptions
         calls[f"dense/{layer}"] = (keeping(outputs, f"dense/{layer}", causal_attention_jit), (q, k, v))
         if jax.default_backend() != "cpu":
             calls[f"dot_product/{layer}"] = (fused_dense_jit, (q, k, v))
+            calls[f"device/{layer}"] = (lambda q, k, v: device_flexprefill_jit(q, k, v, opts), (q, k, v))
         calls[f"select/{layer}"] = (keeping(outputs, f"select/{layer}", lambda q, k: select_blocks_jit(q, k, opts)),
                                     (q, k))
     with jax.default_matmul_precision("highest"):  # as PrefillModel runs the layers
@@ -217,7 +233,7 @@ def attention_op(qkv: dict[int, tuple[jax.Array, ...]], opts: FlexPrefillOptions
     per_layer = {}
     for layer, (q, _, _) in qkv.items():
         sparse, dense, selection = (outputs[f"{kind}/{layer}"] for kind in ("flexprefill", "dense", "select"))
-        t = {kind: times[f"{kind}/{layer}"] for kind in ("flexprefill", "dense", "select", "dot_product")
+        t = {kind: times[f"{kind}/{layer}"] for kind in ("flexprefill", "dense", "select", "dot_product", "device")
              if f"{kind}/{layer}" in times}
         nb = opts.blocks(q.shape[0])
         selected = np.asarray(selection.mask_Hnn.sum((-2, -1))) / (nb * (nb + 1) / 2)
@@ -226,7 +242,8 @@ def attention_op(qkv: dict[int, tuple[jax.Array, ...]], opts: FlexPrefillOptions
             "seconds": {kind: round(t[kind]["wall"], 4) for kind in t},
             "cpu_seconds": {kind: round(t[kind]["cpu"], 3) for kind in t},
             "ratio": round(t["dense"]["wall"] / t["flexprefill"]["wall"], 3),
-            **({"ratio_dot_product": round(t["dot_product"]["wall"] / t["flexprefill"]["wall"], 3)}
+            **({"ratio_dot_product": round(t["dot_product"]["wall"] / t["flexprefill"]["wall"], 3),
+                "ratio_device_vs_dot_product": round(t["dot_product"]["wall"] / t["device"]["wall"], 3)}
                if "dot_product" in t else {}),
             "density": round(float(np.mean(sparse.density_H)), 4),
             "selection_density": round(float(selected.mean()), 4),

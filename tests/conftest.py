@@ -76,6 +76,7 @@ HEAVY_FILES = {
     "test_flexprefill_splash.py": "TPU compiles and interpreted kernels",
     "test_flexprefill_tpu.py": "interpreted TPU kernels",
     "test_flexprefill_gpu.py": "interpreted Triton kernels",
+    "test_flexprefill_accuracy.py": "an fp64 reference attention, and the real model's selections",
     "test_gmm_megablox.py": "TPU compiles and interpreted kernels",
     "test_trainer_distributed.py": "multi-process pods",
     "test_bucket_runs.py": "multi-process pods in a bucket",
