@@ -206,15 +206,36 @@ def test_device_prefill_refuses_blocks_off_the_kernel_grid():
                      ModelConfig(attention="flexprefill"), prefill=PrefillConfig(prefill_block=64), device=True)
 
 
-@pytest.mark.parametrize("chip,batch", [("v5e", 4), ("v6e", 1)])
-def test_smollm2_prefill_compiles_for_tpu(chip, batch):
-    """SmolLM2-135M's 30 layers prefilled with FlexPrefill through splash attention at 32k tokens, compiled
-    for one TPU chip, fit it (a v5e holds 4 prompts). 128k compiles too, in 1–3 minutes each here:
-    `bench/prefill_aot.py` gives every chip, length and batch."""
+def test_smollm2_prefill_compiles_for_tpu():
+    """SmolLM2-135M's 30 layers prefilled with FlexPrefill at 32k tokens, compiled for one v5e chip, hold 4
+    prompts; the grouped kernel and dense splash are both in the program. 128k and v6e compile too, in 1–3
+    minutes each here: `bench/prefill_aot.py` gives every chip, length and batch."""
     from upcycler.io.hf_read import read_spec
     from upcycler.train.aot.prefill import compile_prefill
 
     cfg = ModelConfig(compute_dtype="float32", attention="flexprefill")
-    compiled = compile_prefill(read_spec(SMOLLM2), cfg, chip=chip, batch=batch, length=32768)
-    assert "tpu_custom_call" in compiled.executable.as_text()  # the kernel is in the program
+    compiled = compile_prefill(read_spec(SMOLLM2), cfg, chip="v5e", batch=4, length=32768)
+    text = compiled.executable.as_text()
+    assert "flexprefill_grouped" in text and "tpu_custom_call" in text  # the kernels are in the program
     assert compiled.fits, (compiled.peak_bytes, compiled.hbm_bytes)
+
+
+@pytest.mark.parametrize("chip", ["v6e", "v5p"])
+def test_the_grouped_kernel_compiles_for_other_chips(chip):
+    """The grouped kernel alone (Mosaic's checks of its tiles, DMAs and scalar tables) at 32k tokens, GQA with
+    G = 3 as SmolLM2, for the chips the model above is not compiled for here."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from upcycler.train.aot.topology import parse_slice, tpu_devices
+    from upcycler.train.model import flexprefill_tpu as tpu
+
+    devices = tpu_devices(parse_slice(f"{chip}-{8 if chip == 'v5p' else 4}"))
+    mesh = Mesh(devices[:1], ("chip",))
+    on_chip = NamedSharding(mesh, PartitionSpec())
+    N, nb = 32768, 256
+    shapes = [((1, N, 9, 64), jnp.bfloat16), ((1, N, 3, 64), jnp.bfloat16), ((1, N, 3, 64), jnp.bfloat16),
+              ((1, 9, nb, nb), jnp.bool_)]
+    args = [jax.ShapeDtypeStruct(s, d, sharding=on_chip) for s, d in shapes]
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(lambda q, k, v, m: tpu.block_sparse_attention(q, k, v, m, BLOCK)).lower(*args).compile()
+    assert "flexprefill_grouped" in compiled.as_text()

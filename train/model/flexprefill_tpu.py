@@ -211,6 +211,8 @@ def _row_kernel(place, entries, count, first, q_ref, k_hbm, v_hbm, o_ref, k_slab
 
     slabs = (count[i] + SLAB - 1) // SLAB
     q = q_ref[...].reshape(G * block, h)
+    # fp32 inputs multiply in full fp32 (as the CPU path at the highest precision); bf16 at the MXU's own
+    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
     query_pos = row * block + jax.lax.broadcasted_iota(jnp.int32, (1, block, 1), 1)
 
     def step(s, carry, *, diagonal: bool):
@@ -229,7 +231,8 @@ def _row_kernel(place, entries, count, first, q_ref, k_hbm, v_hbm, o_ref, k_slab
             for copy in copies(i + 1, 0, 1 - buffer):
                 copy.start()
 
-        scores = jax.lax.dot_general(q, k_slab[buffer], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        scores = jax.lax.dot_general(q, k_slab[buffer], (((1,), (1,)), ((), ())), precision=precision,
+                                     preferred_element_type=jnp.float32)
         scores_Gbk = scores.reshape(G, block, keys)
         entry = [entries[i, s * SLAB + j] for j in range(SLAB)]
         # per head, the slab's key columns its selection covers [G, 1, keys]; unused slots have no bits
@@ -251,7 +254,7 @@ def _row_kernel(place, entries, count, first, q_ref, k_hbm, v_hbm, o_ref, k_slab
         l_new = alpha * l_prev + p.sum(-1, keepdims=True)
         v = v_slab[buffer]
         acc = alpha * acc_prev + jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                                    preferred_element_type=jnp.float32)
+                                                    precision=precision, preferred_element_type=jnp.float32)
         return m_new, l_new, acc
 
     init = (jnp.full((G * block, 1), _MASKED, jnp.float32), jnp.zeros((G * block, 1), jnp.float32),
