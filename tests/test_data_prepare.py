@@ -387,6 +387,7 @@ def _hostile_inputs(root: Path) -> dict[str, tuple[str, str]]:
     }
 
 
+@pytest.mark.heavy  # one prepare-data process per hostile input: 48 s, the fast tier's slowest test
 def test_hostile_inputs_give_one_line_and_leave_nothing(tmp_path: Path) -> None:
     from cli_helpers import assert_clean_failure
 
