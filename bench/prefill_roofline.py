@@ -17,8 +17,8 @@ The selection (`flexprefill.select_blocks`) is compiled for the chip: its FLOPs 
 program has no loop), its HBM bytes the compile report's walk of the optimised HLO
 (`upcycler.train.aot.hbm_traffic`). A layer without query-aware heads is charged the program without the
 query-aware branch (τ = 0), which is what runs; one with them is charged the whole program, both branches
-of its `cond` counted, and the pooled blocks' sort of nb² entries per head charged its operands once (a
-TPU sorts in several passes: an undercount at 128k, where that sort holds 1M entries per head). The XLA work around each kernel (padding, folding the batch into the
+of its `cond` counted (the pooled blocks: a threshold search of six passes over nb² entries per head, 1M
+at 128k, each pass charged its reads by the walk). The XLA work around each kernel (padding, folding the batch into the
 heads, step tables, the output's transpose) is charged the same way from its compiled program, the
 kernels left out of the walk (their traffic depends on the mask: the cost model counts it). Inputs are
 bf16, what a TPU prefill would use. `ratio` = dense / what the device prefill runs, step costs included:
@@ -117,7 +117,7 @@ def layer_bound(q_NHh, k_NKh, opts: FlexPrefillOptions, chip_name: str, compiled
     bare = cost.ChipRates(rates.peak_flops, rates.hbm_bandwidth, 0.0)
 
     # the branch that runs: the query-aware heads' pooled blocks only when some head is query-aware (that
-    # program's HLO walk counts both branches of its cond, and charges the pooled blocks' sort its operands)
+    # program's HLO walk counts both branches of its cond)
     select = _selection_costs(programs["select" if query_aware else "select_vertical_slash"][0])
     select_s = max(select["flops"] / rates.peak_flops, select["hbm_bytes"] / rates.hbm_bandwidth)
     around_grouped, around_dense = _outside_kernels(grouped_program[0]), _outside_kernels(programs["dense"][0])

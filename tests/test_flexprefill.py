@@ -517,6 +517,28 @@ def test_pooled_slash_equals_the_pooled_distance_sums(n) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
+def test_heaviest_within_keeps_what_a_sorted_running_sum_keeps() -> None:
+    """The threshold search keeps exactly the prefix of a descending stable sort whose running sum (float64
+    here) is ≤ the budget: continuous values, many equal values (the ties kept in index order, part of a
+    tie group when only part fits), zeros, budgets from nothing to more than the whole row."""
+    rng = np.random.default_rng(5)
+    rows = [rng.random((3, 257)), np.exp(rng.normal(0, 3, (3, 500))),
+            rng.choice([0.0, 0.125, 0.25, 0.5, 1.0], size=(3, 300)), rng.integers(0, 3, (3, 64)) / 4]
+    partial_ties = 0
+    for x in rows:
+        x = (x / x.max()).astype(np.float32)
+        for budget in [0.0, 0.3, 0.5 * x.sum(1).min(), 0.97 * x.sum(1).max(), 2.0 * x.sum(1).max()]:
+            got = np.asarray(fp._heaviest_within(jnp.asarray(x), float(budget)))
+            for h in range(3):
+                order = np.argsort(-x[h], kind="stable")
+                want = np.zeros(x.shape[1], bool)
+                want[order] = np.cumsum(x[h][order].astype(np.float64)) <= budget
+                np.testing.assert_array_equal(got[h], want, err_msg=f"budget {budget}, row {h}")
+                cut = x[h][want].min() if want.any() and not want.all() else None
+                partial_ties += cut is not None and not want[x[h] == cut].all()
+    assert partial_ties > 0, "no budget cut through a group of equal values; the tie rule went unchecked"
+
+
 def test_zero_pooled_vertical_deviation_is_as_documented() -> None:
     """A key block the probe never sees (fp32 softmax underflows to 0 over the whole block) gives the
     official code a NaN distance, so that head is never query-aware; ours counts 0·log 0 as 0 (a documented

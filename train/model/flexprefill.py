@@ -144,7 +144,7 @@ def select_blocks(q_NHh: jax.Array, k_NKh: jax.Array, opts: FlexPrefillOptions) 
     r, c = jnp.arange(nb)[:, None], jnp.arange(nb)[None, :]
     causal_nn = c <= r
     mask_Hnn = causal_nn & (columns_Hn[:, None, :] | offsets_Hn[:, jnp.clip(r - c, 0, nb - 1)])
-    if opts.tau > 0:  # the pooled blocks (a sort of nb² entries per head) only when some head is query-aware
+    if opts.tau > 0:  # the pooled blocks (six passes over nb² entries per head) only when some head is query-aware
         pooled_Hnn = jax.lax.cond(query_aware_H.any(),
                                   lambda: _pooled_blocks(q_NHh, key_means_nHh, causal_nn, opts.gamma, bs),
                                   lambda: jnp.zeros((H, nb, nb), bool))
@@ -224,11 +224,50 @@ def _pooled_blocks(q_NHh, key_means_nHh, causal_nn, gamma: float, bs: int) -> ja
     query_means_nHh = _block_means(q_NHh, bs)
     logits_Hnn = jnp.einsum("rhd,chd->hrc", query_means_nHh * h**-0.5, key_means_nHh, precision="highest")
     probs_HF = jax.nn.softmax(jnp.where(causal_nn, logits_Hnn, -jnp.inf), axis=-1).reshape(-1, nb * nb)
-    order_HF = jnp.argsort(-probs_HF, axis=-1, stable=True)
-    running_HF = jnp.cumsum(jnp.take_along_axis(probs_HF, order_HF, axis=-1), axis=-1)
-    keep_HF = jnp.zeros_like(probs_HF, dtype=bool)
-    keep_HF = jax.vmap(lambda k, o, run: k.at[o].set(run <= gamma * nb))(keep_HF, order_HF, running_HF)
-    return keep_HF.reshape(-1, nb, nb) & causal_nn
+    return _heaviest_within(probs_HF, gamma * nb).reshape(-1, nb, nb) & causal_nn
+
+
+_SEARCH_BITS = 5  # bits of the threshold found per pass over the row (2⁵ + 1 candidate thresholds at once)
+
+
+def _heaviest_within(x_HF: jax.Array, budget: float) -> jax.Array:
+    """Which entries of each row of probabilities (≥ 0, ≤ 1) a descending stable sort keeps while its running
+    sum is ≤ `budget`: the largest first, equal values in index order.
+
+    Found without sorting the row (nb² entries per head): non-negative floats order as their int32 bit
+    patterns, so a search over bit patterns finds the least threshold t whose mass above it,
+    f(t) = Σ{x ≥ t}, is ≤ budget — every entry ≥ t is kept, and of the entries equal to the largest value
+    below t as many as still fit, in index order. Each pass reads the row once and evaluates f at 33
+    thresholds, narrowing t by 5 of its 30 bits (values ≤ 1.0 are < 2³⁰ as bits): six passes."""
+    bits_HF = jax.lax.bitcast_convert_type(x_HF.astype(jnp.float32), jnp.int32)
+    x_HF = x_HF.astype(jnp.float32)
+    candidates = 1 << _SEARCH_BITS
+
+    def mass_at_or_above(t_HT: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.where(bits_HF[:, :, None] >= t_HT[:, None, :], x_HF[:, :, None], 0.0), axis=1)
+
+    def narrow(width_log2: int, lo_H: jax.Array) -> tuple[jax.Array, jax.Array]:
+        # invariant: f(lo) > budget or lo = 0, and f(lo + 2^width_log2) ≤ budget
+        step = 1 << (width_log2 - _SEARCH_BITS)
+        t_HT = lo_H[:, None] + step * jnp.arange(candidates + 1, dtype=jnp.int32)
+        first_within_H = jnp.argmax(mass_at_or_above(t_HT) <= budget, axis=1)
+        return jnp.take_along_axis(t_HT, jnp.maximum(first_within_H - 1, 0)[:, None], axis=1)[:, 0], first_within_H
+
+    lo_H = jnp.zeros(x_HF.shape[0], jnp.int32)
+    width_log2 = 30
+    while width_log2 > 0:
+        lo_H, first_within_H = narrow(width_log2, lo_H)
+        width_log2 -= _SEARCH_BITS
+    # the last pass had step 1: the threshold is lo + 1, or lo itself where f(lo) ≤ budget already (only lo = 0)
+    t_H = jnp.where(first_within_H == 0, lo_H, lo_H + 1)
+    above_HF = bits_HF >= t_H[:, None]
+    spare_H = budget - jnp.sum(jnp.where(above_HF, x_HF, 0.0), axis=1)
+    tie_bits_H = jnp.max(jnp.where(above_HF, -1, bits_HF), axis=1)  # the largest value below t (−1: none)
+    tie_HF = bits_HF == tie_bits_H[:, None]
+    tie_value_H = jax.lax.bitcast_convert_type(jnp.maximum(tie_bits_H, 0), jnp.float32)
+    fits_H = jnp.where(tie_value_H > 0, jnp.floor(spare_H / jnp.where(tie_value_H > 0, tie_value_H, 1.0)),
+                       jnp.inf)  # zeros add nothing: all of them fit
+    return above_HF | (tie_HF & (jnp.cumsum(tie_HF, axis=1) <= fits_H[:, None]))
 
 
 # --- attention over the selected blocks ------------------------------------------------------------------

@@ -32,10 +32,9 @@ from upcycler.errors import UpcyclerError
 from upcycler.locations import is_remote
 from upcycler.train.config import MetricsConfig
 from upcycler.train.reporting.goodput import badput
+from upcycler.train.reporting.metrics import NUMBER_FIELDS, NUMBER_PREFIXES
 from upcycler.train.reporting.metrics_log import MetricsLog
 
-NUMBER_FIELDS = ("loss", "lb_loss", "z_loss", "total_loss", "grad_norm", "lr", "tokens", "step_time",
-                 "tokens_per_s", "mfu", "data_wait", "goodput")
 TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"
 
@@ -48,7 +47,7 @@ def scalars(record: Mapping[str, Any], moe_layers: Sequence[int] = ()) -> dict[s
     in the model). Nulls (non-finite values) are left out."""
     out: dict[str, float] = {}
     for key, value in record.items():
-        if (key in NUMBER_FIELDS or key.startswith(("loss/", "eval/", "eval_start/"))) and value is not None:
+        if (key in NUMBER_FIELDS or key.startswith(NUMBER_PREFIXES)) and value is not None:
             out[key] = float(value)
     if "clock" in record:
         out.update({f"badput/{c}": share for c, share in badput(record["clock"]).items()})
