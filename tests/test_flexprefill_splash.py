@@ -154,6 +154,39 @@ def test_device_prefill_equals_the_host_prefill(tiny_models):
         np.testing.assert_allclose(gs.density, ws.density, rtol=1e-6)
 
 
+def test_device_prefill_halves_a_batch_the_chip_cannot_hold(tiny_models, monkeypatch):
+    """A program that runs out of the chip's memory (XLA's RESOURCE_EXHAUSTED; simulated: a chip holding two
+    prompts) is retried in halves, the results still the host's in order, and later batches of that shape
+    start at the size that fit; a prompt that does not fit alone is one clear error."""
+    host, device = tiny_models
+    run_program, sizes = device._device_program, []
+    monkeypatch.setattr(device, "_fitting_batch", {})  # the module's model keeps its own afterwards
+
+    def chip_of_two(prompts, answers):
+        sizes.append(len(prompts))
+        if len(prompts) > 2:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+        return run_program(prompts, answers)
+
+    monkeypatch.setattr(device, "_device_program", chip_of_two)
+    rng = np.random.default_rng(5)
+    prompts, answers = rng.integers(0, host.spec.vocab_size, (4, 1100)), rng.integers(0, host.spec.vocab_size, (4, 3))
+    got, want = device.run_batch(prompts, answers), host.run_batch(prompts, answers)
+    assert sizes == [4, 2, 2]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.last_logits, w.last_logits, **FP32)
+        np.testing.assert_allclose(g.stats.density, w.stats.density, rtol=1e-6)
+    device.run_batch(prompts[::-1], answers[::-1])
+    assert sizes == [4, 2, 2, 2, 2]
+
+    def no_room(prompts, answers):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+
+    monkeypatch.setattr(device, "_device_program", no_room)
+    with pytest.raises(UpcyclerError, match=r"a prompt of 1,100 tokens does not fit .* even alone; evaluate shorter"):
+        device.run_batch(prompts[:3], answers[:3])
+
+
 def test_device_prefill_equals_the_host_prefill_on_a_moe_with_a_dense_first_layer():
     """Two runs of layers (one dense, then MoE) scanned one after the other, equal to the host's layers."""
     spec = tiny_spec(moe=True, max_position_embeddings=4096)

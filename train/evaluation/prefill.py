@@ -12,7 +12,8 @@ the two halves the host chooses how the prompt attends:
 
 On a TPU (or with `device=True`), FlexPrefill runs instead as one compiled program per batch of prompts of
 one length (`upcycler.train.evaluation.device_prefill`: selection, fallbacks and the splash attention
-kernel on device, no host round-trip), `batch_size` prompts at a time (`run_batch`).
+kernel on device, no host round-trip), `batch_size` prompts at a time (`run_batch`), fewer where the
+program runs out of the chip's memory (the batch is halved until it fits).
 
 Answer tokens (teacher-forced after the prompt) always attend densely to the prompt and to each other,
 as a decode step would: FlexPrefill only changes how the prompt itself is computed. Logits are taken for
@@ -26,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +45,11 @@ from upcycler.train.model.flexprefill_device import PLATFORMS, V5E, check_block
 from upcycler.train.model.params import Params, layer_kind, layers_of_kind
 from upcycler.train.model.transformer import layer_output, layer_qkv, layer_windows, unembed
 
+if TYPE_CHECKING:
+    from upcycler.train.evaluation.device_prefill import DevicePrefill
+
 _LOGITS_ROWS = 1024  # rows of logits alive at a time when scoring every position
-DEVICE_BATCH = 4  # prompts of one length prefilled together on a TPU
+DEVICE_BATCH = 4  # prompts of one length prefilled together on a device (fewer where they do not fit)
 
 
 class PrefillStats(NamedTuple):
@@ -84,6 +88,7 @@ class PrefillModel:
         self.device = jax.default_backend() in PLATFORMS if device is None else device
         self.interpret = interpret
         self.batch_size = DEVICE_BATCH if self.device else 1
+        self._fitting_batch: dict[tuple[int, int], int] = {}  # (prompt, answer length) → prompts that fit at once
         if self.device and cfg.attention == "flexprefill":
             try:
                 check_block(self.options.block, spec.head_dim, self.platform)
@@ -102,7 +107,8 @@ class PrefillModel:
                    **kwargs)
 
     def run_batch(self, prompts: np.ndarray, answers: np.ndarray | None = None) -> list[PrefillResult]:
-        """`run` of each prompt [B, N] with its answer [B, m] (one length each): on a device in one program."""
+        """`run` of each prompt [B, N] with its answer [B, m] (one length each): on a device in one program
+        per batch that fits the chip."""
         if not self.device:
             return [self.run(p, None if answers is None else a)
                     for p, a in zip(prompts, [None] * len(prompts) if answers is None else answers, strict=True)]
@@ -110,19 +116,45 @@ class PrefillModel:
         answers = np.zeros((len(prompts), 0), np.int32) if answers is None else np.asarray(answers, np.int32)
         m, N = answers.shape[1], prompts.shape[1]
         padded = np.resize(answers.T, (1 << (m - 1).bit_length(), len(prompts))).T if m else answers
-        out = self._device_prefill(prompts, padded)
-        logits = np.asarray(_batch_logits_jit(self.params, out.hidden_BLD[:, N - 1:N + m], self.spec))
-        return [PrefillResult(logits[b, 0], logits[b, 1:], self._stats(out, b)) for b in range(len(prompts))]
+        results = []
+        for out in self._device_prefill(prompts, padded):
+            logits = np.asarray(_batch_logits_jit(self.params, out.hidden_BLD[:, N - 1:N + m], self.spec))
+            results += [PrefillResult(logits[b, 0], logits[b, 1:], self._stats(out, b)) for b in range(len(logits))]
+        return results
 
     def next_token_logprobs_batch(self, ids: np.ndarray) -> list[tuple[np.ndarray, PrefillStats]]:
-        """`next_token_logprobs` of each sequence [B, N] (one length): on a device in one program."""
+        """`next_token_logprobs` of each sequence [B, N] (one length): on a device in one program per batch
+        that fits the chip."""
         if not self.device:
             return [self.next_token_logprobs(row) for row in ids]
         ids = np.asarray(ids, np.int32)
-        out = self._device_prefill(ids, np.zeros((len(ids), 0), np.int32))
-        return [(self._score(out.hidden_BLD[b], ids[b]), self._stats(out, b)) for b in range(len(ids))]
+        outs = self._device_prefill(ids, np.zeros((len(ids), 0), np.int32))
+        rows = [(out, b) for out in outs for b in range(out.hidden_BLD.shape[0])]
+        return [(self._score(out.hidden_BLD[b], row), self._stats(out, b)) for (out, b), row in zip(rows, ids, strict=True)]
 
-    def _device_prefill(self, prompts: np.ndarray, answers: np.ndarray):
+    def _device_prefill(self, prompts: np.ndarray, answers: np.ndarray) -> list[DevicePrefill]:
+        """`device_prefill.prefill` of the prompts [B, N] and answers [B, m], in order, as few programs as
+        fit the chip: a batch whose program runs out of the chip's memory is split in halves, and the size
+        that fit is kept for later batches of that shape. A single prompt that does not fit is an error."""
+        shape = prompts.shape[1], answers.shape[1]
+        size = min(len(prompts), self._fitting_batch.get(shape, len(prompts)))
+        outs, start = [], 0
+        while start < len(prompts):
+            try:
+                outs.append(self._device_program(prompts[start:start + size], answers[start:start + size]))
+            except jax.errors.JaxRuntimeError as err:
+                if "RESOURCE_EXHAUSTED" not in str(err):
+                    raise
+                if size == 1:
+                    raise UpcyclerError(
+                        f"a prompt of {shape[0]:,} tokens does not fit in the {jax.devices()[0].device_kind}'s memory "
+                        "even alone; evaluate shorter --lengths or on a chip with more memory") from None
+                size = self._fitting_batch[shape] = size // 2
+                continue
+            start += size
+        return outs
+
+    def _device_program(self, prompts: np.ndarray, answers: np.ndarray) -> DevicePrefill:
         from upcycler.train.evaluation.device_prefill import prefill
 
         with jax.default_matmul_precision("highest"):
