@@ -17,7 +17,11 @@ passes every request through and damages the answers a test chooses, determinist
   of the faults a client must retry through (`TRANSIENT_KINDS`): a 503 or a 429 instead of an answer
   (nothing done), the connection reset before it is passed on (nothing done), the answer lost after the
   emulator carried the request out (the change done, the client told nothing), the answer held back for
-  `DELAY` seconds, or a download's body cut short after its headers promised all of it.
+  `DELAY` seconds, or a download's body cut short after its headers promised all of it;
+- `list_also(name, like)`: a bucket that holds an object the emulator cannot (`bucket/a/../b`: its
+  filesystem backend would store it outside its root): every listing whose prefix `name` falls under lists
+  it too, with the metadata of the stored object `like`, and a read of `name` (its metadata or its bytes)
+  is answered as one of `like`.
 
 Each fault counts the answers it damaged or refused (`damaged`; a transient one by kind in `kinds_met`).
 Every other request and answer is passed through as it is (an upload's `Location` made to point at the
@@ -31,12 +35,13 @@ append it a second time.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import re
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 from aiohttp import ClientSession, web
 
@@ -78,6 +83,15 @@ class RefusedWrites:
     damaged: int = 0
 
 
+@dataclass
+class ListedAlso:
+    """List `name` (`bucket/key`) beside the emulator's objects, as a copy of the stored object `like`."""
+
+    name: str
+    like: str
+    damaged: int = 0
+
+
 TRANSIENT_KINDS = ("503", "429", "reset", "lost", "delay", "truncate")
 DELAY = 2.0  # seconds a "delay" holds an answer back (under the retry policy's wait for an answer)
 
@@ -97,7 +111,7 @@ class FaultyStorage:
 
     def __init__(self, upstream: str, seed: int = 0):
         self.upstream = upstream.rstrip("/")
-        self.faults: list[BitFlip | UploadFlip | RefusedWrites | Transient] = []
+        self.faults: list[BitFlip | UploadFlip | RefusedWrites | Transient | ListedAlso] = []
         self._random = random.Random(seed)
         self._finished_uploads: dict[str, tuple[int, list, bytes]] = {}  # upload_id -> its final answer
         self._persisted: dict[str, int] = {}  # upload_id -> bytes the emulator holds of it
@@ -130,6 +144,12 @@ class FaultyStorage:
     def transient(self, rate: float, kinds: tuple[str, ...] = TRANSIENT_KINDS) -> Transient:
         """Meet a share `rate` of all requests with a transient fault; see the module docstring."""
         fault = Transient(rate, tuple(kinds))
+        self.faults.append(fault)
+        return fault
+
+    def list_also(self, name: str, like: str) -> ListedAlso:
+        """List the object `name` (`bucket/key`) as a copy of `like`; see the module docstring."""
+        fault = ListedAlso(name, like)
         self.faults.append(fault)
         return fault
 
@@ -168,7 +188,14 @@ class FaultyStorage:
             return _error(int(kind))
         if kind == "reset":
             return _drop(request)
-        status, answer_headers, body = await self._answer(request)
+        listed = next((f for f in self.faults if isinstance(f, ListedAlso)
+                       and _object_name(request.raw_path) == f.name and request.method == "GET"), None)
+        status, answer_headers, body = await self._answer(request, listed and _renamed(request, listed))
+        if listed is not None and request.query.get("alt") != "media":
+            body = body.replace(json.dumps(listed.like.split("/", 1)[1]).encode(),
+                                json.dumps(listed.name.split("/", 1)[1]).encode())
+        elif status == 200 and request.method == "GET" and _object_name(request.raw_path, listing=True):
+            body = await self._listed_also(request, body)
         if kind == "lost":
             return _drop(request)
         if kind == "delay":
@@ -179,9 +206,10 @@ class FaultyStorage:
                 return await _cut_short(request, status, answer_headers, body)
         return web.Response(status=status, headers=answer_headers, body=body)
 
-    async def _answer(self, request: web.Request) -> tuple[int, list, bytes]:
+    async def _answer(self, request: web.Request, raw_path: str | None = None) -> tuple[int, list, bytes]:
         """The emulator's answer to `request` (a `Location` pointing at the proxy), or Cloud Storage's own
-        where the emulator's differs (a completed resumable upload sent again)."""
+        where the emulator's differs (a completed resumable upload sent again); `raw_path` in place of the
+        request's path when given."""
         upload = request.query.get("upload_id") if request.method in ("PUT", "POST") else None
         if upload in self._finished_uploads:
             return self._finished_uploads[upload]
@@ -189,7 +217,8 @@ class FaultyStorage:
         if upload and chunk_end is not None and chunk_end < self._persisted.get(upload, 0):
             return 308, [("Range", f"bytes=0-{self._persisted[upload] - 1}")], b""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
-        async with self._session.request(request.method, self.upstream + request.raw_path, headers=headers,
+        async with self._session.request(request.method, self.upstream + (raw_path or request.raw_path),
+                                         headers=headers,
                                          data=self._sent(request, await request.read()),
                                          allow_redirects=False) as answer:
             body = await answer.read()
@@ -255,11 +284,40 @@ class FaultyStorage:
         return bytes(damaged)
 
 
-def _object_name(raw_path: str) -> str | None:
+    async def _listed_also(self, request: web.Request, body: bytes) -> bytes:
+        """A listing's last page (`body`) with each `ListedAlso` object its prefix covers added."""
+        page = json.loads(body)
+        bucket, prefix = _object_name(request.raw_path, listing=True)[:-1], request.query.get("prefix", "")
+        delimiter = request.query.get("delimiter", "")
+        for fault in (f for f in self.faults if isinstance(f, ListedAlso) and not page.get("nextPageToken")):
+            fault_bucket, _, key = fault.name.partition("/")
+            if fault_bucket != bucket or not key.startswith(prefix):
+                continue
+            fault.damaged += 1
+            rest = key[len(prefix):]
+            if delimiter and delimiter in rest:
+                page.setdefault("prefixes", []).append(prefix + rest.split(delimiter, 1)[0] + delimiter)
+                continue
+            like = quote(fault.like.split("/", 1)[1], safe="")
+            async with self._session.get(f"{self.upstream}/storage/v1/b/{bucket}/o/{like}") as answer:
+                item = json.loads(await answer.read())
+            page.setdefault("items", []).append(item | {"name": key, "id": f"{fault.name}/{item.get('generation')}"})
+        return json.dumps(page).encode()
+
+
+def _renamed(request: web.Request, listed: ListedAlso) -> str:
+    """The path of `request` (a read of `listed.name`) made a read of `listed.like`."""
+    path, sep, query = request.raw_path.partition("?")
+    head = path[: path.rindex("/o/") + 3]
+    return f"{head}{quote(listed.like.split('/', 1)[1], safe='')}{sep}{query}"
+
+
+def _object_name(raw_path: str, listing: bool = False) -> str | None:
     """`bucket/key` of a JSON API object URL (`…/b/BUCKET/o/KEY…`; the last one named, the target of a copy),
-    `bucket/` for the bucket's objects (`…/b/BUCKET/o`: listings, uploads), None for any other URL."""
+    `bucket/` for the bucket's objects (`…/b/BUCKET/o`: listings, uploads), None for any other URL; with
+    `listing`, only `bucket/` of a listing (None for anything else)."""
     found = list(_OBJECT_PATH.finditer(raw_path.split("?", 1)[0]))
-    if not found:
+    if not found or (listing and ("/upload/" in raw_path or found[-1].group(2) is not None)):
         return None
     bucket, key = found[-1].groups()
     return f"{unquote(bucket)}/{unquote(key or '')}"

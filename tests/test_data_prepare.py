@@ -147,6 +147,35 @@ def test_a_killed_preparation_resumes_without_tokenising_finished_shards(tmp_pat
     assert {p.name: p.stat().st_ino for p in out.glob("web.shards/*.tokens") if p.name in finished} == finished
 
 
+def test_sigterm_mid_preparation_is_one_line_and_keeps_only_the_work_for_the_rerun(tmp_path: Path) -> None:
+    """SIGTERM (a scheduler's stop) once some shards are done: exit 143 and one line saying the finished
+    shards are kept for a rerun; OUT holds no source (no index) and nothing but the work directory, nothing
+    is left beside it; the same command then resumes and finishes."""
+    docs = _documents("*.py", 6 * 250)
+    (tmp_path / "in").mkdir()
+    for k in range(6):
+        _write_jsonl(tmp_path / "in" / f"{k}.jsonl.gz", docs[k * 250:(k + 1) * 250])
+    out = tmp_path / "out"
+    argv = ["prepare-data", "--tokenizer", str(TOKENIZER), "--source", f"web={tmp_path}/in/*.gz",
+            "--shard-size", "1KB", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "upcycler", *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(out.glob(".prepare-*/records/web/*.json")) and time.monotonic() < deadline:
+        assert proc.poll() is None, "the preparation finished before the signal"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    stderr = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 143, (proc.returncode, stderr)
+    line = ("error: terminated (SIGTERM); no output was finished; the finished shards are kept: rerun the same "
+            "command to resume")
+    assert [line for line in stderr.splitlines() if line.strip()] == [line], stderr
+    assert [p.name.startswith(".prepare-") for p in out.iterdir()] == [True]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out"]
+    done = run_cli(*argv)
+    assert "reused)" in done.stdout and (out / "web.index.json").is_file()
+
+
 def test_a_killed_two_worker_run_goes_on_from_its_checkpoints(tmp_path: Path) -> None:
     """SIGKILL of the whole process group (the runner and its two worker processes) once a unit's first step
     is checkpointed: the same command again keeps the finished steps (its summary says why each unit was
@@ -275,6 +304,66 @@ def test_a_kill_while_uploading_to_a_bucket_is_finished_by_the_same_command(corp
     assert [i["shards_tokenised"] for i in indexes] == [0, 0]
     uploaded = {n: object_store.read_bytes(object_store.join(out, n)) for n in object_store.list_objects(out)}
     assert uploaded == snapshot(one_worker)
+
+
+def _journal_of(tmp_path: Path, monkeypatch, sources: dict[str, list[str]]) -> Path:
+    """The publish journal a preparation of `sources` (NAME: documents) into `tmp_path/out` leaves when it is
+    killed with every unit done and nothing published; returns its path."""
+    from upcycler.train.data import prepare, resume
+    from upcycler.train.data.tokenizer import load_tokenizer
+
+    inputs = {}
+    tmp_path.mkdir()
+    for name, docs in sources.items():
+        inputs[name] = [_write_jsonl(tmp_path / f"{name}.jsonl", docs)]
+    with monkeypatch.context() as patch:
+        _killed_in(patch, prepare, "_publish_local")
+        with pytest.raises(KeyboardInterrupt):
+            prepare.prepare_sources(load_tokenizer(TOKENIZER), inputs, tmp_path / "out")
+    return next((tmp_path / "out").glob(f".prepare-*/{resume.JOURNAL}"))
+
+
+@pytest.mark.parametrize("case", ["another plan's journal", "another plan's sources under this plan",
+                                  "no num_documents", "a negative count", "not JSON"])
+def test_a_publish_journal_that_is_not_this_plans_is_refused_in_one_line(tmp_path: Path, monkeypatch,
+                                                                         case: str) -> None:
+    """The journal names its plan and its sources: one copied from another preparation, one whose sources
+    are not this preparation's, or one missing a field the summary reads, is refused in one line naming
+    the journal and what is wrong; nothing of it is published and nothing of this plan is claimed done."""
+    web, code = _documents("json/*.py", 30), _documents("collections/*.py", 30)
+    journal = _journal_of(tmp_path / "this", monkeypatch, {"web": web, "code": code})
+    other = json.loads(_journal_of(tmp_path / "other", monkeypatch, {"other": code}).read_text())
+    mine = json.loads(journal.read_text())
+    assert mine["plan"] == journal.parent.name.removeprefix(".prepare-") and other["plan"] != mine["plan"]
+    if case == "another plan's journal":
+        journal.write_text(json.dumps(other))
+        mentions = f"names plan '{other['plan']}'"
+    elif case == "another plan's sources under this plan":
+        journal.write_text(json.dumps({"plan": mine["plan"], "indexes": other["indexes"]}))
+        mentions = "lists sources ['other']"
+    elif case == "no num_documents":
+        del mine["indexes"][0]["num_documents"]
+        journal.write_text(json.dumps(mine))
+        mentions = "indexes[0].num_documents is missing"
+    elif case == "a negative count":
+        mine["indexes"][1]["shards_reused"] = -1
+        journal.write_text(json.dumps(mine))
+        mentions = "indexes[1].shards_reused is not a count"
+    else:
+        journal.write_text("{not json")
+        mentions = "is not JSON"
+    out = tmp_path / "this" / "out"
+    proc = run_cli("prepare-data", "--tokenizer", TOKENIZER, "--source", f"web={tmp_path}/this/web.jsonl",
+                   "--source", f"code={tmp_path}/this/code.jsonl", "--out", out, check=False)
+    line = assert_clean_failure(proc, mentions=mentions)
+    assert "publishing.json" in line and "remove it and run the same command again" in line, line
+    assert sorted(p.name for p in out.iterdir()) == [journal.parent.name]  # nothing published
+    assert "documents" not in proc.stdout
+    journal.unlink()  # the fix the line names: the same command then prepares this plan's sources
+    done = run_cli("prepare-data", "--tokenizer", TOKENIZER, "--source", f"web={tmp_path}/this/web.jsonl",
+                   "--source", f"code={tmp_path}/this/code.jsonl", "--out", out)
+    assert "web: 30 documents" in done.stdout and "code: 30 documents" in done.stdout, done.stdout
+    assert sorted(p.name for p in out.glob("*.index.json")) == ["code.index.json", "web.index.json"]
 
 
 def test_a_rerun_tokenises_again_a_unit_whose_shard_is_gone_and_says_why(corpus: dict, one_worker: Path,

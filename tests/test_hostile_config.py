@@ -274,6 +274,28 @@ def test_limits_off_plans_a_large_valid_model(tmp_path, monkeypatch):
     assert state(src) == before and leftovers(tmp_path, "out") == []
 
 
+@pytest.mark.parametrize("command", [
+    ["dense-to-moe", "--experts", "4", "--topk", "2", "--dry-run", "--json"],
+    ["dense-to-moe", "--experts", "4", "--topk", "2", "--expert-width", "500000000007", "--dry-run", "--json"],
+    ["dense-to-moe", "--experts", "6", "--topk", "3", "--granularity", "4", "--shared-experts", "1",
+     "--target", "qwen2_moe", "--dry-run", "--json"],
+    ["inspect", "--json"],
+])
+def test_limits_off_plans_a_huge_ffn_without_allocating_by_its_size(tmp_path, monkeypatch, command):
+    """intermediate_size 10**12 with UPCYCLER_LIMITS=off: a dry run and inspect plan from the shapes (an
+    array of one entry per neuron would be terabytes) and print the plan, touching nothing."""
+    src = config_only(tmp_path, "llama", {"intermediate_size": 10**12})
+    monkeypatch.setenv(LIMITS_ENV, "off")
+    before = state(src)
+    proc = run_cli(command[0], src, *command[1:], timeout=HANG, check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    plan = json.loads(proc.stdout)
+    assert plan["total_params"] > 10**12
+    if command[0] == "dense-to-moe":
+        assert plan["function_preserving"]
+    assert state(src) == before and leftovers(tmp_path, "out") == []
+
+
 # --- Orbax manifest spec ------------------------------------------------------------------------------
 ORBAX_CASES = [
     cli({"num_layers": 1e9}, "num_layers"),

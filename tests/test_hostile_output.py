@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -166,6 +167,166 @@ def test_a_killed_write_leaves_a_partial_that_the_next_write_reclaims(work):
     assert partial and not (work / "out").exists(), "the write was not interrupted while staging"
     run_cli("convert", big, work / "out")
     assert leftovers(work, "out") == ["out"]
+
+
+# --- one writer per output: races, a killed holder, SIGTERM --------------------------------------
+
+HOLDER = re.compile(r"\(host \S+, pid \d+, since \d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC\); wait for it to finish")
+RACES = 20
+
+
+def _one_winner(outcomes: list[list[str]], out: Path) -> str:
+    """Exactly one writer finished; every other was refused in one line naming the holder (or, had it come
+    after the winner finished, naming the finished output); OUT is the winner's. Returns the winner."""
+    won = [detail for status, detail in outcomes if status == "ok"]
+    refused = [detail for status, detail in outcomes if status == "refused"]
+    assert len(won) == 1 and len(refused) == len(outcomes) - 1, outcomes
+    for line in refused:
+        assert "\n" not in line and line.startswith(f"{out}: "), line
+        assert HOLDER.search(line) or "already exists; choose another output or pass --overwrite" in line, line
+    assert json.loads((out / "upcycler.json").read_text()) == {"writer": int(won[0])}
+    assert leftovers(out.parent, out.name) == [out.name], "a lock or a partial was left behind"
+    return won[0]
+
+
+def test_two_writers_of_one_output_one_wins_and_the_other_is_refused_every_time(tmp_path):
+    """`staged_directory` raced by two processes started at the same moment, 20 times: one writes OUT, the
+    other is refused in one line naming the first (host, pid, since when)."""
+    from lock_racers import race
+
+    rounds = race("staged", RACES, out=f"{tmp_path}/r{{round}}/out")
+    for k, outcomes in enumerate(rounds):
+        _one_winner(outcomes, tmp_path / f"r{k}" / "out")
+    assert sum(HOLDER.search(d) is not None for o in rounds for s, d in o if s == "refused") == RACES
+
+
+@pytest.mark.heavy  # 40 rounds of three writers: about 20 s
+def test_a_finished_output_is_never_replaced_without_overwrite_and_never_while_written(tmp_path):
+    """Three writers at once on an existing upcycler output, 20 times: without --overwrite every one is
+    refused and OUT is untouched; with --overwrite one replaces it and the others are refused, naming it
+    (--overwrite never replaces an output another process is writing)."""
+    from lock_racers import race
+
+    for k in range(RACES):
+        (tmp_path / f"r{k}" / "out").mkdir(parents=True)
+        (tmp_path / f"r{k}" / "out" / "upcycler.json").write_text(json.dumps({"writer": "earlier"}))
+    for outcomes in race("staged", RACES, writers=3, out=f"{tmp_path}/r{{round}}/out"):
+        assert [s for s, _ in outcomes] == ["refused"] * 3, outcomes
+    for k in range(RACES):
+        assert json.loads((tmp_path / f"r{k}" / "out" / "upcycler.json").read_text()) == {"writer": "earlier"}
+    for k, outcomes in enumerate(race("staged", RACES, writers=3, out=f"{tmp_path}/r{{round}}/out",
+                                      overwrite=True, hold=0.3)):
+        _one_winner(outcomes, tmp_path / f"r{k}" / "out")
+
+
+def test_the_final_rename_refuses_an_output_that_appeared_meanwhile(tmp_path):
+    """An OUT made by someone else while the write ran (not through upcycler, so not locked) is not
+    replaced without --overwrite: the write is refused at its rename, and nothing of it is left."""
+    from upcycler.errors import UpcyclerError
+    from upcycler.io.staging import staged_directory
+
+    out = tmp_path / "out"
+    appeared = "out: appeared while this command wrote it; choose another output or pass --overwrite"
+    with pytest.raises(UpcyclerError, match=appeared), staged_directory(out, overwrite=False) as tmp:
+        (tmp / "upcycler.json").write_text("{}")
+        out.mkdir()
+        (out / "theirs.txt").write_text("theirs")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"] and [p.name for p in out.iterdir()] == ["theirs.txt"]
+
+
+HOLD_AND_WAIT = """
+import sys, time
+from pathlib import Path
+from upcycler.io.staging import staged_directory
+with staged_directory(Path(sys.argv[1]), overwrite=False) as tmp:
+    (tmp / "half.bin").write_bytes(b"half")
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_the_lock_of_a_killed_writer_is_taken_over(tmp_path):
+    """A writer killed (SIGKILL) while it holds OUT's lock leaves its lock file and its partial: while it
+    lived a second writer was refused naming it; once it is dead the next write takes the lock over,
+    reclaims the partial and leaves neither behind."""
+    from upcycler.errors import UpcyclerError
+    from upcycler.io.staging import staged_directory
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_AND_WAIT, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        busy = rf"being written by another upcycler process \(host \S+, pid {holder.pid}, since"
+        with pytest.raises(UpcyclerError, match=busy), staged_directory(out, overwrite=True):
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(leftovers(tmp_path, "out")) == sorted([".out.lock", *(p.name for p in tmp_path.glob(".out.partial-*"))])
+    with staged_directory(out, overwrite=False) as tmp:
+        (tmp / "upcycler.json").write_text("{}")
+    assert leftovers(tmp_path, "out") == ["out"]
+
+
+def test_two_dense_to_moe_runs_into_one_output_one_wins(work):
+    """The full CLI, twice: 4 and 8 experts into one OUT at once, neither with --overwrite: one exits 0 and
+    OUT is its model, the other exits 2 with one line (naming the writer, or the finished output)."""
+    for attempt in range(2):
+        out = work / f"out{attempt}"
+        procs = {experts: subprocess.Popen([sys.executable, "-m", "upcycler", "dense-to-moe", work / "hf", out,
+                                            "--experts", str(experts), "--topk", "2"],
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for experts in (4, 8)}
+        done = {experts: (proc.wait(timeout=600), proc.stderr.read()) for experts, proc in procs.items()}
+        winners = [experts for experts, (status, _) in done.items() if status == 0]
+        assert len(winners) == 1, done
+        [(status, stderr)] = [v for experts, v in done.items() if experts != winners[0]]
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert status == 2 and len(lines) == 1 and "Traceback" not in stderr, stderr
+        assert HOLDER.search(lines[0]) or "already exists; choose another output" in lines[0], lines[0]
+        config = json.loads((out / "config.json").read_text())
+        assert config["num_local_experts"] == winners[0]
+        assert leftovers(work, out.name) == [out.name]
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """A model large enough that a write is still running when a signal comes, and a copy to merge it with."""
+    root = tmp_path_factory.mktemp("big")
+    make_tiny("llama", root / "a", hidden_size=256, intermediate_size=1024, num_hidden_layers=8, vocab_size=8192)
+    shutil.copytree(root / "a", root / "b")
+    return root
+
+
+@pytest.mark.parametrize("command", [
+    ["convert", "{a}", "{out}", "--shard-size", "1MB"],
+    ["dense-to-moe", "{a}", "{out}", "--experts", "4", "--topk", "2"],
+    ["merge", "{a}", "{b}", "{out}", "--method", "sma"],
+], ids=lambda c: c[0])
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "over-an-output"])
+def test_sigterm_mid_write_is_one_line_and_leaves_nothing(big, tmp_path, command, existing):
+    """SIGTERM (a scheduler's stop) while the output is being staged: exit 143, one line on stderr, no
+    `.OUT.partial-*` nor lock left, and OUT absent (or, with --overwrite over an earlier output, untouched)."""
+    out = tmp_path / "out"
+    argv = [a.format(a=big / "a", b=big / "b", out=out) for a in command]
+    if existing:
+        shutil.copytree(big / "a", out)
+        (out / "upcycler.json").write_text("{}")
+        argv.append("--overwrite")
+    before = state(out) if existing else None
+    proc = subprocess.Popen([sys.executable, "-m", "upcycler", *argv], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not list(tmp_path.glob(".out.partial-*/*")):
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGTERM)
+    stderr = proc.communicate(timeout=120)[1]
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert proc.returncode == 143, (proc.returncode, stderr)
+    assert lines == ["error: terminated (SIGTERM); no output was finished"], stderr
+    assert leftovers(tmp_path, "out") == (["out"] if existing else [])
+    if existing:
+        assert state(out) == before
 
 
 # --- corrupted sources are caught before the output appears -------------------------------------

@@ -7,7 +7,10 @@ ids: `test_remote_locations.py`, `test_bucket_runs.py`). Every command's path ar
 every path of a training config (also through `--set`), `prepare-data --source` and `--experts-from` are
 tried: exit 2, one `error:` line naming the argument or option and the scheme, nothing created in the
 working directory. A missing relative path that reads as a Hub id (`org/name`) is looked up on the Hub
-(here: a closed loopback endpoint) and the failure says so.
+(here: a closed loopback endpoint) and the failure says so. A gs:// location or Hub revision with a `.`,
+`..` or empty segment is refused the same way at every surface, before any request: nothing is written
+outside its root (a victim file where the escape would land keeps its bytes), no object takes such a name
+(the sources and outputs that reach a bucket: `test_remote_locations.py`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import trainer_fixtures as F
 from cli_helpers import assert_clean_failure, run_cli
 
 from upcycler.errors import UpcyclerError
-from upcycler.locations import hub_id_hint, local_path, url_scheme
+from upcycler.locations import bucket_and_key, hub_id_hint, local_path, url_scheme, within
 
 GS = "gs://bkt/some/dir"
 S3 = "s3://bkt/some/dir"  # for the model sources and outputs, which take gs://
@@ -134,3 +137,106 @@ def test_a_missing_local_path_that_reads_as_a_hub_id_is_looked_up_on_the_hub(tmp
                                               "not in the HF cache")
     assert "the Hub cannot be reached" in line
     assert list(tmp_path.iterdir()) == []
+
+
+LEAVES = "gs://bkt/runs/../../../victim"  # normalised: two levels above the bucket
+SEGMENT_FIX = "write gs://BUCKET/PATH with no '.', '..' or empty segment"
+
+
+@pytest.mark.parametrize(("name", "says"), [("a/b.json", None), ("a/../../x", "leaves 'gs://bkt' ('..' segments)"),
+                                            ("a/../b", "has a '..' segment"), ("a/./b", "has a '.' segment"),
+                                            ("a//b", "has an empty segment"), ("/a", "has an empty segment"),
+                                            ("", "has an empty segment"), ("a\0b", "has a NUL character")])
+def test_within_refuses_every_name_that_is_not_one_place_under_its_root(name, says):
+    if says is None:
+        assert within("gs://bkt/", name, fix="fix it") == f"gs://bkt/{name}"
+        return
+    with pytest.raises(UpcyclerError) as refused:
+        within("gs://bkt/", name, fix="fix it")
+    line = str(refused.value)
+    assert says in line and line.endswith("; fix it") and "\n" not in line
+
+
+def test_a_url_key_is_normalised_only_around_it():
+    assert bucket_and_key("gs://bkt/runs/cpt/") == ("bkt", "runs/cpt")
+    assert bucket_and_key("gs://bkt") == ("bkt", "")
+    with pytest.raises(UpcyclerError, match=r"^DST: 'gs://bkt/a/\.\./\.\./outside': leaves 'gs://bkt'"):
+        bucket_and_key("gs://bkt/a/../../outside", "DST")
+
+
+ESCAPES = {  # case: (argv with LEAVES in one location, what the error line names)
+    "inspect": (["inspect", LEAVES], "PATH"),
+    "convert-src": (["convert", LEAVES, "out"], "SRC"),
+    "convert-dst": (["convert", "{model}", LEAVES], "DST"),
+    "depth-out": (["depth", "{model}", LEAVES, "--layers", "6"], "OUT"),
+    "dense-to-moe-src": (["dense-to-moe", LEAVES, "out", "--experts", "4", "--topk", "2"], "SRC"),
+    "dense-to-moe-out": (["dense-to-moe", "{model}", LEAVES, "--experts", "4", "--topk", "2"], "OUT"),
+    "experts-from": (["dense-to-moe", "{model}", "out", "--experts", "4", "--topk", "2", "--experts-from",
+                      f"a={LEAVES}", "--experts-from", "b={model}"], "--experts-from"),
+    "merge-input": (["merge", "{model}", LEAVES, "out"], "PATHS"),
+    "merge-out": (["merge", "{model}", "{model}", LEAVES], "OUT"),
+    "merge-base": (["merge", "{model}", "{model}", "out", "--base", LEAVES, "--method", "task_arithmetic"], "--base"),
+    "prepare-data-out": (["prepare-data", "--tokenizer", "{tokenizer}", "--out", LEAVES, "--source", "a=x.txt"],
+                         "--out"),
+    "prepare-data-glob": (["prepare-data", "--tokenizer", "{tokenizer}", "--out", "data", "--source",
+                           f"web={LEAVES}/*.jsonl"], "'gs://bkt/runs/../../../victim/*.jsonl'"),
+    "report": (["report", LEAVES], "RUN_DIR"),
+}
+
+
+@pytest.mark.parametrize("case", ESCAPES)
+def test_every_surface_refuses_a_url_that_leaves_its_root(case, tiny_dir, ws, tmp_path, monkeypatch):
+    """Exit non-zero, one line naming the option, the URL and the fix, before any request; nothing is
+    created in the working directory or the cache, and the victim where the normalised path lands (the
+    mirror of a source, the cache being its parent) keeps its bytes."""
+    argv, names = ESCAPES[case]
+    given = {"{model}": str(tiny_dir("llama")), "{tokenizer}": str(ws["tokenizer"])}
+    work, victim = tmp_path / "work", tmp_path / "victim"
+    work.mkdir()
+    victim.mkdir()
+    (victim / "notes.txt").write_bytes(b"the user's own")
+    monkeypatch.chdir(work)
+    proc = run_cli(*[given.get(a, a).replace("{model}", given["{model}"]) for a in argv], check=False,
+                   env={"UPCYCLER_CACHE": str(tmp_path)})  # its mirror: CACHE/gs/bkt/runs/../../../victim
+    line = assert_clean_failure(proc, mentions=f"{LEAVES}")
+    assert line.startswith(f"error: {names}"), line
+    assert "leaves 'gs://bkt' ('..' segments); " in line and (SEGMENT_FIX in line or "narrow the glob" in line), line
+    assert list(work.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["victim", "work"]
+    assert [p.name for p in victim.iterdir()] == ["notes.txt"]
+    assert (victim / "notes.txt").read_bytes() == b"the user's own"
+
+
+@pytest.mark.parametrize("key", ["run_dir", "model.init", "data.dir", "model.tokenizer"])
+@pytest.mark.parametrize("value", ["gs://bkt/runs/../../outside", "gs://bkt/runs/./cpt", "gs://bkt/runs//cpt"])
+def test_training_config_urls_stay_inside_their_bucket(ws, key, value, tmp_path, monkeypatch):
+    """run_dir (and with it every checkpoint, metric and export written under it) and the inputs: refused while
+    the config is read, naming the file and the key."""
+    cfg = F.config_dict(tmp_path / "local", ws["moe"], ws["data"], steps=2, **{key: value})
+    path = F.write_config(tmp_path / "train.yaml", cfg)
+    monkeypatch.chdir(tmp_path)
+    line = assert_clean_failure(run_cli("continued-pretrain", "--config", path, check=False),
+                                mentions=f"train.yaml: {key}: {value!r}: ")
+    assert line.endswith(SEGMENT_FIX), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.yaml"], line
+
+
+def test_a_recipe_output_that_leaves_its_bucket_is_refused(tiny_dir, tmp_path, monkeypatch):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"source: {tiny_dir('llama')}\ntransforms:\n  - dense-to-moe: {{experts: 4, topk: 2}}\n"
+                      f"output: {{path: {LEAVES}}}\n")
+    monkeypatch.chdir(tmp_path)
+    line = assert_clean_failure(run_cli("run", recipe, check=False), mentions=f"output.path: {LEAVES!r}: leaves")
+    assert line.endswith(SEGMENT_FIX) and sorted(p.name for p in tmp_path.iterdir()) == ["recipe.yaml"], line
+
+
+@pytest.mark.parametrize("source", ["org/name@../../../victim", "hf://org/name@main/../../../../victim"])
+def test_a_hub_revision_that_leaves_the_cache_is_refused_before_the_hub(source, tmp_path, monkeypatch):
+    """The revision names a file in the HF cache (`refs/REVISION`): refused before the cache is touched or
+    the Hub asked, and the victim where it would land keeps its bytes."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"the user's own")
+    monkeypatch.chdir(tmp_path)
+    proc = run_cli("inspect", source, check=False, env={"HF_HUB_CACHE": str(tmp_path / "hf" / "hub")})
+    line = assert_clean_failure(proc, mentions=f"{source.removeprefix('hf://')!r}: leaves 'hf://org/name'")
+    assert line.endswith("; name a branch, tag or commit"), line
+    assert victim.read_bytes() == b"the user's own" and sorted(p.name for p in tmp_path.iterdir()) == ["victim"]

@@ -5,7 +5,10 @@ file is compared byte for byte with the local run's; the manifests are equal onc
 read as the bucket URLs they stand for (the lineage records the bucket URL, not the local cache). The
 commit protocol is checked at every point a write can die (a real SIGKILL between uploads, and an
 interrupted publish before, between and after the uploads): no reader takes the output as finished, and
-the next write to the same place succeeds without `--overwrite`.
+the next write to the same place succeeds without `--overwrite`. Locations that leave their root (a URL
+with `..`, an object listed or matched by a glob under such a name, through a proxy that lists what the
+emulator cannot hold) are refused before anything is fetched, written or deleted: a victim file where
+the escape would land keeps its bytes.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from hub_server import FakeHub
 
 from upcycler import bucket_client
 from upcycler.errors import UpcyclerError
-from upcycler.io import bucket_output
+from upcycler.io import bucket_output, write_lock
 from upcycler.io import object_store as store
 from upcycler.io.manifest import MANIFEST
 from upcycler.io.remote_sources import mirror
@@ -225,6 +228,106 @@ def test_an_interrupted_publish_is_refused_and_cleaned_up(surgery, monkeypatch, 
     bucket_output.check_output(out, overwrite=False)  # a killed write's leftovers need no --overwrite
     bucket_output.publish(local / "moe", out)
     assert bucket_files(out) == local_files(local / "moe")
+
+
+# --- one writer per bucket output: races, an expired lease, a lost lease ---------------------------
+
+HOLDER = re.compile(r"being written by another upcycler process \(host \S+, pid \d+, since \d{4}-\d\d-\d\d "
+                    r"\d\d:\d\d:\d\d UTC\); wait for it to finish or choose another output")
+RACES = 20
+
+
+@pytest.mark.heavy  # 40 rounds against the emulator: about 20 s
+def test_two_writers_of_one_bucket_output_one_wins_every_time():
+    """Lock, check, publish raced by two processes started at once, 20 times, on the emulator: one
+    publishes, the other is refused in one line naming it; the lock object is gone after. Then the same
+    race on the finished outputs, without --overwrite: both refused, and the outputs unchanged."""
+    from lock_racers import race
+
+    root = gcs_emulator.unique_prefix("race")
+    for k, outcomes in enumerate(race("bucket", RACES, url=f"{root}/r{{round}}/out")):
+        won = [d for status, d in outcomes if status == "ok"]
+        refused = [d for status, d in outcomes if status == "refused"]
+        assert len(won) == 1 and len(refused) == 1 and HOLDER.search(refused[0]), outcomes
+        assert json.loads(bucket_files(f"{root}/r{k}/out")[MANIFEST]) == {"writer": int(won[0])}
+        assert sorted(bucket_files(f"{root}/r{k}")) == ["out/upcycler.json", "out/weights.bin"]
+    before = bucket_files(root)
+    for outcomes in race("bucket", RACES, url=f"{root}/r{{round}}/out"):
+        assert [status for status, _ in outcomes] == ["refused", "refused"], outcomes
+        assert all(HOLDER.search(d) or "already exists; choose another output or pass --overwrite" in d
+                   for _, d in outcomes), outcomes
+    assert bucket_files(root) == before
+
+
+HOLD_A_LEASE = """
+import sys, time
+from upcycler.io import lock_holder, write_lock
+if sys.argv[3] == "elsewhere":
+    lock_holder.here = lambda: "another machine"
+with write_lock.locked(write_lock.output_lock(sys.argv[1]), "busy", "wait", lease_seconds=float(sys.argv[2])):
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("where", ["here", "elsewhere"])
+def test_the_lease_of_a_killed_writer_is_taken_over(surgery, where):
+    """A writer killed (SIGKILL) while it holds a bucket output's lease: on this machine (same boot, same pid
+    namespace) its lease is taken over at once; from another machine it is kept until it expires (the next
+    writer is refused, naming it), not longer. Then the next writer takes it over and publishes."""
+    out, lease = gcs_emulator.unique_prefix("expired") + "/out", 2.0
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_A_LEASE, out, str(lease), where], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+    finally:
+        holder.kill()
+        holder.wait()
+    killed = time.time()
+    if where == "elsewhere":
+        with pytest.raises(UpcyclerError, match=rf"pid {holder.pid}, since"), bucket_output.locked(out):
+            pass
+        time.sleep(max(0.0, killed + lease + 0.2 - time.time()))
+    with bucket_output.locked(out) as lock:
+        bucket_output.check_output(out, overwrite=False)
+        bucket_output.publish(surgery["local"] / "moe", out, lock=lock)
+    assert bucket_files(out) == local_files(surgery["local"] / "moe")
+    assert store.object_info(write_lock.output_lock(out)) is None, "the lease was not released"
+
+
+def test_a_writer_whose_lease_was_taken_over_commits_nothing(surgery):
+    """A holder that stopped renewing (stalled past its lease) finds, at its next renewal, that another process
+    took the lease over: it knows it lost it, and `publish` with it uploads nothing and commits nothing."""
+    from upcycler.io.bucket_lease import Lease
+
+    out = gcs_emulator.unique_prefix("lost") + "/out"
+    stalled = Lease(write_lock.output_lock(out), "busy", "wait", 0.5)
+    stalled.acquire()
+    stalled._stop.set()  # its renewals stall
+    stalled._thread.join()
+    time.sleep(0.7)
+    with bucket_output.locked(out):  # taken over
+        assert not stalled.renew() and "taken over by host" in stalled.lost
+        with pytest.raises(UpcyclerError, match="this process lost its lock .taken over by host .*; nothing was "
+                                                "committed"):
+            bucket_output.publish(surgery["local"] / "moe", out, lock=stalled)
+    assert bucket_files(out) == {}
+
+
+def test_two_converts_into_one_bucket_output_one_wins(surgery):
+    """The full CLI on the emulator: two `convert`s (bf16 and fp32) into one gs:// OUT at once: one
+    publishes, the other exits 2 with one line (naming the writer, or the finished output)."""
+    out = gcs_emulator.unique_prefix("cli-race") + "/out"
+    procs = {dtype: subprocess.Popen([sys.executable, "-m", "upcycler", "convert", surgery["model"], out, "--dtype",
+                                      dtype], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for dtype in ("bf16", "fp32")}
+    done = {dtype: (proc.wait(timeout=600), proc.stderr.read()) for dtype, proc in procs.items()}
+    assert sorted(status for status, _ in done.values()) == [0, 2], done
+    [loser] = [stderr for status, stderr in done.values() if status == 2]
+    lines = [line for line in loser.splitlines() if line.strip()]
+    assert len(lines) == 1 and (HOLDER.search(lines[0]) or "already exists" in lines[0]), loser
+    objects = bucket_files(out)
+    assert MANIFEST in objects and bucket_output.WRITING not in objects
 
 
 def test_a_hub_id_is_a_source_for_dense_to_moe(surgery, tmp_path, monkeypatch):
@@ -539,3 +642,126 @@ def test_an_upload_damaged_on_the_way_is_sent_again_or_refused(faulty, tmp_path)
             store.upload_all([(local, f"{url}/again.bin")])
     assert once.damaged == written.damaged == 1 and always.damaged == 2
     assert bucket_files(url)["weights.bin"] == local.read_bytes() and bucket_files(url)["marker"] == b"a marker"
+
+
+# --- locations that leave their root: refused before anything is read or written -------------------
+
+LEAVE_FIX = "write gs://BUCKET/PATH with no '.', '..' or empty segment"
+
+
+def bucket_key(url: str) -> str:
+    return url.split("://", 1)[1]
+
+
+def victim_dir(path: Path) -> dict[str, bytes]:
+    """A user's directory where an escape would land: two files of their own; returns what it holds."""
+    path.mkdir(parents=True)
+    (path / "notes.txt").write_bytes(b"the user's own notes")
+    (path / "config.json").write_bytes(b'{"mine": true}')
+    return local_files(path)
+
+
+def test_a_source_url_that_leaves_its_bucket_touches_nothing_outside_the_mirror(faulty, tiny_dir, tmp_path):
+    """`inspect gs://B/P/../../../../victim`, where the bucket lists a config.json under that literal prefix
+    (as Cloud Storage may): its mirror would be CACHE/../victim, whose config.json it would replace and whose
+    other files its clean-up would delete. Refused in one line naming the URL before any request: the
+    victim keeps its bytes, the prefix is never listed, nothing is cached."""
+    root = gcs_emulator.unique_prefix("leave")
+    store.write_bytes(f"{root}/model/config.json", (tiny_dir("llama") / "config.json").read_bytes())
+    url = f"{root}/../../../../victim"
+    listed = faulty.list_also(f"{bucket_key(url)}/config.json", f"{bucket_key(root)}/model/config.json")
+    cache, before = tmp_path / "cache", victim_dir(tmp_path / "victim")
+    proc = run_cli("inspect", url, check=False, timeout=60,
+                   env={"STORAGE_EMULATOR_HOST": faulty.url, "UPCYCLER_CACHE": str(cache)})
+    line = assert_clean_failure(proc, mentions=f"PATH: {url!r}: leaves 'gs://{gcs_emulator.BUCKET}' ('..' segments)")
+    assert line.endswith(LEAVE_FIX), line
+    assert local_files(tmp_path / "victim") == before and listed.damaged == 0
+    assert not [p for p in cache.rglob("*") if p.is_file()]
+
+
+def test_a_listed_object_that_leaves_its_prefix_is_never_fetched(faulty, tiny_dir, tmp_path):
+    """A bucket model whose listing holds `../../../../../escape/config.json` (its copy: CACHE/../escape):
+    dense-to-moe is refused in one line naming that object before anything is downloaded; the victim there
+    keeps its bytes and nothing is published."""
+    root = gcs_emulator.unique_prefix("listed")
+    model = tiny_dir("llama")
+    store.upload_all([(p, f"{root}/model/{p.name}") for p in sorted(model.iterdir()) if p.is_file()])
+    faulty.list_also(f"{bucket_key(root)}/model/../../../../../escape/config.json",
+                     f"{bucket_key(root)}/model/config.json")
+    cache, before = tmp_path / "cache", victim_dir(tmp_path / "escape")
+    proc = run_cli("dense-to-moe", f"{root}/model", f"{root}/moe", "--experts", "4", "--topk", "2", check=False,
+                   timeout=120, env={"STORAGE_EMULATOR_HOST": faulty.url, "UPCYCLER_CACHE": str(cache)})
+    line = assert_clean_failure(proc, mentions=f"'{root}/model/../../../../../escape/config.json': leaves '{root}/model'")
+    assert line.endswith("; rename or remove that object"), line
+    assert local_files(tmp_path / "escape") == before and bucket_files(f"{root}/moe") == {}
+    assert not [p for p in cache.rglob("*") if p.is_file() and p.suffix != ".json"]  # no weights fetched
+
+
+def test_a_glob_match_that_leaves_its_bucket_is_never_fetched_nor_read(faulty, tmp_path):
+    """`prepare-data --source web=gs://B/P/pdesc/**` matching an object named `P/pdesc/../../../../../escape/
+    x.jsonl` (its copy would be CACHE/../escape/x.jsonl): refused in one line naming the glob and the match,
+    before anything is fetched; the victim file there keeps its bytes and no document of it is read."""
+    from upcycler.cli.demo import demo_assets
+
+    root = gcs_emulator.unique_prefix("glob")
+    store.write_bytes(f"{root}/pdesc/a.jsonl", b'{"text": "hello"}\n')
+    store.write_bytes(f"{root}/planted/x.jsonl", b'{"text": "planted"}\n')
+    hostile = f"{root}/pdesc/../../../../../escape/x.jsonl"
+    faulty.list_also(bucket_key(hostile), f"{bucket_key(root)}/planted/x.jsonl")
+    victim = tmp_path / "escape" / "x.jsonl"
+    victim.parent.mkdir()
+    victim.write_bytes(b'{"text": "the user\'s own"}\n')
+    cache = tmp_path / "cache"
+    proc = run_cli("prepare-data", "--tokenizer", demo_assets() / "tokenizer.json", "--source",
+                   f"web={root}/pdesc/**", "--out", tmp_path / "data", check=False, timeout=120,
+                   env={"STORAGE_EMULATOR_HOST": faulty.url, "UPCYCLER_CACHE": str(cache)})
+    line = assert_clean_failure(proc, mentions=f"'{root}/pdesc/**': its match {hostile!r}: leaves")
+    assert line.endswith("; rename or remove that object, or narrow the glob"), line
+    assert victim.read_bytes() == b'{"text": "the user\'s own"}\n'
+    assert not (tmp_path / "data").exists() and not [p for p in cache.rglob("*") if p.is_file()]
+
+
+@pytest.mark.parametrize("out", ["{root}/a/../b", "{root}/a/./b", "{root}/a//b"])
+def test_an_output_url_with_a_dot_segment_writes_no_object(out, tiny_dir, tmp_path):
+    """`convert SRC gs://B/P/a/../b` (and `.`, empty segments): refused in one line naming DST before any
+    request; no object is written under P (the emulator, as a disk, would take `a/../b` for `b`), no lock,
+    nothing staged."""
+    root = gcs_emulator.unique_prefix("dots")
+    url = out.format(root=root)
+    proc = run_cli("convert", tiny_dir("llama"), url, check=False, timeout=60,
+                   env={"UPCYCLER_CACHE": str(tmp_path / "cache")})
+    line = assert_clean_failure(proc, mentions=f"DST: {url!r}: ")
+    assert line.endswith(LEAVE_FIX), line
+    assert bucket_files(root) == {} and not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
+def test_a_bucket_output_that_holds_an_object_with_a_dot_segment_is_left_alone(faulty, tiny_dir, tmp_path):
+    """An earlier output at OUT whose listing holds `../../../victim/upcycler.json`: `convert --overwrite`
+    is refused before it writes or deletes anything, naming that object; OUT keeps its objects."""
+    root = gcs_emulator.unique_prefix("held")
+    out = f"{root}/out"
+    run_cli("convert", tiny_dir("llama"), out, timeout=120, env={"UPCYCLER_CACHE": str(tmp_path / "cache")})
+    before = bucket_files(out)
+    faulty.list_also(f"{bucket_key(out)}/../../../victim/{MANIFEST}", f"{bucket_key(out)}/{MANIFEST}")
+    proc = run_cli("convert", tiny_dir("llama"), out, "--overwrite", check=False, timeout=120,
+                   env={"STORAGE_EMULATOR_HOST": faulty.url, "UPCYCLER_CACHE": str(tmp_path / "cache")})
+    line = assert_clean_failure(proc, mentions=f"'{out}/../../../victim/{MANIFEST}': leaves '{out}'")
+    assert line.endswith("; delete that object yourself or choose another output"), line
+    assert bucket_files(out) == before
+
+
+def test_the_mirror_clean_up_never_reaches_outside_the_mirror(tmp_path, monkeypatch):
+    """A mirror brought up to date deletes what the bucket no longer lists, and only that: links in it to
+    a user's directory and file are removed themselves, never followed, and the victim keeps its bytes."""
+    monkeypatch.setenv("UPCYCLER_CACHE", str(tmp_path / "cache"))
+    url = gcs_emulator.unique_prefix("clean")
+    store.write_bytes(f"{url}/weights.bin", b"the weights")
+    local = mirror(url)
+    before = victim_dir(tmp_path / "victim")
+    (local / "linked").symlink_to(tmp_path / "victim", target_is_directory=True)
+    (local / "notes.txt").symlink_to(tmp_path / "victim" / "notes.txt")
+    (local / "stale").mkdir()
+    (local / "stale" / "old.bin").write_bytes(b"gone from the bucket")
+    assert mirror(url) == local
+    assert local_files(tmp_path / "victim") == before
+    assert sorted(p.name for p in local.iterdir()) == ["weights.bin"]

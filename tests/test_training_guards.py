@@ -5,7 +5,9 @@ killed mid-write)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,6 +127,90 @@ def test_spike_rewind_continues_from_the_average_and_resumes_bit_identically(ws,
         assert [{k: v for k, v in r.items() if k not in strip} for r in F.metrics(split / "run")] == \
                [{k: v for k, v in r.items() if k not in strip} for r in records], stop_at
         assert read_checkpoint(split / "run" / "16").lineage[-2]["rewinds"] == lineage[-2]["rewinds"]
+
+
+# --- what a checkpoint's meta gives back to the techniques ---------------------------------------------------
+@pytest.fixture(scope="module")
+def saved_moe(ws, tmp_path_factory):
+    """A tiny MoE run of 2 steps, checkpointed after each: checkpoint 1 holds an open expert window (the
+    windows are 4 steps) and no rewinds."""
+    root = tmp_path_factory.mktemp("saved-moe")
+    run(ws, root, "moe", steps=2, **{"checkpoint.every": 1, "metrics.expert_load_every": 4})
+    return root / "run"
+
+
+def resumed_from(saved_moe, ws, root, step, edit, steps=3):
+    """A copy of `saved_moe` that resumes from checkpoint `step` (later ones removed), its meta changed by
+    `edit` (the meta as a dict, changed in place), resumed to `steps`."""
+    shutil.copytree(saved_moe, root / "run")
+    for later in range(step + 1, 3):
+        shutil.rmtree(root / "run" / str(later))
+    path = root / "run" / str(step) / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    edit(meta)
+    path.write_text(json.dumps(meta))
+    return train(TrainConfig.from_dict(F.config_dict(root, ws["moe"], ws["data"], steps=steps, **{
+        "checkpoint.every": 1, "metrics.expert_load_every": 4})), resume=True)
+
+
+def _set(key, value, field=None):
+    """An edit of the meta: `key` (or its `field`) set to `value`."""
+    def edit(meta):
+        if field is None:
+            meta[key] = value
+        else:
+            meta[key][field] = value
+    return edit
+
+
+LYING_META = {
+    "rewinds: 5": (_set("rewinds", 5), "meta rewinds is not a list of rewinds"),
+    "rewinds of garbage": (_set("rewinds", ["x", {"step": "y"}]), "meta rewinds[0] is not a rewind"),
+    "a rewind's step is text": (_set("rewinds", [{"step": "y", "averaged": [0]}]),
+                                "meta rewinds[0].step is not an integer from 0 to 0"),
+    "a rewind after the checkpoint": (_set("rewinds", [{"step": 7, "averaged": [3]}]),
+                                      "meta rewinds[0].step is not an integer from 0 to 0"),
+    "expert counts of 1 layer × 3 experts": (_set("expert_window", [[1, 2, 3]], "counts"),
+                                             ("meta expert_window.counts is not counts (integers ≥ 0) of shape "
+                                             "[MoE layers × experts] = [2, 4]")),
+    "expert counts of 4 layers × 2 experts": (_set("expert_window", [[1, 2]] * 4, "counts"),
+                                              "meta expert_window.counts is not counts"),
+    "negative expert counts": (_set("expert_window", [[-1, 2, 3, 4]] * 2, "counts"),
+                               "meta expert_window.counts is not counts"),
+    "expert counts by source of another shape": (_set("expert_window", [[[1, 2, 3, 4]]] * 2, "by_source"),
+                                                  ("meta expert_window.by_source is not counts (integers ≥ 0) of "
+                                                  "shape [MoE layers × sources × experts] = [2, 2, 4]")),
+    "entropy of text": (_set("expert_window", ["a", "b"], "entropy"), "meta expert_window.entropy"),
+    "a window of 0 steps": (_set("expert_window", 0, "steps"), "meta expert_window.steps"),
+    "a window that is a list": (_set("expert_window", [1]), "meta expert_window is not an open window"),
+    "another step": (_set("step", 5), "meta step is not 1"),
+    "lineage of text": (_set("lineage", "x"), "meta lineage is not a non-empty list"),
+}
+
+
+@pytest.mark.parametrize("case", list(LYING_META))
+def test_a_checkpoint_whose_meta_lies_is_refused_naming_it_and_the_key(saved_moe, ws, tmp_path, case):
+    """Every technique's entry of the meta is checked against the run (type, shape vs MoE layers × experts,
+    range): a lie is one line naming the checkpoint and the key, before any step, and no checkpoint carries
+    it on."""
+    edit, mentions = LYING_META[case]
+    with pytest.raises(UpcyclerError) as err:
+        resumed_from(saved_moe, ws, tmp_path, 1, edit)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"{tmp_path / 'run' / '1'}: "), line
+    assert mentions in line and "resume from an earlier step" in line, line
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.isdigit()) == ["1"]
+    assert len(F.metrics(tmp_path / "run")) == 2  # nothing of a step ran
+
+
+def test_rewinds_a_checkpoint_saved_are_carried_on_exactly(saved_moe, ws, tmp_path):
+    """A well-formed record of rewinds (before the checkpoint's step) is taken back and written, as it was,
+    into the next checkpoint's lineage."""
+    rewinds = [{"step": 1, "averaged": [0]}]
+    result = resumed_from(saved_moe, ws, tmp_path, 2, _set("rewinds", rewinds))
+    assert result.step == 3
+    lineage = read_checkpoint(tmp_path / "run" / "3").lineage
+    assert [s["rewinds"] for s in lineage if "rewinds" in s] == [rewinds]
 
 
 def test_a_run_starts_from_the_average_of_another_runs_last_checkpoints(ws, cache, tmp_path):

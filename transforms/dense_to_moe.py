@@ -387,7 +387,7 @@ def _moe_layer(cfg: DenseToMoE, out: ModelSpec, cover: Cover, factor: float, sou
     D, f, R, N = out.hidden_size, cover.width, cover.group, moe.num_experts
     dtype = gate.dtype
     reinit = round(cfg.reinit_ratio * f)
-    scales = [None if cover.overlap == 0 else cover.column_scales(j, factor) for j in range(R)]
+    scales = _MemberScales(cover, factor)
 
     def rows(e: int, k: int) -> np.ndarray:  # [f, D]: window e mod R of expert e's gate (k=0) or up (k=1)
         w = experts[e][k]
@@ -399,17 +399,18 @@ def _moe_layer(cfg: DenseToMoE, out: ModelSpec, cover: Cover, factor: float, sou
         out_ = recent.get(w)[:, cover.window(e % R)]
         if reinit:
             out_ = _reinit(out_, recent.stats(w), cfg.seed, i, e, 2, reinit, axis=1)
-        return scale_columns(out_, factor if scales[e % R] is None else scales[e % R], scaled_dtype)
+        return scale_columns(out_, scales.of(e % R), scaled_dtype)
 
     # where a slice is its source's bytes unchanged (no re-initialised neurons, no scale), the writer
     # streams it from the file: gate/up rows are one contiguous range, down columns only when all of them
     def rows_stored(e: int, k: int) -> StoredBytes | None:
-        return None if reinit else experts[e][k].stored_rows(cover.window(e % R))
+        window = cover.contiguous(e % R)
+        return None if reinit or window is None else experts[e][k].stored_rows(window)
 
     def cols_stored(e: int) -> StoredBytes | None:
-        w, window = experts[e][2], cover.window(e % R)
-        whole = isinstance(window, slice) and window.indices(w.shape[1]) == (0, w.shape[1], 1)
-        unscaled = scales[e % R] is None and factor == 1 and scaled_dtype == w.dtype
+        w, window = experts[e][2], cover.contiguous(e % R)
+        whole = window is not None and window.indices(w.shape[1]) == (0, w.shape[1], 1)
+        unscaled = cover.overlap == 0 and factor == 1 and scaled_dtype == w.dtype
         return w.stored if whole and unscaled and not reinit else None
 
     random_rows = _router(cfg.seed, i, N // R, R, D, cfg.router_std, dtype)
@@ -435,6 +436,24 @@ def _moe_layer(cfg: DenseToMoE, out: ModelSpec, cover: Cover, factor: float, sou
         if moe.shared_gated:
             new[p + "moe.shared_gate"] = zeros((1, D), dtype)
     return new
+
+
+class _MemberScales:
+    """The down_proj scale of each group member (the router's factor, or one per column where windows
+    overlap), computed when a member's columns are first written and kept: planning the layer (a dry run)
+    allocates nothing by the expert width."""
+
+    def __init__(self, cover: Cover, factor: float):
+        self.cover, self.factor = cover, factor
+        self._by_member: dict[int, np.ndarray] = {}
+
+    def of(self, j: int) -> float | np.ndarray:
+        """Member j's scale: `factor` for a tiling cover, else its per-column scales."""
+        if self.cover.overlap == 0:
+            return self.factor
+        if j not in self._by_member:
+            self._by_member[j] = self.cover.column_scales(j, self.factor)
+        return self._by_member[j]
 
 
 def _router(seed: int, layer: int, groups: int, R: int, D: int, std: float, dtype: np.dtype) -> LazyTensor:

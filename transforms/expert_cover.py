@@ -43,6 +43,12 @@ class Cover:
         """First routed neuron (offset into the routed part) of group member j."""
         return j * self.routed // self.group
 
+    def contiguous(self, j: int) -> slice | None:
+        """The dense-FFN neurons of group member j as a slice, or None when its window wraps around (known
+        from the start alone: nothing is allocated by the width)."""
+        s = self.start(j)
+        return slice(self.shared + s, self.shared + s + self.width) if s + self.width <= self.routed else None
+
     def window(self, j: int) -> slice | np.ndarray:
         """The dense-FFN neurons of group member j: a slice, or indices when the window wraps around."""
         s = self.start(j)
@@ -51,22 +57,45 @@ class Cover:
         return self.shared + (s + np.arange(self.width)) % self.routed
 
     @cached_property
-    def counts(self) -> np.ndarray:
-        """c_n for every routed neuron: how many members of a group hold it (≥ 1)."""
-        c = np.zeros(self.routed, np.int64)
+    def _runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Where c_n changes: the routed offsets that start a run of equal counts (ascending, the first 0)
+        and the count of each run. R windows start or end at most 2R + 1 runs, so the counts are known
+        from the cover's shape alone, with no entry per neuron (a dry run plans without allocating by F)."""
+        deltas: dict[int, int] = {0: 0}
         for j in range(self.group):
-            c[(self.start(j) + np.arange(self.width)) % self.routed] += 1
-        return c
+            s, e = self.start(j), self.start(j) + self.width
+            deltas[s] = deltas.get(s, 0) + 1
+            if e > self.routed:  # wraps around to the first neurons
+                deltas[0] += 1
+                e -= self.routed
+            deltas[e] = deltas.get(e, 0) - 1
+        starts = sorted(p for p in deltas if p < self.routed)
+        counts = np.cumsum([deltas[p] for p in starts])
+        return np.asarray(starts, np.int64), counts.astype(np.int64)
+
+    def held(self, offsets: np.ndarray) -> np.ndarray:
+        """c_n of the routed neurons at `offsets` (into the routed part): how many members hold each (≥ 1)."""
+        starts, counts = self._runs
+        return counts[np.searchsorted(starts, offsets, side="right") - 1]
+
+    @property
+    def counts(self) -> np.ndarray:
+        """c_n for every routed neuron (one entry per neuron: for checks on small covers)."""
+        return self.held(np.arange(self.routed))
+
+    def distinct_counts(self) -> list[int]:
+        """The distinct c_n, ascending (from the runs: no entry per neuron)."""
+        return sorted(set(self._runs[1].tolist()))
 
     def column_scales(self, j: int, factor: float) -> np.ndarray:
         """Per-neuron `down_proj` scale of member j: `factor` (the router's correction, R for a renormalising
         router) divided by how many members hold the neuron."""
-        held = self.counts[(self.start(j) + np.arange(self.width)) % self.routed]
+        held = self.held((self.start(j) + np.arange(self.width)) % self.routed)
         return factor / held.astype(np.float64)
 
     def scales(self, factor: float) -> list[float]:
         """The distinct down_proj scales used, ascending."""
-        return sorted({factor / c for c in np.unique(self.counts).tolist()})
+        return sorted({factor / c for c in self.distinct_counts()})
 
     @property
     def overlap(self) -> int:
@@ -78,7 +107,7 @@ class Cover:
         if not self.overlap:
             return (f"{self.group} experts per virtual group tile the {self.routed} routed neurons in windows "
                     f"of {self.width}")
-        counts = np.unique(self.counts).tolist()
+        counts = self.distinct_counts()
         scales = ", ".join(f"{s:g}" for s in self.scales(factor))
         return (f"{self.group} experts per virtual group hold overlapping windows of {self.width} of the "
                 f"{self.routed} routed neurons ({self.overlap} held twice or more; each neuron held by "

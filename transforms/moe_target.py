@@ -19,13 +19,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-import numpy as np
-
 from upcycler.errors import UpcyclerError
 from upcycler.families import Family, auto_order, conform_spec, family_named
 from upcycler.layout import layer_prefix
 from upcycler.spec import ModelSpec, MoESpec
-from upcycler.tensors import LazyTensor, TensorMap, constant, zeros
+from upcycler.tensors import LazyTensor, TensorMap, ones, zeros
 
 
 @dataclass(frozen=True)
@@ -161,7 +159,7 @@ def apply_attention(target: Target, source: ModelSpec, tensors: TensorMap) -> Te
             for suffix, shape in shapes[attr].items():
                 name = layer_prefix(i) + suffix
                 if value:
-                    added[name] = constant(np.ones(shape, dtype)) if attr == "qk_norm" else zeros(shape, dtype)
+                    added[name] = ones(shape, dtype) if attr == "qk_norm" else zeros(shape, dtype)
                 else:
                     dropped.append(name)
     return tensors.without(dropped).updated(added)

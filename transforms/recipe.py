@@ -25,7 +25,7 @@ from typing import Any
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.hf_write import DEFAULT_SHARD_SIZE
-from upcycler.locations import local_path, recorded_location, url_scheme
+from upcycler.locations import bucket_and_key, local_path, recorded_location, url_scheme
 from upcycler.schema import options
 from upcycler.transforms.registry import Transform, config_dict, transform_named
 from upcycler.units import parse_size
@@ -165,6 +165,8 @@ def _path(base: Path, text: str, what: str, urls: tuple[str, ...] = ()) -> Path 
     if "\0" in text:
         raise UpcyclerError(f"path {describe(text)} contains a NUL byte; fix the recipe")
     if url_scheme(text) in urls:
+        if url_scheme(text) == "gs":
+            bucket_and_key(text, what)  # a bucket named, and a key that stays in it
         return text
     path = local_path(text, what).expanduser()
     return path if path.is_absolute() else base / path

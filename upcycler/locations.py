@@ -9,11 +9,18 @@ bucket URLs and Hub ids (`upcycler.cli.path_type`). A missing local path that lo
 (`org/name`) gets a hint on how to fetch it. A gs:// URL must name a bucket (`bucket_and_key`), wherever it
 is given.
 
-What this module preserves: a local path is returned unchanged (`Path(text)`).
+Every location the tool builds from outside input (the key of a gs:// URL, an object name a bucket lists,
+a glob's match, a Hub revision, the cache directory a remote source is copied into) goes through `within`:
+a name with an empty, `.` or `..` segment is refused in one line, so nothing is ever read, written or
+deleted outside the root the name was given under, and no object is written under such a name.
+
+What this module preserves: a local path is returned unchanged (`Path(text)`); a location `within`
+accepts is its root and name joined as given.
 """
 
 from __future__ import annotations
 
+import posixpath
 import re
 from pathlib import Path, PurePath
 from typing import NewType
@@ -56,7 +63,35 @@ def bucket_and_key(url: str, what: str | None = None) -> tuple[str, str]:
                "first and last a letter or digit)")
     if problem:
         raise UpcyclerError(f"{what + ': ' if what else ''}{describe(url)}: {problem}; write gs://BUCKET/PATH")
-    return bucket, key.strip("/")
+    key = key.strip("/")
+    if key:
+        within(f"gs://{bucket}", key, named=f"{what + ': ' if what else ''}{describe(url, 200)}",
+               fix="write gs://BUCKET/PATH with no '.', '..' or empty segment")
+    return bucket, key
+
+
+_NOT_A_NAME = {"": "an empty segment", ".": "a '.' segment", "..": "a '..' segment"}
+
+
+def within(root: str, name: str, *, fix: str, named: str | None = None) -> str:
+    """`root/name`: the place the relative `name` (from outside input: a URL's key, an object name a bucket
+    lists, a glob's match, a Hub revision) names under `root` (a bucket URL, a local directory).
+
+    Refused in one line, naming the location (`named`, else `root/name`) and `fix`, when `name` is empty or
+    absolute, has an empty, `.` or `..` segment, or a NUL: once normalised it would leave `root`, or name
+    another place than it says (an object store takes `a/../b` literally, a disk does not). What this
+    preserves: an accepted name is joined to `root` unchanged."""
+    root = root.rstrip("/") or root
+    location = f"{root.rstrip('/')}/{name}"  # a root of "/" stays one slash
+    segment = next((part for part in name.split("/") if part in _NOT_A_NAME), None)
+    if segment is None and "\0" not in name:
+        return location
+    shown = named or describe(location, 200)
+    normal = posixpath.normpath(name)
+    if normal == ".." or normal.startswith("../"):
+        raise UpcyclerError(f"{shown}: leaves {describe(root, 200)} ('..' segments); {fix}")
+    kind = _NOT_A_NAME[segment] if segment is not None else "a NUL character"
+    raise UpcyclerError(f"{shown}: has {kind}, so it names no one place under {describe(root, 200)}; {fix}")
 
 
 Location = NewType("Location", Path)

@@ -155,6 +155,12 @@ def zeros(shape: Sequence[int], dtype: np.dtype) -> LazyTensor:
     return LazyTensor(shape, np.dtype(dtype), lambda: np.zeros(shape, dtype), lambda i: np.zeros(shape[1:], dtype))
 
 
+def ones(shape: Sequence[int], dtype: np.dtype) -> LazyTensor:
+    """Ones of `shape` (norm weights), allocated only when written."""
+    shape = tuple(shape)
+    return LazyTensor(shape, np.dtype(dtype), lambda: np.ones(shape, dtype), lambda i: np.ones(shape[1:], dtype))
+
+
 def derive(
     source: LazyTensor,
     fn: Callable[[np.ndarray], np.ndarray],

@@ -187,11 +187,25 @@ def _run(plan: Plan, pending: Sequence[Unit], work: str, runner: str, options) -
     except (KeyboardInterrupt, UpcyclerError):
         raise
     except Exception as err:  # noqa: BLE001 - any runner failure: shown as one line, work kept for a rerun
+        interrupt = _interrupt_within(err)
+        if interrupt is not None:  # Ctrl-C or SIGTERM inside a transform, which the runner wraps
+            raise interrupt from None
         first = escape(str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__)
         raise EngineFailure(
             f"prepare-data: the {runner} pipeline failed ({first[:200]}); fix the cause and rerun: "
             "finished shards are kept"
         ) from None
+
+
+def _interrupt_within(err: BaseException) -> KeyboardInterrupt | None:
+    """The interrupt (`KeyboardInterrupt`, SIGTERM's included) that a runner's error wraps, if any."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def _tokenise(element: tuple, settings, work: str) -> dict:

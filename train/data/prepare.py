@@ -185,7 +185,7 @@ def prepare_sources(
     _refuse_inputs_as_outputs(out_dir, sources, [*written, *stale])
     plan = _plan(tokenizer, sources, fmt, text_field, text_unit, unit_bytes, eos, heldout_fraction, max_expansion)
     work = out_dir / f"{WORK_PREFIX}{plan.key}"
-    journal = read_journal(work)  # the same command, killed while publishing: those outputs are its own
+    journal = read_journal(work, plan, written)  # the same command, killed while publishing: its outputs
     if journal is None and not overwrite:
         existing = [out_dir / n for name in [*written, *stale] for n in output_names(name)
                     if os.path.lexists(out_dir / n)]
@@ -237,7 +237,7 @@ def prepare_into_bucket(tokenizer: TokenizerInfo, sources: Mapping[str, Sequence
                  heldout_fraction, options.pop("max_expansion", MAX_EXPANSION))
     root = cache_root() / "prepare" / hashlib.sha256(out.encode()).hexdigest()[:16]
     work = root / f"{WORK_PREFIX}{plan.key}"
-    journal = read_journal(work)
+    journal = read_journal(work, plan, written_sources(sources, heldout_fraction))
     if taken and not overwrite and journal is None:
         raise UpcyclerError(f"{describe(store.join(out, taken[0]), 200)}: already exists; choose another --out or "
                             "pass --overwrite")
@@ -375,7 +375,7 @@ def build_shards(plan: Plan, work: Path, *, runner: str, workers: int, beam_opti
     indexes = [index for name in plan.files for index in _indexes(plan, name, work, states, resumed)]
     for index in indexes:
         _write_json(work / SHARDS / f"{index['name']}{INDEX_SUFFIX}", _stored(index))
-    write_journal(work, indexes)
+    write_journal(work, plan, indexes)
     return indexes
 
 

@@ -11,6 +11,8 @@ finishes it (`prepare` drives this; the layout of the work directory is `shard_w
   plan (the same inputs and options: the work directory is named by the plan's key) knows that the
   outputs of those names in OUT are its own, kept or half-published: it finishes publishing them instead
   of refusing them as existing outputs. Another command finds no journal of its plan, and is refused.
+  The journal names its plan (the key) and lists its sources: one that names another plan or other
+  sources, or lacks a field the publishing and the summary read, is refused in one line, never trusted.
 - **Removal** (`discard`): the journal is removed last, so a kill while the work directory goes still
   leaves a rerun that knows the output is its own.
 """
@@ -24,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from upcycler.errors import UpcyclerError
 from upcycler.train.data.format import token_dtype
 from upcycler.train.data.plan import Plan, Unit, piece_bytes, unit_steps
 from upcycler.train.data.shard_writer import (
@@ -38,6 +41,7 @@ from upcycler.train.data.shard_writer import (
     steps_dir,
 )
 from upcycler.units import human_bytes
+from upcycler.untrusted import describe, shown_path
 
 JOURNAL = "publishing.json"  # the indexes of a preparation whose every unit is done, being published
 LOCK = ".lock"
@@ -119,24 +123,65 @@ def redone_reasons(states: Iterable[UnitState]) -> list[str]:
     return reasons
 
 
-def write_journal(work: Path, indexes: Sequence[Mapping]) -> None:
-    """Record that every unit is done and `indexes` are to be published (atomically: whole or absent)."""
+def write_journal(work: Path, plan: Plan, indexes: Sequence[Mapping]) -> None:
+    """Record that every unit of `plan` is done and `indexes` are to be published (atomically: whole or
+    absent); the journal names its plan (`plan.key`), so no other plan's journal is ever taken for it."""
     partial = work / f".{JOURNAL}.{os.getpid()}"
-    partial.write_text(json.dumps({"indexes": list(indexes)}), encoding="utf-8")
+    partial.write_text(json.dumps({"plan": plan.key, "indexes": list(indexes)}), encoding="utf-8")
     os.replace(partial, work / JOURNAL)
 
 
-def read_journal(work: Path) -> list[dict] | None:
-    """The indexes an earlier run of this plan was publishing from `work`, or None (no journal, or not one
-    this module wrote)."""
+# what the summary and the publishing read of each index in the journal, and the type each must have
+_JOURNAL_FIELDS = {"name": str, "dtype": str, "num_documents": int, "num_tokens": int, "files": list,
+                   "shards": list, "shards_tokenised": int, "shards_reused": int}
+
+
+def read_journal(work: Path, plan: Plan, names: Sequence[str]) -> list[dict] | None:
+    """The indexes an earlier run of `plan` was publishing from `work` (the sources `names`, in order), or
+    None when there is no journal. A journal of another plan, of other sources, or missing a field is
+    never trusted: one `UpcyclerError` line naming the journal, the field and the fix."""
+    path = work / JOURNAL
     try:
-        indexes = json.loads((work / JOURNAL).read_text(encoding="utf-8"))["indexes"]
-    except (OSError, ValueError, KeyError, TypeError):
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
         return None
-    counted = isinstance(indexes, list) and all(
-        isinstance(i, dict) and isinstance(i.get("name"), str) and isinstance(i.get("shards_tokenised"), int)
-        and isinstance(i.get("shards_reused"), int) for i in indexes)
-    return indexes if counted and indexes else None
+    except (OSError, UnicodeDecodeError) as err:
+        raise _untrusted(path, f"cannot be read ({getattr(err, 'strerror', None) or type(err).__name__})") from None
+    try:
+        journal = json.loads(text)
+    except ValueError:
+        raise _untrusted(path, "is not JSON") from None
+    if not isinstance(journal, dict) or not isinstance(journal.get("indexes"), list):
+        raise _untrusted(path, "has no list of `indexes`")
+    if journal.get("plan") != plan.key:
+        raise _untrusted(path, f"names plan {_shown(journal.get('plan'))}, not this preparation's {plan.key}")
+    indexes = journal["indexes"]
+    for i, index in enumerate(indexes):
+        if not isinstance(index, dict):
+            raise _untrusted(path, f"indexes[{i}] is not an object")
+        for field, kind in _JOURNAL_FIELDS.items():
+            value = index.get(field)
+            if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+                wanted = "a count" if kind is int else f"a {kind.__name__}"
+                raise _untrusted(path, f"indexes[{i}].{field} is {'missing' if field not in index else 'not ' + wanted}")
+    listed = [index["name"] for index in indexes]
+    if listed != list(names):
+        raise _untrusted(path, f"lists sources {_shown(listed)}, not this preparation's {_shown(list(names))}")
+    return indexes
+
+
+def _untrusted(path: Path, problem: str) -> UpcyclerError:
+    """The one line refusing the publish journal `path`: what is wrong, and the fix."""
+    return UpcyclerError(f"{shown_path(path)}: {problem}; this publish journal is not this preparation's, so "
+                         "nothing of it is trusted; remove it and run the same command again")
+
+
+def _shown(value: object) -> str:
+    """`value` (a plan key, or a list of source names) as a bounded part of a line."""
+    if isinstance(value, list):
+        more = f", … ({len(value)} in all)" if len(value) > 8 else ""
+        return "[" + ", ".join(describe(v, 40) for v in value[:8]) + more + "]"
+    return describe(value, 40)
 
 
 def discard(work: Path) -> None:

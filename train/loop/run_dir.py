@@ -8,22 +8,71 @@ different state on each host. So before anything is saved, process 0 writes a ra
 and every process reads it back there; if any process cannot, every process stops with the same line
 naming the processes that cannot see it.
 
+One run at a time per run_dir: before anything is written there, process 0 takes run_dir's lock
+(`RUN_DIR/.upcycler-lock`: a file lock on a disk, a lease object in a bucket; `upcycler.io.write_lock`) and
+holds it until the run's last checkpoint is saved. A second run on the same run_dir is refused on every
+process, naming the first (host, pid, since when), so two runs never interleave their metrics or
+checkpoints. The lock of a killed run is taken over by its restart: on a disk at once; in a bucket at once
+on the same machine, else once its lease expires (the restart waits for that, one lease at most). A run that found no checkpoint when it started and finds one once it holds the lock (a run
+that ended meanwhile wrote it) is refused as if it had seen it.
+
 What this module preserves: a run_dir that every process sees is left as it was, plus `config.yaml`.
 """
 
 from __future__ import annotations
 
 import secrets
+from contextlib import ExitStack
 
 import jax
 import numpy as np
 import yaml
 
 from upcycler.errors import UpcyclerError
+from upcycler.io.write_lock import RUN_DIR_LOCK, locked
+from upcycler.locations import is_remote
 from upcycler.train.config import TrainConfig
+from upcycler.train.loop.preflight import committed_steps
 from upcycler.untrusted import shown_path
 
 TOKEN_FILE = ".shared-run-dir-check"
+
+
+def lock_run_dir(config: TrainConfig, *, resume: bool) -> ExitStack:
+    """Create RUN_DIR and take its lock on process 0 (collective with several processes); returns what
+    releases it (`close()`, once the run's checkpoints are saved). Refused on every process while another
+    run holds it, or when this run (`resume` False) would now start over checkpoints that appeared."""
+    held, refused = ExitStack(), None
+    if jax.process_index() == 0:
+        try:
+            if not is_remote(config.run_dir):
+                config.run_dir.mkdir(parents=True, exist_ok=True)
+            held.enter_context(locked(config.run_dir / RUN_DIR_LOCK if not is_remote(config.run_dir)
+                                      else f"{str(config.run_dir).rstrip('/')}/{RUN_DIR_LOCK}",
+                                      f"{shown_path(config.run_dir)}: in use by another run",
+                                      "wait for it to end or use another run_dir", wait_for_expiry=True))
+            if not resume and committed_steps(config.run_dir):
+                raise UpcyclerError(f"{shown_path(config.run_dir)}: holds checkpoints of an earlier run (written "
+                                    "after this run started); continue it (--resume auto, the default) or use a "
+                                    "new run_dir")
+        except OSError as err:
+            held.close()
+            refused = UpcyclerError(f"{shown_path(config.run_dir)}: cannot write the run directory "
+                                    f"({err.strerror}); choose a writable run_dir")
+        except UpcyclerError as err:
+            held.close()
+            refused = err
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        ok = bool(multihost_utils.broadcast_one_to_all(np.asarray(refused is None)))
+        if not ok and refused is None:
+            refused = UpcyclerError(f"{shown_path(config.run_dir)}: refused to process 0 (in use by another run, "
+                                    "or not writable: process 0 says which); wait for it to end or use another "
+                                    "run_dir")
+    if refused is not None:
+        raise refused
+    return held
 
 
 def make_run_dir(config: TrainConfig) -> None:

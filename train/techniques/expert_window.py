@@ -29,7 +29,7 @@ from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec
 from upcycler.train.config import MetricsConfig
 from upcycler.train.techniques.expert_health import collapsed_layers, layer_health, moe_layer_numbers, summary
-from upcycler.train.techniques.protocol import StepContext, Technique
+from upcycler.train.techniques.protocol import MetaEntries, StepContext, Technique
 
 
 def load_shares(counts_ME: Any) -> list[list[float]]:
@@ -56,6 +56,8 @@ class ExpertWindow:
 
     def __init__(self, spec: ModelSpec, dead_below: float, sources: Sequence[str] = ()):
         self.top_k = spec.moe.top_k if spec.moe is not None else 1  # unused for a dense model: no counts
+        self.layers = len(moe_layer_numbers(spec))  # M (0 for a dense model)
+        self.experts = spec.moe.num_experts if spec.moe is not None else 0  # E
         self.dead_below = dead_below
         self.sources = list(sources)
         self._counts: np.ndarray | None = None
@@ -103,23 +105,30 @@ class ExpertWindow:
             state["bias"] = self._bias.tolist()
         return state
 
-    def restore(self, state: Mapping[str, Any], where: str) -> None:
-        """Reopen a window saved by `state` (a checkpoint's meta, checked: `UpcyclerError` naming `where`)."""
+    def restore(self, meta: MetaEntries, key: str = "expert_window") -> None:
+        """Reopen a window saved by `state` (a checkpoint's meta entry `key`), checked against this run: its
+        counts [MoE layers × experts], entropies [MoE layers], counts by source [MoE layers × sources ×
+        experts] and biases [MoE layers × experts]; anything else is refused in one line (`meta.refuse`)."""
+        state = meta.get(key, {})
+        if not isinstance(state, dict):
+            raise meta.refuse(key, "is not an open window (an object)")
         if not state:
             return
-        try:
-            steps = int(state["steps"])
-            counts = np.asarray(state["counts"], np.int64)
-            entropy = np.asarray(state["entropy"], np.float64)
-            by_source = np.asarray(state["by_source"], np.int64) if "by_source" in state else None
-            bias = np.asarray(state["bias"], np.float64) if "bias" in state else None
-        except (KeyError, TypeError, ValueError, OverflowError):
-            steps, counts = 0, np.zeros(0)
-        if (steps < 1 or counts.ndim != 2 or (counts < 0).any() or entropy.shape != counts.shape[:1]
-                or not np.isfinite(entropy).all()
-                or (by_source is not None and by_source.shape != (counts.shape[0], len(self.sources), counts.shape[1]))):
-            raise UpcyclerError(f"{where}: meta expert_window is not an open window of this model's expert "
-                                "counts; the checkpoint is damaged; resume from an earlier step")
+        if self.layers == 0:
+            raise meta.refuse(key, "holds expert counts, and this model has no MoE layer")
+        unknown = sorted(set(state) - {"steps", "counts", "entropy", "by_source", "bias"})
+        if unknown or "counts" not in state or "entropy" not in state:
+            raise meta.refuse(key, f"is not an open window (fields {sorted(map(str, state))[:8]})")
+        M, E, S = self.layers, self.experts, len(self.sources)
+        steps = meta.count(state.get("steps"), f"{key}.steps", low=1, high=max(meta.step, 1))
+        counts = meta.array(state["counts"], f"{key}.counts", (M, E), "MoE layers × experts", counts=True)
+        entropy = meta.array(state["entropy"], f"{key}.entropy", (M,), "MoE layers")
+        by_source = bias = None
+        if "by_source" in state:
+            by_source = meta.array(state["by_source"], f"{key}.by_source", (M, S, E),
+                                   "MoE layers × sources × experts", counts=True)
+        if "bias" in state:
+            bias = meta.array(state["bias"], f"{key}.bias", (M, E), "MoE layers × experts")
         self._steps, self._counts, self._entropy, self._by_source, self._bias = steps, counts, entropy, by_source, bias
 
 
@@ -167,5 +176,5 @@ class ExpertWatch(Technique):
     def state(self) -> dict[str, Any]:
         return {"expert_window": self.window.state()}
 
-    def restore(self, state: Mapping[str, Any], where: str) -> None:
-        self.window.restore(state.get("expert_window", {}), where)
+    def restore(self, meta: MetaEntries) -> None:
+        self.window.restore(meta)

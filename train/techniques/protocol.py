@@ -20,8 +20,11 @@ A step, as the loop runs it (`upcycler.train.loop.trainer`):
 Techniques are called in the order of the list, each hook in turn, so a later technique sees what an
 earlier one recorded (`ctx.discarded`). What a technique carries across a checkpoint is `state()`: its
 entries of the checkpoint's meta, under the keys it declares in `meta_keys` (no two techniques share
-one); a resumed run gives each technique back its entries (`restore`), and a technique restores an
-entry missing from an older checkpoint to its start. `upcycler.train.loop.checkpointing` owns the meta.
+one); a resumed run gives each technique back its entries (`restore`, as `MetaEntries`), and a technique
+restores an entry missing from an older checkpoint to its start. What a checkpoint holds is never
+trusted: every entry is read through `MetaEntries`, which checks its type, shape and range against the
+run and refuses in one line naming the checkpoint and the key, so nothing damaged reaches the run or is
+carried into the next checkpoint. `upcycler.train.loop.checkpointing` owns the meta.
 
 This module imports nothing of the loop: a technique is read and tested alone.
 """
@@ -32,6 +35,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from upcycler.errors import UpcyclerError
 
 
 class Checkpoints(Protocol):
@@ -82,6 +89,67 @@ class StepContext:
         self.discarded = dict(fields)
 
 
+class MetaEntries:
+    """A technique's entries of one checkpoint's meta (`state`), saved at `step` in the checkpoint `where`,
+    read against the run: each read checks what it returns and refuses in one `UpcyclerError` line naming
+    the checkpoint and the key (`refuse`); what it returns is plain data of the checked type."""
+
+    def __init__(self, state: Mapping[str, Any], where: str, step: int):
+        self.state, self.where, self.step = state, where, step
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.state
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The entry `key` as saved, unchecked (the reads below check it)."""
+        return self.state.get(key, default)
+
+    def refuse(self, key: str, what: str) -> UpcyclerError:
+        """The one line refusing entry `key`: `what` is wrong with it, and the fix."""
+        return UpcyclerError(f"{self.where}: meta {key} {what}; the checkpoint is damaged or was not written by "
+                             "this run; resume from an earlier step (remove this one)")
+
+    def count(self, value: Any, key: str, *, low: int = 0, high: int | None = None) -> int:
+        """`value` as an integer in [low, high] (a bool or a float is not one)."""
+        if not isinstance(value, int) or isinstance(value, bool) or value < low or (high is not None and value > high):
+            bound = f" from {low} to {high}" if high is not None else f" of at least {low}"
+            raise self.refuse(key, f"is not an integer{bound}")
+        return value
+
+    def steps(self, value: Any, key: str, *, below: int) -> list[int]:
+        """`value` as a non-empty list of steps, strictly ascending, each below `below`."""
+        if not isinstance(value, list) or not value:
+            raise self.refuse(key, "is not a non-empty list of steps")
+        out = [self.count(v, key, high=below - 1) for v in value]
+        if out != sorted(set(out)):
+            raise self.refuse(key, "is not a list of steps in ascending order")
+        return out
+
+    def numbers(self, value: Any, key: str) -> list[float]:
+        """`value` as a list of finite numbers (JSON's integers and floats; no bool)."""
+        if not isinstance(value, list) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) for x in value):
+            raise self.refuse(key, "is not a list of finite numbers")
+        return [float(x) for x in value]
+
+    def array(self, value: Any, key: str, shape: tuple[int, ...], dims: str, *, counts: bool = False) -> np.ndarray:
+        """`value` as an array of exactly `shape` (`dims` names its axes for the line): non-negative integers
+        (int64) with `counts`, else finite numbers (float64)."""
+        try:
+            arr = np.asarray(value)
+        except (ValueError, TypeError, OverflowError, RecursionError):
+            arr = None
+        kinds = "iu" if counts else "iuf"
+        ok = arr is not None and arr.shape == tuple(shape) and arr.dtype.kind in kinds
+        if ok:
+            arr = arr.astype(np.int64 if counts else np.float64)
+            ok = bool(np.isfinite(arr).all()) and not (counts and (arr < 0).any())
+        if not ok:
+            kind = "counts (integers ≥ 0)" if counts else "finite numbers"
+            raise self.refuse(key, f"is not {kind} of shape [{dims}] = {list(shape)}")
+        return arr
+
+
 class Technique:
     """One technique on the loop: every hook is optional (a no-op here)."""
 
@@ -106,9 +174,9 @@ class Technique:
         """Its entries of the checkpoint's meta, keyed by `meta_keys` (plain JSON data)."""
         return {}
 
-    def restore(self, state: Mapping[str, Any], where: str) -> None:
-        """Take back the entries `state` saved (those an older checkpoint lacks are absent); a damaged
-        entry is an `UpcyclerError` naming `where`, the checkpoint."""
+    def restore(self, meta: MetaEntries) -> None:
+        """Take back the entries `state` saved (those an older checkpoint lacks are absent), each read
+        through `meta`'s checks: a damaged entry is its one `UpcyclerError` line, naming the checkpoint."""
 
     def close(self) -> None:
         return None

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from upcycler.errors import UpcyclerError
 from upcycler.train.config import SpikeConfig
-from upcycler.train.techniques.protocol import Action, Rewind, StepContext, Technique
+from upcycler.train.techniques.protocol import Action, MetaEntries, Rewind, StepContext, Technique
 
 
 class SpikeGuard(Technique):
@@ -104,18 +104,25 @@ class SpikeGuard(Technique):
     def state(self) -> dict[str, Any]:
         return {"rewinds": self.rewinds, "spike_window": list(self.recent) if self.config is not None else []}
 
-    def restore(self, state: Mapping[str, Any], where: str) -> None:
-        self.rewinds = list(state.get("rewinds", []))
+    def restore(self, meta: MetaEntries) -> None:
+        """The rewinds and the window a checkpoint saved, checked: a damaged one is refused in one line."""
+        self.rewinds = _rewinds(meta)
         if self.config is not None:
-            self.recent = deque(_spike_window(state, where), maxlen=self.config.window)
+            self.recent = deque(meta.numbers(meta.get("spike_window", []), "spike_window"), maxlen=self.config.window)
 
 
-def _spike_window(meta: Mapping[str, Any], where: str) -> list[float]:
-    """The loss-spike guard's window saved in a checkpoint's meta (empty when saved without a guard)."""
-    window = meta.get("spike_window", [])
-    if not isinstance(window, list) or not all(
-        isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) for x in window
-    ):
-        raise UpcyclerError(f"{where}: meta spike_window is not a list of finite losses; the checkpoint is "
-                            "damaged; resume from an earlier step")
-    return [float(x) for x in window]
+def _rewinds(meta: MetaEntries) -> list[dict[str, Any]]:
+    """The lineage's rewinds a checkpoint saved: each `{"step": N, "averaged": [steps before N]}`, the steps
+    ascending and before the checkpoint's own (so nothing else is carried into the next checkpoint)."""
+    value = meta.get("rewinds", [])
+    if not isinstance(value, list):
+        raise meta.refuse("rewinds", "is not a list of rewinds")
+    out: list[dict[str, Any]] = []
+    for i, rewind in enumerate(value):
+        key = f"rewinds[{i}]"
+        if not isinstance(rewind, dict) or set(rewind) != {"step", "averaged"}:
+            raise meta.refuse(key, 'is not a rewind {"step": N, "averaged": [steps before N]}')
+        low = out[-1]["step"] + 1 if out else 0
+        step = meta.count(rewind["step"], f"{key}.step", low=low, high=meta.step - 1)
+        out.append({"step": step, "averaged": meta.steps(rewind["averaged"], f"{key}.averaged", below=step)})
+    return out

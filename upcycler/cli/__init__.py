@@ -7,7 +7,8 @@ wrapped by `remote_locations.with_remote_locations`, so its `SOURCE`/`OUTPUT` pa
 
 Every `UpcyclerError` and every usage error (a bad option value, a missing argument) becomes one line
 on stderr, `error: …`, with control characters escaped and the length bounded, and exit status 2, with
-no traceback.
+no traceback. Ctrl-C and SIGTERM (`termination`) clean up as an error does and end with one line too
+(exit status 130 and 143).
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from pathlib import Path
 import click
 
 from upcycler.cli.remote_locations import with_remote_locations
+from upcycler.cli.termination import (
+    TERMINATED_EXIT_STATUS,
+    Terminated,
+    interrupt_line,
+    terminating_like_interrupts,
+)
 from upcycler.errors import UpcyclerError
 from upcycler.train.aot.topology import libtpu_defaults
 from upcycler.untrusted import escape, shown_path
@@ -65,7 +72,8 @@ class _Group(click.Group):
         kwargs.pop("standalone_mode", None)
         libtpu_defaults()  # before any command starts JAX
         try:
-            super().main(*args, standalone_mode=False, **kwargs)
+            with terminating_like_interrupts():
+                super().main(*args, standalone_mode=False, **kwargs)
             return
         except click.exceptions.Exit as done:
             sys.exit(done.exit_code)
@@ -74,14 +82,21 @@ class _Group(click.Group):
             fail(f"{err.format_message().rstrip('.')}{where}", err.exit_code)
         except click.ClickException as err:
             fail(err.format_message(), err.exit_code)
-        except click.Abort:
+        except click.Abort as err:  # click's form of KeyboardInterrupt (and of Terminated)
+            if isinstance(err.__cause__, KeyboardInterrupt):
+                _interrupted(err.__cause__)
             fail("aborted; no output was finished", 130)
         except UpcyclerError as err:
             fail(str(err))
-        except KeyboardInterrupt:
-            fail("interrupted; no output was finished", 130)
+        except KeyboardInterrupt as err:
+            _interrupted(err)
         except OSError as err:  # what a command did not turn into its own words: a path, or stdout itself
             fail(_os_error_line(err))
+
+
+def _interrupted(err: KeyboardInterrupt) -> None:
+    """The one line and exit status of Ctrl-C (130) or SIGTERM (143)."""
+    fail(interrupt_line(err), TERMINATED_EXIT_STATUS if isinstance(err, Terminated) else 130)
 
 
 # what to do about an OSError the system raised, by errno

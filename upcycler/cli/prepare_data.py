@@ -24,6 +24,7 @@ from pathlib import Path
 import click
 
 from upcycler.cli.path_type import BUCKET_OR_LOCAL, LOCAL_PATH
+from upcycler.cli.termination import kept_for_rerun
 from upcycler.train.data.engine import DEFAULT_RUNNER
 from upcycler.train.data.readers import FORMATS, MAX_EXPANSION, TEXT_UNITS
 from upcycler.untrusted import real, shown_path
@@ -120,10 +121,11 @@ def command(
                "runner": runner, "workers": workers, "beam_options": beam_options, "unit_bytes": unit_bytes,
                "eos": eos, "heldout_fraction": heldout_fraction, "max_expansion": expansion,
                "announce": click.echo}
-    if isinstance(out_dir, str):
-        indexes = prepare_into_bucket(tokenizer, files, out_dir, **options)
-    else:
-        indexes = prepare_sources(tokenizer, files, out_dir, **options)
+    with kept_for_rerun("the finished shards are kept: rerun the same command to resume"):
+        if isinstance(out_dir, str):
+            indexes = prepare_into_bucket(tokenizer, files, out_dir, **options)
+        else:
+            indexes = prepare_sources(tokenizer, files, out_dir, **options)
     for index in indexes:
         written = f"{out_dir}/{index['name']}.shards/"
         click.echo(

@@ -1,16 +1,19 @@
 """Commands on remote locations: sources fetched before a command runs, outputs published after it.
 
 Every command's callback is wrapped (`with_remote_locations`, applied by the CLI group). When a `SOURCE`
-or `OUTPUT` argument names a remote location, before the command does any work:
+or `OUTPUT` argument names a remote location, before the command does any work (a bucket URL whose key has a
+`.`, `..` or empty segment is refused first, naming its argument: `upcycler.locations.within`):
 
-1. each bucket output is checked (not a source, nor inside or around one; replaced only with
+1. each bucket output is locked (`bucket_output.locked`: a second writer is refused, naming the first;
+   held until the command ends) and checked (not a source, nor inside or around one; replaced only with
    `--overwrite` and only when an earlier upcycler output), so a refusal costs no download;
 2. each remote source becomes a local directory: a bucket prefix mirrored into the upcycler cache, a Hub
    model fetched into the HF cache (`upcycler.io.remote_sources`); a local source that does not exist
    and reads as a Hub id (`org/name[@revision]`) is fetched from the Hub;
 3. each bucket output is written to a fresh local staging directory by the command as usual (with every
    local check and the function check), then published with the commit protocol of
-   `upcycler.io.bucket_output` only if the command succeeds. The staging directory is removed in every case.
+   `upcycler.io.bucket_output` only if the command succeeds, after checking again under the lock that
+   what is at OUT then may be replaced. The staging directory is removed in every case.
 
 What this preserves: a command given local paths runs exactly as before.
 """
@@ -21,7 +24,7 @@ import functools
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,8 @@ from upcycler.errors import UpcyclerError
 from upcycler.io import bucket_output
 from upcycler.io.object_store import is_bucket_url
 from upcycler.io.remote_sources import cache_root, hub_reference, hub_snapshot, mirror
-from upcycler.locations import remember_origin
+from upcycler.io.write_lock import Lock
+from upcycler.locations import bucket_and_key, remember_origin, within
 from upcycler.untrusted import describe
 
 SOURCE_MAPPING = "upcycler_source_mapping"
@@ -94,11 +98,22 @@ def remote_io(sources: dict[str, Any], outputs: dict[str, str], *, overwrite: bo
     (sources with every remote value made local, outputs as local staging paths); publishes each staged
     output that exists when the body returns, and removes the staging directory in every case."""
     remote = [str(v) for value in sources.values() for v in _values(value) if _is_remote_source(v)]
+    for what, value in sources.items():  # every bucket source's key stays in its bucket, before any request
+        for url in (v for v in _values(value) if isinstance(v, str) and is_bucket_url(v)):
+            bucket_and_key(url, what)
     if not outputs and not remote:
         yield sources, {}
         return
-    for url in outputs.values():
-        bucket_output.check_output(url, overwrite=overwrite, sources=remote)
+    with ExitStack() as held:
+        locks = {url: held.enter_context(bucket_output.locked(url)) for url in outputs.values()}
+        for url in outputs.values():
+            bucket_output.check_output(url, overwrite=overwrite, sources=remote)
+        yield from _staged(sources, outputs, locks, overwrite)
+
+
+def _staged(sources: dict[str, Any], outputs: dict[str, str], locks: dict[str, Lock],
+            overwrite: bool) -> Iterator[tuple[dict, dict]]:
+    """Steps 2-3 of the module docstring, with each bucket output's lock (`locks`) held."""
     local_sources = {what: _replace(value, lambda v, what=what: _fetch(v, what) if _is_remote_source(v) else v)
                      for what, value in sources.items()}
     if not outputs:
@@ -108,14 +123,22 @@ def remote_io(sources: dict[str, Any], outputs: dict[str, str], *, overwrite: bo
     root.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix="out-", dir=root))
     try:
-        local_outputs = {name: stage / name / url.rstrip("/").rsplit("/", 1)[-1] for name, url in outputs.items()}
+        local_outputs = {name: _staging_path(stage / name, url) for name, url in outputs.items()}
         yield local_sources, local_outputs
         for name, url in outputs.items():
             if local_outputs[name].is_dir():
-                published = bucket_output.publish(local_outputs[name], url)
+                bucket_output.check_output(url, overwrite=overwrite)  # again, under its lock: what is there now
+                published = bucket_output.publish(local_outputs[name], url, lock=locks[url])
                 click.echo(f"published {url} ({len(published)} files)")
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def _staging_path(directory: Path, url: str) -> Path:
+    """Where the bucket output `url` is written before it is published: `directory/NAME`, NAME the last
+    segment of `url` (`within`: never outside `directory`)."""
+    return Path(within(str(directory), url.rstrip("/").rsplit("/", 1)[-1], named=describe(url, 200),
+                       fix="write gs://BUCKET/PATH with no '.', '..' or empty segment"))
 
 
 def with_remote_locations(command: click.Command) -> click.Command:

@@ -10,8 +10,11 @@ Object stores have no rename, so the local rule (work in a hidden sibling, renam
    marker, so no reader takes the output as finished (`refuse_unfinished`), and the next write to OUT
    cleans it up without `--overwrite`.
 
-The rules of local outputs hold: OUT is never a source (nor inside or around one), and an existing OUT is
-replaced only with `--overwrite` and only when it is an earlier upcycler output (it holds `upcycler.json`).
+OUT is a gs:// URL whose key has no `.`, `..` or empty segment (`upcycler.locations.within`, checked
+where the URL is given), and an OUT that holds an object with such a name is refused before anything is
+written: no object is ever written or deleted under such a name. The rules of local outputs hold: OUT is
+never a source (nor inside or around one), and an existing OUT is replaced only with `--overwrite` and
+only when it is an earlier upcycler output (it holds `upcycler.json`).
 Outputs that add files to a directory (`prepare-data --out`: one source's token file and metadata beside
 the sources prepared before) use `add_files` instead: the new files are uploaded beside what is there,
 each source's marker (its metadata, which readers look for) after its other files, so a killed upload
@@ -28,11 +31,15 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from upcycler.errors import UpcyclerError
 from upcycler.io import object_store as store
+from upcycler.io import write_lock
 from upcycler.io.manifest import MANIFEST
+from upcycler.io.write_lock import Lock
+from upcycler.locations import within
 from upcycler.untrusted import describe
 
 WRITING = ".upcycler-writing"
@@ -59,6 +66,8 @@ def check_output(out: str, *, overwrite: bool, sources: Iterable[str | os.PathLi
     """Every check that can refuse the bucket output `out`, made before any work; changes nothing."""
     refuse_overlap(out, sources)
     existing = store.list_objects(out)
+    for name in existing:  # never deleted nor replaced: an object store takes `a/../b` literally
+        within(out, name, fix="delete that object yourself or choose another output")
     if not existing or WRITING in existing:
         return  # empty, or the leftovers of a killed write: replaced without --overwrite
     if not overwrite:
@@ -76,15 +85,25 @@ def refuse_unfinished(url: str, objects: Iterable[str]) -> None:
                             "write was killed or is still running); rerun the command that writes it")
 
 
-def publish(local: Path, out: str) -> list[str]:
+def locked(out: str) -> AbstractContextManager[Lock]:
+    """Hold the lock of the bucket output `out` (a lease beside it, `upcycler.io.bucket_lease`) for the
+    block; refused at once, naming the holder, while another process writes `out`."""
+    return write_lock.locked(write_lock.output_lock(out), f"{describe(out, 200)}: being written by another "
+                             "upcycler process", "wait for it to finish or choose another output")
+
+
+def publish(local: Path, out: str, *, lock: Lock | None = None) -> list[str]:
     """Upload the finished local output directory `local` to `out` with the commit protocol above.
 
-    Returns the relative names published. `check_output` must have accepted `out` first.
+    Returns the relative names published. `check_output` must have accepted `out` first. With `lock`
+    (`locked`), the upload starts and the commit is made only while this process still holds it.
     """
     names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
     if MANIFEST in names:  # the manifest goes last: an output without it is not an upcycler output
         names.remove(MANIFEST)
         names.append(MANIFEST)
+    if lock is not None:
+        lock.check()
     marker = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()})
     store.write_bytes(store.join(out, WRITING), marker.encode())
     stale = [store.join(out, name) for name in store.list_objects(out) if name != WRITING]
@@ -92,6 +111,8 @@ def publish(local: Path, out: str) -> list[str]:
     last = [MANIFEST] if MANIFEST in names else []
     store.upload_all([(local / n, store.join(out, n)) for n in names if n not in last])  # side by side
     store.upload_all([(local / n, store.join(out, n)) for n in last])
+    if lock is not None:
+        lock.check()
     store.remove([store.join(out, WRITING)])
     return names
 

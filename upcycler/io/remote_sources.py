@@ -13,10 +13,14 @@ digests of `upcycler.json` on every byte read, the hostile-input rules):
   differs (a newer generation, a copy changed or cut short since, a cache from before this check) is
   fetched again, so a second command on the same source reads nothing from the bucket but its listing,
   and a rerun after a refused download fetches it afresh. A prefix that holds the marker of an unfinished
-  upcycler write is refused. Object names never escape the mirror directory;
+  upcycler write is refused. Every local path is built with `upcycler.locations.within` (the URL's key, each
+  object name listed or matched by a glob): a name with a `.`, `..` or empty segment is refused before
+  anything is fetched, and the mirror's clean-up deletes nothing outside the mirror's own directory;
 - a Hub id (`org/name`, `hf://org/name`, either with `@revision`) is fetched by `huggingface_hub` into the
   HF cache (`HF_HOME`), from `HF_ENDPOINT`, honouring `HF_HUB_OFFLINE` and the usual token; only the
-  files a checkpoint needs (`HUB_FILES`), not a repo's other copies of the weights.
+  files a checkpoint needs (`HUB_FILES`), not a repo's other copies of the weights. A revision with a `.`,
+  `..` or empty segment is refused before the HF cache is touched, and a snapshot the Hub's answers would
+  place outside the model's directory in the HF cache is refused.
 
 What this module preserves: the local copy holds the source's files byte for byte under their names.
 """
@@ -31,7 +35,7 @@ from pathlib import Path, PurePosixPath
 from upcycler.errors import UpcyclerError
 from upcycler.io import object_store as store
 from upcycler.io.bucket_output import refuse_unfinished
-from upcycler.locations import remember_origin, url_scheme
+from upcycler.locations import bucket_and_key, remember_origin, url_scheme, within
 from upcycler.untrusted import describe
 
 _HUB_ID = re.compile(r"^(?:hf://)?([A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*)(?:@([^@\s]+))?$")
@@ -54,17 +58,24 @@ def hub_reference(text: str) -> tuple[str, str | None] | None:
 
 
 def _safe_name(url: str, name: str) -> PurePosixPath:
-    relative = PurePosixPath(name)
-    if not name or relative.is_absolute() or any(part in ("", ".", "..") for part in name.split("/")):
-        raise UpcyclerError(f"{describe(url, 200)}: holds the object name {describe(name)}, which would escape "
-                            "the local copy; rename or remove that object")
-    return relative
+    """The object `name` listed under `url` as a path in the mirror; refused when it would leave it (`within`)."""
+    within(url, name, fix="rename or remove that object")
+    return PurePosixPath(name)
+
+
+def _mirror_root(url: str) -> Path:
+    """The local directory that mirrors the bucket prefix `url`: the cache's `gs/BUCKET/KEY`, which a key
+    with a `.`, `..` or empty segment is refused before it names (`bucket_and_key`, `within`)."""
+    bucket, key = bucket_and_key(url)
+    return Path(within(str(cache_root() / "gs"), f"{bucket}/{key}" if key else bucket, named=describe(url, 200),
+                       fix="write gs://BUCKET/PATH with no '.', '..' or empty segment"))
 
 
 def mirror(url: str) -> Path:
     """The local copy of the bucket prefix (or single object) `url`, brought up to date."""
+    local = _mirror_root(url)
+    url = url.rstrip("/")
     objects = store.list_objects(url)
-    local = cache_root() / "gs" / url.split("://", 1)[1].strip("/")
     if not objects:
         single = store.object_info(url)
         if single is None:
@@ -77,12 +88,16 @@ def mirror(url: str) -> Path:
 
 def mirror_glob(pattern: str) -> list[Path]:
     """The local copies of the objects a gs:// glob (`gs://b/web/*.jsonl`, `**` for any depth) matches,
-    sorted by name, each remembered as its URL for the lineage; [] when none matches."""
-    bucket_and_key = pattern.split("://", 1)[1]
+    sorted by name, each remembered as its URL for the lineage; [] when none matches. A match whose name has
+    a `.`, `..` or empty segment is refused (`within`) before anything is fetched."""
+    bucket = bucket_and_key(pattern)[0]
+    urls = [within(f"gs://{bucket}", key.partition("/")[2], named=f"{describe(pattern, 200)}: its match "
+                   f"{describe(f'gs://{key}', 200)}", fix="rename or remove that object, or narrow the glob")
+            for key in sorted(store.glob_objects(pattern.split("://", 1)[1]))]
     copies = []
-    for key in sorted(store.glob_objects(bucket_and_key)):
-        copy = mirror(f"gs://{key}")
-        remember_origin(copy, f"gs://{key}")
+    for url in urls:
+        copy = mirror(url)
+        remember_origin(copy, url)
         copies.append(copy)
     return copies
 
@@ -139,15 +154,22 @@ def _fetch(url: str, objects: dict[str, store.StoredObject], local: Path, *, kee
         os.replace(partial, target)
         record[name] = _verified(objects[name], target)
     if not keep_others:
-        for path in sorted(local.rglob("*"), reverse=True):
-            name = path.relative_to(local).as_posix()
-            if path.is_file() and name not in objects:
-                path.unlink()
-            elif path.is_dir() and not any(path.iterdir()):
-                path.rmdir()
+        _remove_unlisted(local, objects)
         record = {name: record[name] for name in objects}
     _write_record(record_path, record)
     return local
+
+
+def _remove_unlisted(local: Path, objects: dict[str, store.StoredObject]) -> None:
+    """Delete what the mirror `local` holds that the bucket no longer lists, then the directories that leaves
+    empty. Only entries below `local` are touched: a link is removed itself, never followed."""
+    for path in sorted(local.rglob("*"), reverse=True):
+        name = path.relative_to(local).as_posix()
+        if path.is_symlink() or path.is_file():
+            if name not in objects:
+                path.unlink()
+        elif path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
 
 
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja", "*.py"]
@@ -166,8 +188,11 @@ def hub_snapshot(repo_id: str, revision: str | None) -> Path:
     )
 
     where = f"{repo_id}{'@' + revision if revision else ''}"
+    if revision is not None:
+        within(f"hf://{repo_id}", revision, named=describe(where, 200), fix="name a branch, tag or commit")
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES))
+        return _in_hub_cache(Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES)),
+                             repo_id, where)
     except GatedRepoError:
         raise UpcyclerError(f"{where}: a gated model on the Hub; accept its terms and log in "
                             "(`hf auth login` or HF_TOKEN)") from None
@@ -183,3 +208,17 @@ def hub_snapshot(repo_id: str, revision: str | None) -> Path:
     except OSError as err:
         raise UpcyclerError(f"{where}: fetching it from {constants.ENDPOINT} failed ({describe(str(err), 160)}); "
                             "check the network, or pass a local directory") from None
+
+
+def _in_hub_cache(snapshot: Path, repo_id: str, where: str) -> Path:
+    """`snapshot` when it lies in the HF cache's directory of `repo_id` (the commit id the Hub answered names
+    it); refused otherwise (`within`)."""
+    from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
+
+    snapshots = os.path.realpath(os.path.join(constants.HF_HUB_CACHE, repo_folder_name(repo_id=repo_id,
+                                                                                         repo_type="model"),
+                                              "snapshots"))
+    within(snapshots, os.path.relpath(os.path.realpath(snapshot), snapshots),
+           named=f"{describe(where, 200)}: its snapshot", fix=f"check that {constants.ENDPOINT} is the Hub")
+    return snapshot

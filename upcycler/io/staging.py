@@ -12,6 +12,10 @@ The rules every writing command obeys (HF and Orbax checkpoints, merges, recipes
   the next write to the same OUT removes those whose writer process is gone (`reclaim_leftovers`).
 - Commands that add files to a directory (prepare-data, report) stage them in `OUT/.partial-<pid>-…`
   (or beside a new OUT) and move them in only when all are complete (`staged_files`).
+- One writer at a time: a write holds OUT's lock (`.OUT.lock` beside it, `upcycler.io.write_lock`) from
+  its first check to its final rename, so a second write to the same OUT is refused at once, naming the
+  first (`--overwrite` included: it never replaces an output another process is writing). The final
+  rename checks again, under the lock, that an OUT found there may be replaced (only with `--overwrite`).
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 
 from upcycler.errors import UpcyclerError
 from upcycler.io.manifest import MANIFEST
+from upcycler.io.write_lock import Lock, locked, output_lock
 from upcycler.untrusted import shown_path
 
 _PARTIAL = "partial"
@@ -150,17 +155,34 @@ def staged_directory(out: Path, *, overwrite: bool, sources: Iterable[Path] = ()
     the new one is complete, and with `overwrite` nothing of the old one is left behind.
     """
     prepare_output(out, overwrite=overwrite, sources=sources)
-    reclaim_leftovers(out)
-    tmp = _sibling(out, _PARTIAL)
-    try:
-        tmp.mkdir()
-    except OSError as err:
-        raise UpcyclerError(f"{shown_path(out.parent)}: not writable ({err.strerror}); "
-                            "choose an output directory you can write to") from None
+    with output_locked(out):
+        check_output(out, overwrite=overwrite, sources=sources)  # it may have been finished just before the lock
+        reclaim_leftovers(out)
+        tmp = _sibling(out, _PARTIAL)
+        try:
+            tmp.mkdir()
+        except OSError as err:
+            raise UpcyclerError(f"{shown_path(out.parent)}: not writable ({err.strerror}); "
+                                "choose an output directory you can write to") from None
+        yield from _filled_then_renamed(tmp, out, overwrite)
+
+
+def output_locked(out: Path) -> AbstractContextManager[Lock]:
+    """Hold the lock of the output `out` (`upcycler.io.write_lock`); refused naming the process writing it."""
+    return locked(output_lock(out), f"{shown_path(out)}: being written by another upcycler process",
+                  "wait for it to finish or choose another output")
+
+
+def _filled_then_renamed(tmp: Path, out: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield `tmp` to be filled, then rename it to `out` (replacing an earlier output only with `overwrite`);
+    remove it on any error."""
     try:
         yield tmp
-        if out.exists() or out.is_symlink():
-            check_replaceable(out)  # it may have changed while we were writing
+        if out.exists() or out.is_symlink():  # it may have appeared or changed while we were writing
+            if not overwrite:
+                raise UpcyclerError(f"{shown_path(out)}: appeared while this command wrote it; choose another "
+                                    "output or pass --overwrite")
+            check_replaceable(out)
             trash = _sibling(out, _OLD)
             out.rename(trash)
             tmp.rename(out)
@@ -236,20 +258,21 @@ def staged_files(
                             f"or choose another {option}")
     existed = out.is_dir()
     created = [] if existed else make_parents(out.parent, option)
-    reclaim_leftovers(out)
-    if existed:
-        _reclaim_inside(out)
     stage = out / f".{_tag(_PARTIAL)}" if existed else _sibling(out, _PARTIAL)
     try:
-        try:
-            stage.mkdir()
-        except OSError as err:
-            raise UpcyclerError(
-                f"{shown_path(out if existed else out.parent)}: cannot write here ({err.strerror}); "
-                f"choose a writable {option}"
-            ) from None
-        yield stage
-        _publish(stage, out, is_marker, option)
+        with output_locked(out):
+            reclaim_leftovers(out)
+            if existed:
+                _reclaim_inside(out)
+            try:
+                stage.mkdir()
+            except OSError as err:
+                raise UpcyclerError(
+                    f"{shown_path(out if existed else out.parent)}: cannot write here ({err.strerror}); "
+                    f"choose a writable {option}"
+                ) from None
+            yield stage
+            _publish(stage, out, is_marker, option)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         for directory in reversed(created):
