@@ -1,6 +1,6 @@
 """Compile the reference training workloads for the TPU pods they run on, on this host (needs `[tpu]`).
 
-    python bench/aot.py                      # the three workloads of bench/configs/
+    python bench/aot.py                      # the workloads of bench/configs/ (4k, and 32k / 128k split over chips)
     python bench/aot.py --only moe-13b-a2b   # one of them
     python bench/aot.py --no-baseline        # skip the plain-step compile (half the time)
     python bench/aot.py --only moe-13b-a2b --set model.remat=attention   # a config option changed
@@ -16,7 +16,8 @@ not fit (the compiler ran out of memory). One JSON line per workload: per-chip m
 the chip's usable HBM, whether it fits and by how much, analytic FLOPs per step, collective traffic per
 chip by kind, the roofline step time and MFU bound (HBM traffic with each Pallas kernel charged its own
 cost estimate), the HBM traffic of one MoE layer, and the compile time. Targets: every workload fits; MFU
-bound ≥ 0.7 for the reference MoE and ≥ 0.5 for the grown Llama on v5e. The grouped-matmul kernels' tiles
+bound ≥ 0.7 for the reference MoE and ≥ 0.5 for the grown Llama on v5e; at 32k ≥ 0.6 and at 128k ≥ 0.5
+for both, with 1 GiB to spare. The grouped-matmul kernels' tiles
 follow the scoped VMEM libtpu gives a kernel, 64 MiB as upcycler starts it (`topology.libtpu_defaults`);
 `LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=16384` compiles with libtpu's own default on v5e.
 """
@@ -36,6 +37,11 @@ WORKLOADS = {  # name: (config, topology, MFU-bound target or None)
     "moe-13b-a2b": ("bench/configs/moe-13b-a2b-v5e-256.yaml", "v5e-256", 0.7),
     "llama3-8b-40-layers": ("bench/configs/llama3-8b-40-layers-v5e-256.yaml", "v5e-256", 0.5),
     "llama3-8b-8x-top2": ("bench/configs/llama3-8b-8x-top2-v5p-128.yaml", "v5p-128", None),
+    # long context: each sequence split over mesh.context chips (targets from the long-context round)
+    "moe-13b-a2b-32k": ("bench/configs/moe-13b-a2b-32k-v5e-256.yaml", "v5e-256", 0.6),
+    "moe-13b-a2b-128k": ("bench/configs/moe-13b-a2b-128k-v5e-256.yaml", "v5e-256", 0.5),
+    "llama3-8b-40-layers-32k": ("bench/configs/llama3-8b-40-layers-32k-v5e-256.yaml", "v5e-256", 0.6),
+    "llama3-8b-40-layers-128k": ("bench/configs/llama3-8b-40-layers-128k-v5e-256.yaml", "v5e-256", 0.5),
 }
 PLAIN = ("model.remat=none", "model.weights_dtype=float32", "model.attention=einsum", "loss.ce_chunk=0",
          "data.microbatches=1")

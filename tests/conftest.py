@@ -82,6 +82,7 @@ HEAVY_FILES = {
     "test_bucket_runs.py": "multi-process pods in a bucket",
     "test_bias_balancing.py": "multi-process training runs",
     "test_expert_parallel.py": "sharded programs on 8 devices",
+    "test_context_parallel.py": "sharded programs on 8 devices",
     "test_memory_options.py": "a train step compiled per memory option",
     "test_storage_faults.py": "every bucket command through a faulty proxy, training runs among them",
     "test_launch_recipes.py": "pod launch recipes run as processes",

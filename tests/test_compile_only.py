@@ -164,6 +164,23 @@ def test_a_step_the_tpu_compiler_cannot_fit_is_reported_not_raised(demo):
     assert "optimizer state" in fit and "loss.ce_chunk" in fit and "data.microbatches" in fit
 
 
+def test_phases_of_their_own_length_compile_the_longest(demo, tmp_path):
+    """Every phase's shape is checked as the run checks it; the longest phase's step is the one compiled
+    (here 4 rows of 256 tokens after 8 rows of 128, tokens per step kept)."""
+    import yaml
+
+    config, _ = demo
+    raw = yaml.safe_load(config.read_text())
+    raw["data"]["phases"][1].update(seq_len=256, batch="keep_tokens")
+    phased = tmp_path / "phased.yaml"
+    phased.write_text(yaml.safe_dump(raw))
+    _, report = compile_report(phased)
+    assert (report["options"]["seq_len"], report["options"]["global_batch_size"]) == (256, 4)
+    assert report["memory"]["batch"] == 4 * 256 * 4 * 3 + 4 * 4
+    proc, _ = compile_report(phased, env={"XLA_FLAGS": with_devices(8)}, check=False)
+    assert_clean_failure(proc, mentions="data.phases[1] (4 rows of 256 tokens): data.global_batch_size 4")
+
+
 def test_compile_only_options_are_checked(demo, tmp_path):
     config, _ = demo
     assert_clean_failure(run_cli("continued-pretrain", "--config", config, "--topology", "v5e-4", check=False),

@@ -23,7 +23,7 @@ from upcycler.cli import main
 from upcycler.errors import UpcyclerError
 from upcycler.train.data.config import DataConfig, Phase
 from upcycler.train.data.format import SHARD_HEADER_BYTES, BlockChecksums, shard_header, token_dtype
-from upcycler.train.data.mix import MixSchedule, make_data_iterator
+from upcycler.train.data.mix import MixSchedule, carried, make_data_iterator
 from upcycler.train.data.prepare import parse_sources, prepare_sources
 from upcycler.train.data.sources import (
     MATERIALISE_BELOW,
@@ -278,6 +278,88 @@ def test_resume_gives_the_batches_of_an_uninterrupted_run(prepared: Path) -> Non
     assert _same(regrouped, expected)
     with pytest.raises(UpcyclerError, match="seq_len"):
         make_data_iterator(replace(config, seq_len=8)).set_state(state)
+
+
+def _lengthening(prepared: Path, **changes) -> DataConfig:
+    """Three steps of rows of SEQ_LEN, then rows twice as long (tokens per step kept), then a larger batch."""
+    phases = (Phase({"web": 0.5, "code": 0.5}, 3),
+              Phase({"web": 0.25, "code": 0.5, "math": 0.25}, 5, seq_len=2 * SEQ_LEN, batch="keep_tokens"),
+              Phase({"math": 0.5, "web": 0.5}, seq_len=2 * SEQ_LEN, global_batch_size=8))
+    return _config(prepared, phases=phases, **changes)
+
+
+def test_each_phase_gives_batches_of_its_own_shape(prepared: Path) -> None:
+    config = _lengthening(prepared)
+    assert config.shapes == ((SEQ_LEN, 8), (2 * SEQ_LEN, 4), (2 * SEQ_LEN, 8))
+    assert [config.tokens_before(s) for s in (0, 3, 5, 6)] == [0, 3 * 128, 5 * 128, 5 * 128 + 256]
+    batches = _batches(make_data_iterator(config), 7)
+    for step, batch in enumerate(batches):
+        seq_len, rows = config.shape_at(step)
+        assert {k: v.shape for k, v in batch.items()} == {
+            "inputs": (rows, seq_len), "targets": (rows, seq_len), "mask": (rows, seq_len), "source_id": (rows,)}
+    halves = [_batches(make_data_iterator(config, p, 2), 7) for p in range(2)]
+    regrouped = [{k: np.concatenate([a[k], b[k]]) for k in a} for a, b in zip(*halves)]
+    assert _same(regrouped, batches)
+
+
+def test_one_shape_phases_give_the_batches_they_always_gave(prepared: Path) -> None:
+    """A phase that repeats the section's seq_len and batch is no phase of its own length."""
+    plain = _config(prepared, phases=(Phase({"web": 0.5, "code": 0.5}, 3), Phase({"math": 1.0})))
+    spelled = _config(prepared, phases=(Phase({"web": 0.5, "code": 0.5}, 3),
+                                        Phase({"math": 1.0}, seq_len=SEQ_LEN, batch="keep_tokens")))
+    assert not spelled.phased and make_data_iterator(spelled).get_state() == make_data_iterator(plain).get_state()
+    assert _same(_batches(make_data_iterator(spelled), 6), _batches(make_data_iterator(plain), 6))
+
+
+def test_a_longer_phase_continues_the_stream_where_the_shorter_stopped(prepared: Path) -> None:
+    """Unshuffled, one source: the first long row starts at the token the last short row's targets end
+    on; shuffled, each source's stream stays in the epoch it had reached."""
+    phases = (Phase({"web": 1.0}, 3), Phase({"web": 1.0}, seq_len=2 * SEQ_LEN))
+    iterator = make_data_iterator(_config(prepared, phases=phases, shuffle=False))
+    short, long = _batches(iterator, 3)[-1], next(iterator)
+    assert short["targets"][-1, -1] == long["inputs"][0, 0]
+    web = open_source(prepared, "web").tokens
+    start = 3 * 8 * SEQ_LEN
+    assert np.array_equal(long["inputs"][0], web[start:start + 2 * SEQ_LEN])
+    old = [ExampleStream(Windows(np.zeros(1001, np.int32), 10, 0), "a", 0)]
+    new = [ExampleStream(Windows(np.zeros(1001, np.int32), 40, 0), "a", 0)]
+    assert carried(np.array([250]), old, new).tolist() == [2 * 25 + 13]  # epoch 2, 50 of 100 windows read
+
+
+def test_resume_across_a_change_of_length_gives_the_uninterrupted_batches(prepared: Path) -> None:
+    config = _lengthening(prepared)
+    expected = _batches(make_data_iterator(config), 8)
+    for stop in (2, 3, 4, 6):  # before the first boundary, on it, after it, after the second
+        first = make_data_iterator(config)
+        _batches(first, stop)
+        state = json.loads(json.dumps(first.get_state()))
+        first.close()
+        resumed = make_data_iterator(config)
+        resumed.set_state(state)
+        assert _same(_batches(resumed, 8 - stop), expected[stop:]), stop
+    with pytest.raises(UpcyclerError, match="phase shapes"):
+        make_data_iterator(_config(prepared, phases=config.phases[:1] + (Phase({"math": 1.0}),))).set_state(state)
+
+
+@pytest.mark.parametrize(
+    "phase, message",
+    [
+        ({"seq_len": 0}, r"phases\[1\]\.seq_len"),
+        ({"seq_len": -4}, r"phases\[1\]\.seq_len"),
+        ({"global_batch_size": 0}, r"phases\[1\]\.global_batch_size"),
+        ({"batch": "tokens"}, "'tokens'"),
+        ({"seq_len": 24, "batch": "keep_tokens"}, "cannot keep 128 tokens per step .* rows of seq_len 24"),
+        ({"seq_len": 32, "batch": "keep_tokens", "global_batch_size": 4}, "drop one of them"),
+        ({"global_batch_size": 6}, r"phases\[1\] global_batch_size 6 is not divisible by the 4 processes"),
+        ({"seq_len": 128, "batch": "keep_tokens"}, r"phases\[1\] global_batch_size 1 is not divisible"),
+    ],
+)
+def test_bad_phase_shapes_are_refused_in_one_line(tmp_path: Path, phase: dict, message: str) -> None:
+    raw = {"dir": str(tmp_path), "seq_len": SEQ_LEN, "global_batch_size": 8,
+           "phases": [{"until_step": 3, "weights": {"web": 1.0}}, {"weights": {"web": 1.0}, **phase}]}
+    with pytest.raises(UpcyclerError, match=message) as err:
+        DataConfig.from_dict(raw, origin="train.yaml").check(process_count=4, origin="train.yaml")
+    assert "\n" not in str(err.value) and str(err.value).startswith("train.yaml")
 
 
 def test_grain_checkpoint_handler_round_trips_the_state(tmp_path: Path, prepared: Path) -> None:

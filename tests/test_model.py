@@ -303,8 +303,12 @@ def test_wrong_tensors_are_refused(model_dir):
 def test_rules_map_logical_axes_to_mesh_axes():
     from jax.sharding import PartitionSpec as PS
 
-    assert logical_to_spec(("layers", "experts", "expert_mlp", "embed")) == PS(None, "expert", None, "fsdp")
+    assert logical_to_spec(("layers", "experts", "expert_mlp", "embed")) == PS(None, "expert", None,
+                                                                               ("fsdp", "context"))
     assert logical_to_spec(("batch", None)) == PS(("data", "fsdp", "expert"))
+    assert logical_to_spec(("batch", "seq", "act_embed")) == PS(("data", "fsdp", "expert"), "context")
+    assert logical_to_spec(("batch", "kv_seq", None, None)) == PS(("data", "fsdp", "expert"))  # gathered whole
+    assert logical_to_spec(("tokens", "act_embed")) == PS(("data", "fsdp", "expert", "context"))
     assert logical_to_spec(("norm",)) == PS()
     with pytest.raises(ValueError, match="two dimensions"):
         logical_to_spec(("embed", "embed"))

@@ -10,8 +10,9 @@ compared in one of three ways (`CASES`):
   norms);
 - `text`: the parent's text, and vLLM's logprobs transformers' own on that output within `TOL`;
 - `own`: vLLM's greedy tokens and logprobs are transformers' own on that output (up to a tie within
-  `TOL`) — for outputs that are not the parent's function: the Qwen3-MoE with fitted q/k norms and a
-  trained MoE exported by the trainer (`checkpoint.hf_every`).
+  `TOL`) — for outputs that are not the parent's function: the Qwen3-MoE with fitted q/k norms, a
+  trained MoE exported by the trainer (`checkpoint.hf_every`), and the parent's context extended to 32k by
+  `context` (YaRN, and Llama 3's scaling with a larger base).
 
 vLLM itself is checked against transformers on the parent the same way.
 
@@ -66,6 +67,10 @@ CASES = {  # name: (source, command, arguments, comparison); the source is "pare
     "glm4_moe-from-qwen3": ("qwen3", "dense-to-moe", ["--experts", "8", "--topk", "2", "--granularity", "2",
                                                       "--shared-experts", "1", "--target", "glm4_moe"], "exact"),
     "trained-btx": ("btx-copies", "train", [], "own"),  # 2 steps, exported by `checkpoint.hf_every`
+    # RoPE surgery for a longer context: the config alone changes, served at the original length
+    "context-yarn-32k": ("parent", "context", ["--max-position", "32768", "--rope-scaling", "yarn"], "own"),
+    "context-llama3-32k": ("parent", "context", ["--max-position", "32768", "--rope-scaling", "llama3",
+                                                 "--rope-theta", "5e5"], "own"),
 }
 
 

@@ -250,3 +250,41 @@ def test_expert_parallel_on_two_processes_matches_one_process(ws, cache, tmp_pat
     reference, metrics = F.metrics(tmp_path / "one" / "run"), F.metrics(tmp_path / "two" / "run")
     for key in ("loss", "lb_loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in metrics], [r[key] for r in reference], rtol=2e-5, err_msg=key)
+
+
+def test_context_parallel_run_resumed_at_another_context_degree_matches_the_uninterrupted_run(ws, cache, tmp_path):
+    """An MoE on context 4 × FSDP 2, killed at a random step after a checkpoint and resumed on context 2 ×
+    FSDP 4 (the checkpoint holds global arrays), against the uninterrupted context-4 run and one device:
+    the same batches (losses within fp32 reduction order) and the same final parameters."""
+    import random
+
+    from test_trainer_resume import wait_for_step
+
+    steps, every = 12, 3
+
+    def config(name: str, context: int) -> Path:
+        cfg = F.config_dict(tmp_path / name, ws["moe"], ws["data"], steps=steps, mesh={"data": 1, "context": context},
+                            **{"checkpoint.every": every, "metrics.progress": context == 2})
+        return F.write_config(tmp_path / f"{name}-{context}.yaml", cfg)
+
+    straight = start(config("straight", 4), devices=8)
+    killed = start(config("resumed", 4), devices=8)
+    wait_for_step(killed, tmp_path / "resumed" / "run", random.randrange(every + 1, steps - 2))
+    killed.kill()
+    killed.communicate()
+    interrupted_at = max(committed_steps(tmp_path / "resumed" / "run"))
+    assert interrupted_at < steps
+    resumed = start(config("resumed", 2), "--resume", devices=8)
+    out, err = resumed.communicate(timeout=1200)
+    assert resumed.returncode == 0 and f"finished at step {steps}" in out, err[-3000:]
+    assert "fsdp=4 × context=2" in out + err  # the resumed run really ran on the other degree
+    out, err = straight.communicate(timeout=1200)
+    assert straight.returncode == 0, err[-3000:]
+    reference = F.step_params(tmp_path / "straight" / "run" / str(steps))
+    final = F.step_params(tmp_path / "resumed" / "run" / str(steps))
+    worst = max(float(np.abs(final[k] - reference[k]).max()) for k in reference)
+    assert worst < 5e-5, (interrupted_at, worst)
+    losses = [[r["loss"] for r in F.metrics(tmp_path / run / "run")] for run in ("straight", "resumed")]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=2e-5)
+    one, _ = one_device_run(ws, "moe", tmp_path / "one")  # and their first steps equal one device's
+    np.testing.assert_allclose(losses[0][:STEPS], [r["loss"] for r in one], rtol=2e-5)

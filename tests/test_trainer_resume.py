@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -100,3 +101,110 @@ def test_sigterm_saves_a_checkpoint_and_the_run_resumes_from_it(ws, cache, tmp_p
     resumed = F.run_cli("continued-pretrain", "--config", path, "--resume", "--steps", logged + 2)
     assert f"finished at step {logged + 2}" in resumed.stdout
     assert [r["step"] for r in F.metrics(tmp_path / "run")] == list(range(logged + 2))
+
+
+def test_a_step_missing_a_data_file_is_one_line_naming_it_and_an_earlier_step_resumes(ws, cache, tmp_path):
+    """A data file of step 2's params/ deleted: what reading it raises (tensorstore's bare Exception under
+    Orbax's) is one line naming the step directory and the fix, with no traceback, and nothing is trained or
+    saved; removed as the line says, the same command resumes from step 1."""
+    from cli_helpers import assert_clean_failure
+
+    cfg = F.config_dict(tmp_path, ws["dense"], ws["data"], steps=2, **{"checkpoint.every": 1})
+    path = F.write_config(tmp_path / "train.yaml", cfg)
+    F.run_cli("continued-pretrain", "--config", path)
+    run_dir, step_dir = tmp_path / "run", tmp_path / "run" / "2"
+    data = max((p for p in (step_dir / "params").rglob("*") if p.is_file() and p.parent.name == "d"),
+               key=lambda p: p.stat().st_size)
+    data.unlink()
+    proc = F.run_cli("continued-pretrain", "--config", path, "--resume", "--steps", 3, check=False)
+    line = assert_clean_failure(proc, mentions=f"{step_dir}: cannot be read (")
+    assert f"resume from an earlier step (remove {step_dir})" in line and len(line) < 1000, line
+    assert sorted(committed_steps(run_dir)) == [1, 2] and len(F.metrics(run_dir)) == 2
+    shutil.rmtree(step_dir)
+    resumed = F.run_cli("continued-pretrain", "--config", path, "--resume", "--steps", 3)
+    assert "finished at step 3" in resumed.stdout and sorted(committed_steps(run_dir)) == [1, 2, 3]
+
+
+PHASED_STEPS = 6
+
+
+def phased(tmp, ws, **changes) -> TrainConfig:
+    """Three steps of 8 rows of 32 tokens, then 4 rows of 64 (the same tokens per step), the learning rate
+    in steps; held-out loss at each phase's length."""
+    phases = [{"until_step": 3, "weights": {"json": 0.75, "email": 0.25}},
+              {"weights": {"json": 0.5, "email": 0.5}, "seq_len": 64, "batch": "keep_tokens"}]
+    cfg = F.config_dict(tmp, ws["dense"], ws["data"], **{
+        "steps": PHASED_STEPS, "data.phases": phases, "checkpoint.every": 2,
+        "eval": {"every": 2, "batches": 1, "sources": ["email"], "seq_len": "phase"}, **changes})
+    return TrainConfig.from_dict(cfg)
+
+
+@pytest.fixture
+def watched(monkeypatch):
+    """Every batch the data iterator hands out ((step, inputs)), and every compile of the train step."""
+    from upcycler.train.data.mix import DataIterator
+    from upcycler.train.loop import train_step
+
+    seen: dict[str, list] = {"batches": [], "compiles": []}
+    plain_next, plain_compile = DataIterator.__next__, train_step.compile_step
+
+    def next_batch(self):
+        step = self.step
+        batch = plain_next(self)
+        seen["batches"].append((step, batch["inputs"].copy()))
+        return batch
+
+    def compile_step(step, shardings, mesh, state, batch):
+        seen["compiles"].append(tuple(batch["inputs"].shape))
+        return plain_compile(step, shardings, mesh, state, batch)
+
+    monkeypatch.setattr(DataIterator, "__next__", next_batch)
+    monkeypatch.setattr(train_step, "compile_step", compile_step)
+    return seen
+
+
+def test_a_lengthening_run_compiles_once_per_phase_and_resumes_exactly_across_the_boundary(ws, cache, tmp_path,
+                                                                                          watched):
+    """Uninterrupted, the run meets two shapes and compiles the step twice; each batch has its phase's
+    shape. Stopped before the boundary (step 2) or after it (step 4) and resumed, it ends with the same
+    parameters, bit for bit, having read the same batches, and compiles only the shapes it still meets."""
+    train(phased(tmp_path / "reference", ws))
+    reference = dict(watched["batches"])
+    assert watched["compiles"] == [(8, 32), (4, 64)]
+    assert [reference[s].shape for s in range(PHASED_STEPS)] == [(8, 32)] * 3 + [(4, 64)] * 3
+    records = F.metrics(tmp_path / "reference" / "run")
+    assert [s for s, r in enumerate(records) if "eval/loss/email" in r] == [1, 3, 5]
+    expected = F.step_params(tmp_path / "reference" / "run" / str(PHASED_STEPS))
+    for stop, compiles in ((2, [(8, 32), (4, 64)]), (4, [(4, 64)])):
+        tmp = tmp_path / f"stopped-{stop}"
+        train(phased(tmp, ws, steps=stop))
+        watched["batches"].clear()
+        watched["compiles"].clear()
+        result = train(phased(tmp, ws), resume=True)
+        assert result.step == PHASED_STEPS and watched["compiles"] == compiles, (stop, watched["compiles"])
+        assert [s for s, _ in watched["batches"]] == list(range(stop, PHASED_STEPS))
+        assert all(np.array_equal(inputs, reference[s]) for s, inputs in watched["batches"]), stop
+        final = F.step_params(tmp / "run" / str(PHASED_STEPS))
+        assert not [name for name in expected if not np.array_equal(expected[name], final[name])], stop
+        resumed = F.metrics(tmp / "run")
+        assert [r["loss"] for r in resumed] == [r["loss"] for r in records], stop
+
+
+def test_held_out_batches_follow_the_phase_length(ws, tmp_path):
+    """`eval.seq_len: phase` reads the held-out rows at each phase's shape; `data` (the default) at the
+    section's, whatever the phase."""
+    from upcycler.train.loop.heldout_eval import HeldoutEval
+
+    config = phased(tmp_path, ws)
+    heldout = HeldoutEval(config, F.tiny_spec(), _tokenizer_sha(ws), 0, 1)
+    assert sorted(heldout.batches) == [(32, 8), (64, 4)]
+    assert [heldout.shape(s) for s in (0, 2, 3, 5)] == [(32, 8), (32, 8), (64, 4), (64, 4)]
+    assert heldout.batches[(64, 4)]["email"][0]["inputs"].shape == (4, 64)
+    plain = HeldoutEval(phased(tmp_path, ws, **{"eval.seq_len": "data"}), F.tiny_spec(), _tokenizer_sha(ws), 0, 1)
+    assert sorted(plain.batches) == [(32, 8)] and plain.shape(5) == (32, 8)
+
+
+def _tokenizer_sha(ws) -> str:
+    from upcycler.train.data.sources import open_source
+
+    return open_source(ws["data"], "json").tokenizer_sha256

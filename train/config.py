@@ -20,7 +20,7 @@ Schema (every section but `model` and `data` is optional; defaults shown):
       moe_chunks: 1                    # all_gather dispatch: token chunks through the experts (less memory)
       grad_comm_dtype: native          # native | fp32 | bf16: the expert weights' gradient reduce-scatter
       remat: none                      # none | dots | attention | full | ... (what the backward recomputes)
-    data: {...}                        # see upcycler.train.data.config
+    data: {...}                        # see upcycler.train.data.config (phases may set seq_len and batch)
     optimizer:
       lr: 3.0e-4                       # peak learning rate
       b1: 0.9
@@ -52,7 +52,7 @@ Schema (every section but `model` and `data` is optional; defaults shown):
       progress: true
       dead_below: 0.1
       stop_on_collapse: false
-    eval: null                         # {every: 100, batches: 4, sources: [web.heldout, …], dir: null}
+    eval: null                         # {every: 100, batches: 4, sources: [web.heldout, …], dir: null, seq_len: data}
     profile: null                      # {start_step: 10, steps: 3}: RUN_DIR/tensorboard/plugins/profile/
 
 Each option is declared once, as a field below (type, default, choices, range, help); the YAML reader
@@ -244,6 +244,10 @@ class MeshConfig:
 
     data: int = field(1, range=Range(-1, MAX_DEVICES), help="Data-parallel size (-1: the remaining devices).")
     fsdp: int = field(-1, range=Range(-1, MAX_DEVICES), help="FSDP size (-1: the remaining devices).")
+    context: int = field(1, range=Range(-1, MAX_DEVICES),
+                         help="Context-parallel size: every sequence split along its length over this many "
+                              "devices, attention's keys and values gathered whole, the causal work balanced "
+                              "(-1: the remaining devices). Parameters are split over it as over fsdp.")
     expert: int = field(1, range=Range(-1, MAX_DEVICES), help="Expert-parallel size (-1: the remaining devices).")
 
 
@@ -312,6 +316,9 @@ class MetricsConfig:
                                                "routed experts dead), naming the layer and the last checkpoint.")
 
 
+EVAL_LENGTHS = ("data", "phase")
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     """`eval`: held-out loss per source during training (`upcycler.train.loop.heldout_eval`)."""
@@ -323,6 +330,10 @@ class EvalConfig:
         None, help="Prepared sources to evaluate on; default: NAME.heldout for every training source NAME that "
                    "has one (`upcycle prepare-data --heldout`).")
     dir: Location | None = field(None, help="Where those sources are prepared; default: data.dir.")
+    seq_len: str = field("data", choices=EVAL_LENGTHS,
+                         help="data: every evaluation reads rows of data.seq_len, data.global_batch_size at a "
+                              "time; phase: rows of the length (and batch) of the data phase in force at the "
+                              "evaluated step, so a lengthening run is measured at the length it trains at.")
 
 
 @dataclass(frozen=True)
@@ -361,38 +372,47 @@ class TrainConfig:
         return config
 
 
+def _check_context_chunks(config: TrainConfig, seq_len: int, where: str, origin: str) -> None:
+    """Context parallelism cuts each sequence into 2 × mesh.context equal chunks (whole 128-token tiles
+    under splash attention); refuse a length that does not cut so, in one line."""
+    degree = config.mesh.context
+    if degree <= 1:
+        return
+    if config.model.attention == "chunked":
+        raise UpcyclerError(f"{origin}: model.attention chunked walks the whole sequence's query blocks, which "
+                            "mesh.context splits over devices; use splash (TPU), dot_product or einsum")
+    unit = 2 * degree * (128 if config.model.attention == "splash" else 1)
+    if seq_len % unit:
+        tiles = " of whole 128-token splash tiles" if config.model.attention == "splash" else ""
+        raise UpcyclerError(f"{origin}: {where}seq_len {seq_len} does not cut into the {2 * degree} equal chunks"
+                            f"{tiles} mesh.context {degree} balances; make it a multiple of {unit}")
+
+
 def check(config: TrainConfig, origin: str = "config") -> None:
     """Raise `UpcyclerError` unless the options agree with each other (each option's own type and range
     are checked by `from_mapping`; no files or devices consulted)."""
     config.data.check(origin=f"{origin}: data")
     check_schedule(config.optimizer, origin)
     sizes = [config.mesh.data, config.mesh.fsdp, config.mesh.expert]
-    if any(s == 0 for s in sizes) or sizes.count(-1) > 1:
+    if any(s == 0 for s in [*sizes, config.mesh.context]) or [*sizes, config.mesh.context].count(-1) > 1:
         raise UpcyclerError(
             f"{origin}: mesh sizes must be positive, with at most one -1 (all remaining devices)"
         )
     known = math.prod(s for s in sizes if s != -1) * config.data.microbatches
-    if config.data.global_batch_size % known:
-        raise UpcyclerError(
-            f"{origin}: data.global_batch_size {config.data.global_batch_size} is not divisible by the mesh "
-            f"(data × fsdp × expert) × data.microbatches = {known}; make it a multiple of {known}"
-        )
+    for where, seq_len, batch in _shapes(config.data):
+        if batch % known:
+            raise UpcyclerError(
+                f"{origin}: {where}global_batch_size {batch} is not divisible by the mesh "
+                f"(data × fsdp × expert) × data.microbatches = {known}; make it a multiple of {known}"
+            )
     if config.model.attention == "flexprefill":
         raise UpcyclerError(
             f"{origin}: model.attention flexprefill is a prefill for evaluation (upcycle eval --attention "
             "flexprefill), not for training; set model.attention to einsum, dot_product, chunked or splash"
         )
-    blocks = {"loss.ce_chunk": config.loss.ce_chunk}
-    if config.model.attention == "splash" and config.data.seq_len % 128:
-        raise UpcyclerError(f"{origin}: model.attention splash runs in tiles of 128 tokens; make data.seq_len "
-                            f"{config.data.seq_len} a multiple of 128 or choose another attention")
-    if config.model.attention == "chunked":
-        blocks["model.attention_chunk"] = config.model.attention_chunk
-    for option, block in blocks.items():
-        if block and config.data.seq_len % block:
-            raise UpcyclerError(
-                f"{origin}: {option} {block} does not divide data.seq_len {config.data.seq_len}; pick a divisor"
-            )
+    for where, seq_len, _ in _shapes(config.data):
+        _check_blocks(config, seq_len, where, origin)
+        _check_context_chunks(config, seq_len, where, origin)
     if config.model.moe_dispatch == "gspmd" and config.model.comm_dtype != "fp32":
         raise UpcyclerError(
             f"{origin}: model.comm_dtype {config.model.comm_dtype} compresses the expert-parallel combine; "
@@ -435,6 +455,30 @@ def check(config: TrainConfig, origin: str = "config") -> None:
     _check_observability(config, origin)
     _check_trainable(config.optimizer.trainable, origin)
     _check_distributed(config.distributed, origin)
+
+
+def _shapes(data: DataConfig) -> list[tuple[str, int, int]]:
+    """(where, seq_len, global_batch_size) of the section and of each phase with a shape of its own;
+    `where` prefixes the option's name in messages."""
+    shapes = [("data.", data.seq_len, data.global_batch_size)]
+    for k, (seq_len, batch) in enumerate(data.shapes):
+        if (seq_len, batch) != (data.seq_len, data.global_batch_size):
+            shapes.append((f"data.phases[{k}] ", seq_len, batch))
+    return shapes
+
+
+def _check_blocks(config: TrainConfig, seq_len: int, where: str, origin: str) -> None:
+    """A length the run trains at splits into the blocks the attention and the loss work in."""
+    option = f"{where}seq_len {seq_len}"
+    if config.model.attention == "splash" and seq_len % 128:
+        raise UpcyclerError(f"{origin}: model.attention splash runs in tiles of 128 tokens; make {option} "
+                            "a multiple of 128 or choose another attention")
+    blocks = {"loss.ce_chunk": config.loss.ce_chunk}
+    if config.model.attention == "chunked":
+        blocks["model.attention_chunk"] = config.model.attention_chunk
+    for name, block in blocks.items():
+        if block and seq_len % block:
+            raise UpcyclerError(f"{origin}: {name} {block} does not divide {option}; pick a divisor")
 
 
 def _check_exports(c: CheckpointConfig, steps: int, origin: str) -> None:

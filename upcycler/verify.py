@@ -28,6 +28,8 @@ path and, when it has one, the first non-finite tensor: its logits cannot be com
 `check_written` is the check a function-preserving write runs on its staged output before it is renamed
 into place (a smaller probe: one sequence of 32 tokens); its record goes into `upcycler.json` and the
 model card. `dense-to-moe` runs its own check beside the write instead (`transforms.moe_write_check`).
+`shift` is the same comparison for a write that changes the function on purpose (`context`'s new RoPE): no
+verdict, only how far it moved the model within the length it was trained at.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ MAX_LOGITS = 2**27  # positions × vocabulary: 512 MiB of fp32 logits per model 
 NOISE_FACTOR = 10.0  # B may differ from A by this many times A's own fp32 noise floor
 FP32_ULP = 2.0**-23  # relative spacing of fp32 numbers: the smallest floor, relative to the largest logit
 CHECK_PROBE = {"batch": 1, "tokens": 32, "seed": 0}  # the probe of the check after every write
+SHIFT_PROBE = {"batch": 1, "tokens": 512, "seed": 0}  # the probe of `shift`, at most the original length
 
 
 def check_options(*, tokens: int, batch: int, seed: int, tolerance: float | None = None) -> None:
@@ -263,3 +266,18 @@ def check_written(source: Path, written: Path, *, what: str, weights: str = "par
         "logit_scale": stats["logit_scale"], "kl_mean": stats["kl_mean"], "top1_agreement": stats["top1_agreement"],
         "passed": passed, "verdict": line,
     }
+
+
+def shift(source: Path, written: Path, *, within: int) -> dict[str, Any]:
+    """How far a write that changes the function on purpose (a new RoPE) moved the model: KL(source‖written)
+    and top-1 agreement of `compare_checkpoints` on `SHIFT_PROBE`, its length at most `within` positions
+    (the length the source was trained at) and `MAX_LOGITS` logits."""
+    from upcycler.io import read_checkpoint
+
+    source_ckpt, written_ckpt = read_checkpoint(source), read_checkpoint(written).replace(watches=())
+    vocab = max(source_ckpt.spec.vocab_size, written_ckpt.spec.vocab_size)
+    probe = {**SHIFT_PROBE, "tokens": max(1, min(SHIFT_PROBE["tokens"], within, MAX_LOGITS // vocab))}
+    stats = compare_checkpoints((source, source_ckpt), (written, written_ckpt), **probe)
+    return {"against": Path(source).name, "probe": {**probe, "vocab": stats["probe"]["vocab"]},
+            "kl_mean": stats["kl_mean"], "kl_max": stats["kl_max"], "top1_agreement": stats["top1_agreement"],
+            "max_abs_logit_diff": stats["max_abs_diff"]}

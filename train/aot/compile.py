@@ -6,6 +6,9 @@ configured mesh over the target devices, lowers and compiles the very step `upcy
 (same `make_train_step`, shardings, remat, dtypes, microbatches), and returns the `compile_report.Report` of
 what one device needs. A step too large for the target's memory fails the TPU compile with
 RESOURCE_EXHAUSTED; that is reported as "does not fit" with the analytic part of the memory, not raised.
+When data phases train at lengths of their own, every phase's shape is checked as the run checks it and
+the step of the longest phase is compiled and reported (`upcycler.train.loop.phases.at_longest`): the
+one whose rows need the most memory.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
     import jax
 
     from upcycler.train.loop import mesh as mesh_lib
+    from upcycler.train.loop import phases
     from upcycler.train.loop.train_step import abstract_batch, compile_step, make_train_step, state_layout
 
     spec = spec if spec is not None else model_spec(config.model.init)
@@ -77,7 +81,8 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
                                microbatches=config.data.microbatches, devices=tgt.devices,
                                seq_len=config.data.seq_len, moe_chunks=config.model.moe_chunks,
                                moe_dispatch=config.model.moe_dispatch)
-    check_spec_options(config, spec)
+    check_spec_options(config, spec, tgt.devices)  # every phase's shape too; the mesh is the same for all
+    config = phases.at_longest(config)
     layout = state_layout(spec, config.optimizer, mesh, _lineage(config.model.init))
     batch = abstract_batch(config.data.global_batch_size, config.data.seq_len, mesh)
     step = make_train_step(spec, config.model.run_config(), config.loss, layout.tx, layout.schedule,

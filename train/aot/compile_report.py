@@ -38,7 +38,7 @@ SOURCES_KEPT = 12  # the largest HBM traffic sources a report lists
 MOE_SOURCES = ("model/moe.py", "model/gmm", "model/expert_parallel.py", "model/comm.py", "kernel gmm ",
                "kernel tgmm ")
 _CUTS = ("options that cut memory: model.remat full, loss.ce_chunk, model.weights_dtype bfloat16, "
-         "model.attention dot_product, data.microbatches")
+         "model.attention dot_product, data.microbatches, mesh.context (a long sequence split over chips)")
 
 
 @dataclass(frozen=True)
@@ -108,10 +108,27 @@ class Report:
             return None
         return self.budget - self.memory.peak
 
+    def context_that_fits(self) -> int | None:
+        """When the step does not fit: the smallest larger context degree (`mesh.context`) at which it
+        would, estimated from this compile — the activations and work buffers split with the sequence,
+        the state does not (context parallelism splits parameters as FSDP already does) — among the
+        degrees that divide the devices and cut the sequence into 2 × degree chunks of whole 128-token
+        tiles. None when it fits, when there is no figure, or when no degree would."""
+        m, context = self.memory, self.mesh.get("context", 1)
+        if self.fits is not False or self.budget is None or m.working is None:
+            return None
+        room = self.budget - (m.peak - m.working)
+        for degree in (2 ** k for k in range(1, 11)):
+            if degree > context and self.devices % degree == 0 and self.options["seq_len"] % (256 * degree) == 0 \
+                    and room > 0 and m.working * context / degree <= room:
+                return degree
+        return None
+
     def to_json(self) -> str:
         out = asdict(self)
         out["memory"]["working"] = self.memory.working
         out["margin"] = self.margin
+        out["context_that_fits"] = self.context_that_fits()
         if self.save is not None:
             out["save"].update(fits_notice=self.save.fits_notice, fits_maintenance=self.save.fits_maintenance)
         return json.dumps(out, sort_keys=False)
@@ -277,8 +294,11 @@ def _text_lines(r: Report) -> list[str]:
     elif r.fits:
         lines.append(f"fit      fits: peak {_gib(m.peak)} of {_gib(r.budget)} ({_gib(r.margin)} to spare)")
     else:
+        degree = r.context_that_fits()
+        split = (f"; mesh.context {degree} would fit, estimated with the activations split over the sequence "
+                 "(--plan compiles it)" if degree else "")
         lines.append(f"fit      does not fit: peak {_gib(m.peak)} of {_gib(r.budget)} "
-                     f"({_gib(-r.margin)} over); largest: {largest}; {_CUTS}")
+                     f"({_gib(-r.margin)} over); largest: {largest}; {_CUTS}{split}")
     f = r.flops
     lines.append(f"flops    {f['per_token'] / 1e9:.2f} GFLOP/token, {f['per_step'] / 1e15:.2f} PFLOP/step, "
                  f"{f['per_device'] / 1e12:.2f} TFLOP/device (executed {f['executed_per_device'] / 1e12:.2f})")

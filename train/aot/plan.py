@@ -11,7 +11,11 @@ the chip's HBM free:
   all-to-all, so it is tried only with `dispatches=` given);
 - the attention: splash (the TPU flash-attention kernel) whenever the target is a TPU and the sequence
   allows it. It does the same FLOPs as the config's attention and keeps the scores off HBM, so it never
-  loses; the config's attention otherwise.
+  loses; the config's attention otherwise;
+- the context degree (`mesh.context`, context parallelism: each sequence split over that many chips), from
+  the config's upwards through `CONTEXT_DEGREES`. A larger degree computes the same FLOPs and moves more
+  (the keys and values gathered), so it is tried only while nothing fits yet, and once more after the
+  first degree that fits unless that fit is already at the best policy's ceiling.
 
 Every candidate is compiled whole. The layers run under `lax.scan`, so a compile costs about the same at
 any depth (the reference MoE: 47 s for 32 layers, 48-57 s for slices of 2 and 4), and a slice of the
@@ -57,6 +61,7 @@ MICROBATCHES = (1, 2, 4, 8)
 # which would favour them blindly)
 POLICIES = ("none", "all_but_ffn_hidden", "attention_and_ffn_input", "attention", "qkv", "full")
 EXPERT_AXES = (8,)  # mesh.expert sizes tried with the expert-parallel dispatch
+CONTEXT_DEGREES = (1, 2, 4, 8, 16)  # mesh.context sizes the search may try (from the config's upwards)
 SPLASH_TILE = 128  # splash attention's sequence tile
 
 
@@ -69,12 +74,13 @@ class Choice:
     moe_dispatch: str = "gspmd"
     expert: int = 1
     attention: str = "einsum"
+    context: int = 1
 
     def sets(self) -> tuple[str, ...]:
         """As `--set KEY=VALUE` arguments."""
         return (f"model.remat={self.remat}", f"data.microbatches={self.microbatches}",
                 f"model.moe_dispatch={self.moe_dispatch}", f"mesh.expert={self.expert}",
-                f"model.attention={self.attention}")
+                f"model.attention={self.attention}", f"mesh.context={self.context}")
 
 
 @dataclass(frozen=True)
@@ -123,17 +129,18 @@ class Plan:
         head = (f"plan for {self.topology}: {len(self.outcomes)} configurations, {self.compiles} compiled in "
                 f"{self.seconds:.0f} s; fits = peak ≤ {human_bytes(self.budget)} − {human_bytes(self.margin)} "
                 "margin; MFU is the roofline's bound, not a measurement")
-        rows = [(f"{'remat':<32} {'mb':>3} {'attention':<10} {'dispatch':<10} {'expert':>6} {'fits':<4} "
-                 f"{'peak':>10} {'MFU ≤':>6} {'bound':<13} {'HBM traffic':>11} {'collectives':>11}")]
+        rows = [(f"{'remat':<32} {'mb':>3} {'attention':<10} {'dispatch':<10} {'expert':>6} {'context':>7} "
+                 f"{'fits':<4} {'peak':>10} {'MFU ≤':>6} {'bound':<13} {'HBM traffic':>11} {'collectives':>11}")]
         for o in self.outcomes:
             c, f = o.choice, o.figures
             peak = human_bytes(f.peak) if f.peak is not None else "out of mem"
             rows.append(f"{c.remat:<32} {c.microbatches:>3} {c.attention:<10} {c.moe_dispatch:<10} {c.expert:>6} "
+                        f"{c.context:>7} "
                         f"{'yes' if o.fits else 'no':<4} {peak:>10} {f.mfu:>6.1%} {f.bound:<13} "
                         f"{human_bytes(f.hbm_bytes):>11} {human_bytes(f.traffic_bytes):>11}")
         best = self.best
         tail = (f"best: {' '.join('--set ' + s for s in best.choice.sets())}" if best
-                else "nothing fits: more chips, a smaller batch or sequence, or bf16 weights")
+                else "nothing fits: more chips, a larger mesh.context, a smaller batch or sequence, or bf16 weights")
         return "\n".join([head, *rows, tail])
 
     def to_json(self) -> str:
@@ -152,7 +159,17 @@ def configured(config: TrainConfig, choice: Choice) -> TrainConfig:
     raw["model"].update(remat=choice.remat, moe_dispatch=choice.moe_dispatch, attention=choice.attention)
     raw["data"]["microbatches"] = choice.microbatches
     raw["mesh"]["expert"] = choice.expert
+    raw["mesh"]["context"] = choice.context
     return TrainConfig.from_dict(raw, "the plan's configuration")
+
+
+def context_degrees(config: TrainConfig, devices: int, wanted: Sequence[int] | None = None) -> list[int]:
+    """The context degrees to try, smallest first: `wanted`, else the config's and the larger of
+    `CONTEXT_DEGREES`; those that divide the devices and split the sequence into 2 × degree chunks of
+    whole splash tiles."""
+    start = max(config.mesh.context, 1)
+    pool = sorted(set(wanted)) if wanted else [c for c in sorted(set(CONTEXT_DEGREES) | {start}) if c >= start]
+    return [c for c in pool if devices % c == 0 and (c == 1 or config.data.seq_len % (2 * c * SPLASH_TILE) == 0)]
 
 
 def dispatches(spec: ModelSpec, devices: int, wanted: Sequence[str] | None = None) -> list[tuple[str, int]]:
@@ -171,9 +188,10 @@ def dispatches(spec: ModelSpec, devices: int, wanted: Sequence[str] | None = Non
 def plan(config: TrainConfig, topology: str, *, margin: int = 1 << 30, cache=None,
          policies: Sequence[str] = POLICIES, microbatches: Sequence[int] = MICROBATCHES,
          dispatch: Sequence[str] | None = None, spec: ModelSpec | None = None,
-         log: Callable[[str], None] = lambda _: None) -> Plan:
+         contexts: Sequence[int] | None = None, log: Callable[[str], None] = lambda _: None) -> Plan:
     """Search `config`'s options for `topology` (see the module docstring); `cache` (a directory) keeps
-    compiled figures between plans; `policies`, `microbatches` and `dispatch` narrow the search; `spec`
+    compiled figures between plans; `policies`, `microbatches`, `dispatch` and `contexts` (context degrees)
+    narrow the search; `spec`
     stands for model.init's architecture; `log` hears of each compile."""
     from upcycler.train.aot.compile import model_spec, target
 
@@ -211,35 +229,41 @@ def plan(config: TrainConfig, topology: str, *, margin: int = 1 << 30, cache=Non
         outcomes.append(outcome)
         return outcome
 
-    for moe_dispatch, expert in dispatches(spec, len(tgt.devices), dispatch):
-        fewest = max(microbatches) + 1  # only fewer microbatches than this can beat what fits
-        for policy in order:
-            if ceilings[policy] <= best:
-                continue
-            counts = sorted(m for m in microbatches if m < fewest)
-            if not counts:
-                break
-            # the peak falls as the microbatches grow: if the most allowed do not fit, none do; else
-            # bisect for the fewest that fit
-            top = None
-            while counts and top is None:  # the most microbatches the batch and the mesh allow
-                top = tried(Choice(policy, counts[-1], moe_dispatch, expert, attention))
-                if top is None:
-                    counts.pop()
-            if top is None or not top.fits:
-                continue
-            lo, hi = 0, len(counts) - 1
-            fit = top
-            while lo < hi:
-                mid = (lo + hi) // 2
-                outcome = tried(Choice(policy, counts[mid], moe_dispatch, expert, attention))
-                if outcome is not None and outcome.fits:
-                    hi, fit = mid, outcome
-                else:
-                    lo = mid + 1
-            best = max(best, fit.figures.mfu)
-            # a memory-bound fit can lose to more recomputation at its own count
-            fewest = fit.choice.microbatches + (fit.figures.bound == "memory")
+    top_ceiling = max(ceilings.values())
+    fitted_at: int | None = None  # the first context degree at which something fitted
+    for context in context_degrees(config, len(tgt.devices), contexts):
+        if fitted_at is not None and (context > 2 * fitted_at or best >= top_ceiling * 0.999):
+            break
+        for moe_dispatch, expert in dispatches(spec, len(tgt.devices) // context, dispatch):
+            fewest = max(microbatches) + 1  # only fewer microbatches than this can beat what fits
+            for policy in order:
+                if ceilings[policy] <= best:
+                    continue
+                counts = sorted(m for m in microbatches if m < fewest)
+                if not counts:
+                    break
+                # the peak falls as the microbatches grow: if the most allowed do not fit, none do; else
+                # bisect for the fewest that fit
+                top = None
+                while counts and top is None:  # the most microbatches the batch and the mesh allow
+                    top = tried(Choice(policy, counts[-1], moe_dispatch, expert, attention, context))
+                    if top is None:
+                        counts.pop()
+                if top is None or not top.fits:
+                    continue
+                lo, hi = 0, len(counts) - 1
+                fit = top
+                while lo < hi:
+                    mid = (lo + hi) // 2
+                    outcome = tried(Choice(policy, counts[mid], moe_dispatch, expert, attention, context))
+                    if outcome is not None and outcome.fits:
+                        hi, fit = mid, outcome
+                    else:
+                        lo = mid + 1
+                best = max(best, fit.figures.mfu)
+                fitted_at = context if fitted_at is None else fitted_at
+                # a memory-bound fit can lose to more recomputation at its own count
+                fewest = fit.choice.microbatches + (fit.figures.bound == "memory")
     outcomes.sort(key=lambda o: (not o.fits, -o.mfu, o.figures.peak if o.figures.peak is not None else float("inf")))
     return Plan(topology, budget, margin, outcomes, time.perf_counter() - started, compiled)
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -54,7 +55,7 @@ from upcycler.spec import ModelSpec
 from upcycler.train.config import TrainConfig
 from upcycler.train.loop.preflight import committed_steps
 from upcycler.train.model.params import ParamInfo, Params, declare_tree
-from upcycler.train.techniques.protocol import Technique
+from upcycler.train.techniques.protocol import MetaEntries, Technique
 
 ITEMS = ("params", "ema", "opt_state", "data", "meta")
 HF_DIR, SIDE_FILES = STEP_HF, STEP_SIDE_FILES  # the step layout's (`upcycler.io.orbax_layout`)
@@ -193,24 +194,32 @@ class RunCheckpoints:
                     "continue; resume with optimizer.ema 0, or start a new run from this step"
                 )
             items["ema"] = ocp.args.StandardRestore(canonical_abstract)
-        try:
+        with self._reading(step):
             out = self._manager.restore(step, args=ocp.args.Composite(**items))
-        except (ValueError, KeyError, FileNotFoundError) as err:
-            raise UpcyclerError(
-                f"{self.step_dir(step)}: cannot restore ({str(err).splitlines()[0]}); the checkpoint "
-                "does not match this model and optimiser; resume with the config it was written with"
-            ) from None
+        meta = checked_meta(out["meta"], self.step_dir(step), step)
         stack = jax.jit(from_canonical, static_argnums=1, out_shardings=shardings)
         ema = stack(out["ema"], self.spec) if with_ema else None
-        return Restored(stack(out["params"], self.spec), out["opt_state"], dict(out["data"]), dict(out["meta"]),
-                        ema)
+        return Restored(stack(out["params"], self.spec), out["opt_state"], dict(out["data"]), meta, ema)
 
     def restore_params(self, step: int, abstract_params: Params) -> Params:
         """The parameters saved at `step` alone, placed like `abstract_params`."""
         shardings = jax.tree.map(lambda a: a.sharding, abstract_params)
         canonical_abstract = _canonical_abstract(self.spec, abstract_params, shardings)
-        out = self._manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(canonical_abstract)))
+        with self._reading(step):
+            out = self._manager.restore(step, args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(canonical_abstract)))
         return jax.jit(from_canonical, static_argnums=1, out_shardings=shardings)(out["params"], self.spec)
+
+    @contextmanager
+    def _reading(self, step: int) -> Iterator[None]:
+        """Turn whatever reading the step raises (Orbax's errors, tensorstore's bare `Exception`, the
+        filesystem's) into one line naming the step directory and the fix (`read_failure`)."""
+        try:
+            yield
+        except UpcyclerError:
+            raise
+        except Exception as err:  # noqa: BLE001  (tensorstore raises a bare Exception for a damaged array)
+            raise read_failure(self.step_dir(step), err) from None
 
     def delete(self, step: int) -> None:
         """Remove the checkpoint of `step` (collective, like a save)."""
@@ -304,9 +313,69 @@ def techniques_meta(techniques: Sequence[Technique]) -> dict[str, Any]:
 
 
 def restore_techniques(techniques: Sequence[Technique], meta: Mapping[str, Any], where: Path) -> None:
-    """Give each technique back its entries of a checkpoint's meta (`where`: the checkpoint, for errors)."""
+    """Give each technique back its entries of a checkpoint's meta (`checked_meta`; `where`: the checkpoint),
+    each read through the protocol's checks (`MetaEntries`) against this run."""
     for technique in techniques:
-        technique.restore({k: meta[k] for k in technique.meta_keys if k in meta}, str(where))
+        entries = {k: meta[k] for k in technique.meta_keys if k in meta}
+        technique.restore(MetaEntries(entries, str(where), meta["step"]))
+
+
+def restore_data(data: Any, state: Any, where: Path) -> None:
+    """Put the data iterator `data` where the checkpoint `where` left it (`state`); its refusal of a state it
+    cannot continue from is one line naming the checkpoint."""
+    try:
+        data.set_state(state)
+    except UpcyclerError as err:
+        raise UpcyclerError(f"{where}: {err}") from None
+
+
+def checked_meta(meta: Any, where: Path, step: int) -> dict[str, Any]:
+    """The meta read from the checkpoint `where` of `step`, its own entries checked (an object; its step;
+    the spec an object; the lineage a non-empty list of steps): anything else is one line naming the
+    checkpoint and the key. The techniques' entries are theirs to check (`restore_techniques`)."""
+    if not isinstance(meta, dict):
+        raise UpcyclerError(f"{where}: meta is not an object; the checkpoint is damaged or was not written by "
+                            "this run; resume from an earlier step (remove this one)")
+    entries = MetaEntries(meta, str(where), step)
+    if meta.get("step") != step or isinstance(meta.get("step"), bool):
+        raise entries.refuse("step", f"is not {step}, the step of its directory")
+    if not isinstance(meta.get("spec"), dict):
+        raise entries.refuse("spec", "is not a model spec (an object)")
+    try:
+        ModelSpec.from_json(json.dumps(meta["spec"]))
+    except (UpcyclerError, TypeError, ValueError, KeyError, AttributeError) as err:
+        raise entries.refuse("spec", f"is not a valid model spec ({_first_line(err)[:160]})") from None
+    lineage = meta.get("lineage")
+    if not isinstance(lineage, list) or not lineage or not all(isinstance(s, dict) for s in lineage):
+        raise entries.refuse("lineage", "is not a non-empty list of lineage steps")
+    return dict(meta)
+
+
+def read_failure(step_dir: Path, err: BaseException) -> UpcyclerError:
+    """The one line for a step that cannot be read: a tree that does not match this model and optimiser
+    (Orbax's own ValueError or KeyError) names the config to resume with; anything else (a file missing or
+    damaged: tensorstore's errors, bare `Exception` included, or the filesystem's) names the step to remove."""
+    cause = _innermost(err)
+    damaged = not isinstance(err, (ValueError, KeyError)) or _STORE_STATUS.match(str(cause)) is not None
+    if damaged:
+        said = _first_line(cause).split(" [tensorstore_spec=")[0]  # not the store's whole spec
+        return UpcyclerError(f"{step_dir}: cannot be read ({said}); the checkpoint is damaged or "
+                             f"incomplete; resume from an earlier step (remove {step_dir})")
+    return UpcyclerError(f"{step_dir}: cannot restore ({_first_line(err)}); the checkpoint does not match this "
+                         "model and optimiser; resume with the config it was written with")
+
+
+_STORE_STATUS = re.compile(r"(NOT_FOUND|FAILED_PRECONDITION|DATA_LOSS|OUT_OF_RANGE|UNKNOWN|INTERNAL|"
+                           r"UNAVAILABLE|PERMISSION_DENIED|ABORTED|RESOURCE_EXHAUSTED): ")
+
+
+def _innermost(err: BaseException) -> BaseException:
+    """The first cause of `err` (what tensorstore said, under the exceptions Orbax wraps it in)."""
+    seen = {id(err)}
+    while (err.__cause__ or err.__context__) is not None and id(err.__cause__ or err.__context__) not in seen:
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+        seen.add(id(err))
+    return err
 
 
 def lineage_step(config: TrainConfig, step: int, rewinds: Sequence[Mapping[str, Any]]) -> PretrainStep:
@@ -321,11 +390,22 @@ def lineage_step(config: TrainConfig, step: int, rewinds: Sequence[Mapping[str, 
     if config.model.init_from_merge:
         details["init_from_merge"] = config.model.init_from_merge
     return pretrain_step(
-        step, step * config.data.global_batch_size * config.data.seq_len,
-        data={"sources": list(config.data.source_names),
-              "phases": [{"until_step": p.until_step, "weights": dict(p.weights)} for p in config.data.phases]},
+        step, config.data.tokens_before(step),
+        data={"sources": list(config.data.source_names), "phases": _phases(config)},
         optimizer=optimizer, **details,
     )
+
+
+def _phases(config: TrainConfig) -> list[dict[str, Any]]:
+    """The data phases as the lineage records them: their end and weights, and their shape when it is
+    their own."""
+    data, out = config.data, []
+    for phase, (seq_len, batch) in zip(data.phases, data.shapes):
+        entry = {"until_step": phase.until_step, "weights": dict(phase.weights)}
+        if (seq_len, batch) != (data.seq_len, data.global_batch_size):
+            entry.update(seq_len=seq_len, global_batch_size=batch)
+        out.append(entry)
+    return out
 
 
 def _storage_failures() -> tuple[type[BaseException], ...]:

@@ -7,7 +7,9 @@ training sources' tokenizer and hold at least one example (seq_len + 1 tokens).
 Batches: the first `eval.batches` × `data.global_batch_size` examples of each source in stream order (cut
 as the training examples are, `upcycler.train.data.sources.Windows`, never shuffled), each process reading
 its own rows; a source with fewer examples is read whole, its last batch padded and masked. They are the
-same at every evaluation, on any process layout, before and after a resume.
+same at every evaluation, on any process layout, before and after a resume. With `eval.seq_len: phase`
+the rows have the length and the batch of the data phase in force at the evaluated step (the batches of
+each shape are read once, and the evaluation is compiled once per shape, when first due).
 
 The evaluation is its own compiled function of the parameters (not donated) and a batch: it never touches
 the train state, the data iterator or a random key, so turning it on leaves the training losses and
@@ -53,18 +55,29 @@ class HeldoutEval:
         self.model_cfg = config.model.run_config()
         directory = self.options.dir or config.data.dir
         self.names = list(self.options.sources or default_sources(directory, config.data.source_names))
-        rows = config.data.global_batch_size // process_count
-        lo, hi = process_index * rows, (process_index + 1) * rows
-        self.batches = {name: _source_batches(directory, name, config, tokenizer_sha256, lo, hi)
-                        for name in self.names}
-        self._compiled = None
+        self.data = config.data
+        shapes = sorted(set(self.data.shapes)) if self.options.seq_len == "phase" else [self.shape(0)]
+        self.batches = {shape: {name: _source_batches(directory, name, config, tokenizer_sha256, shape,
+                                                      process_index, process_count) for name in self.names}
+                        for shape in shapes}
+        self._compiled: dict[tuple[int, int], Any] = {}
 
     def due(self, step: int) -> bool:
         """Whether to evaluate after step `step` (0-based)."""
         return (step + 1) % self.options.every == 0 or step + 1 == self.steps
 
-    def compile(self, params: Any, mesh: Mesh, param_shardings: Any) -> None:
-        """Compile the evaluation for these parameters' layout (once per run; timed as program start-up)."""
+    def shape(self, step: int) -> tuple[int, int]:
+        """(seq_len, global_batch_size) of the batches evaluated after step `step`."""
+        if self.options.seq_len == "phase":
+            return self.data.shape_at(step)
+        return self.data.seq_len, self.data.global_batch_size
+
+    def compile(self, params: Any, mesh: Mesh, param_shardings: Any, step: int = 0) -> None:
+        """Compile the evaluation for these parameters' layout and the shape of `step`'s batches (once per
+        shape; timed as program start-up)."""
+        shape = self.shape(step)
+        if shape in self._compiled:
+            return
         spec, cfg = self.spec, self.model_cfg
 
         def evaluate(params, batch):
@@ -72,19 +85,22 @@ class HeldoutEval:
             _, metrics = loss_fn(weights, batch, spec=spec, cfg=cfg, loss=LossConfig(), num_sources=1)
             return metrics["source_loss"][0], metrics["source_tokens"][0]
 
-        first = global_batch(next(iter(self.batches.values()))[0], mesh)
+        first = global_batch(next(iter(self.batches[shape].values()))[0], mesh)
         jitted = jax.jit(evaluate, in_shardings=(param_shardings, batch_shardings(mesh)),
                          out_shardings=sharding.replicated(mesh))
         with jax.set_mesh(mesh):
-            self._compiled = jitted.lower(params, first).compile()
+            self._compiled[shape] = jitted.lower(params, first).compile()
 
-    def run(self, params: Any, mesh: Mesh) -> dict[str, float]:
-        """`eval/loss/<source>` and `eval/ppl/<source>` of `params` (compiled by `compile` first)."""
+    def run(self, params: Any, mesh: Mesh, step: int = 0) -> dict[str, float]:
+        """`eval/loss/<source>` and `eval/ppl/<source>` of `params` after step `step`, at that step's shape
+        (compiled by `compile` first)."""
         out: dict[str, float] = {}
-        for name, batches in self.batches.items():
+        shape = self.shape(step)
+        compiled = self._compiled[shape]
+        for name, batches in self.batches[shape].items():
             total, tokens = 0.0, 0.0
             for local in batches:
-                loss_sum, count = jax.device_get(self._compiled(params, global_batch(local, mesh)))
+                loss_sum, count = jax.device_get(compiled(params, global_batch(local, mesh)))
                 total += float(loss_sum)
                 tokens += float(count)
             loss = total / tokens
@@ -94,7 +110,8 @@ class HeldoutEval:
 
 
     def baseline(self, params: Any, mesh: Mesh) -> dict[str, float]:
-        """`run` on the starting parameters, named `eval_start/…` (before any step changed them)."""
+        """`run` on the starting parameters at step 0's shape, named `eval_start/…` (before any step changed
+        them)."""
         return {key.replace("eval/", "eval_start/", 1): value for key, value in self.run(params, mesh).items()}
 
 
@@ -108,7 +125,7 @@ class HeldoutEvaluation(Technique):
 
     def start(self, ctx: StepContext) -> None:
         with ctx.clock.timed("program_startup"):
-            self.heldout.compile(ctx.params, self.mesh, self.param_shardings)
+            self.heldout.compile(ctx.params, self.mesh, self.param_shardings, ctx.step)
         if ctx.step == 0:  # the starting point of every eval curve
             with ctx.clock.timed("eval"):
                 self._baseline = self.heldout.baseline(ctx.params, self.mesh)
@@ -117,8 +134,10 @@ class HeldoutEvaluation(Technique):
         if ctx.step == 0:
             ctx.record.update(self._baseline)
         if ctx.discarded is None and self.heldout.due(ctx.step):
+            with ctx.clock.timed("program_startup"):  # a shape not evaluated before: compiled now
+                self.heldout.compile(ctx.params, self.mesh, self.param_shardings, ctx.step)
             with ctx.clock.timed("eval"):
-                ctx.record.update(self.heldout.run(ctx.params, self.mesh))
+                ctx.record.update(self.heldout.run(ctx.params, self.mesh, ctx.step))
 
 
 def default_sources(directory: Any, training: tuple[str, ...]) -> list[str]:
@@ -137,13 +156,16 @@ def default_sources(directory: Any, training: tuple[str, ...]) -> list[str]:
 
 
 def _source_batches(directory: Any, name: str, config: TrainConfig, tokenizer_sha256: str,
-                    lo: int, hi: int) -> list[dict[str, np.ndarray]]:
-    """Rows [lo, hi) of the first `eval.batches` global batches of source `name` (see the module docstring)."""
+                    shape: tuple[int, int], process_index: int, process_count: int) -> list[dict[str, np.ndarray]]:
+    """This process's rows of the first `eval.batches` global batches of `shape` (seq_len, rows) of source
+    `name` (see the module docstring)."""
     source = open_source(directory, name)
     if source.tokenizer_sha256 != tokenizer_sha256:
         raise UpcyclerError(f"{shown_path(source.path)}: eval source {name!r} was tokenised with another tokenizer "
                             "than the training data; prepare it with the checkpoint's tokenizer")
-    seq_len, batch = config.data.seq_len, config.data.global_batch_size
+    seq_len, batch = shape
+    rows = batch // process_count
+    lo, hi = process_index * rows, (process_index + 1) * rows
     if source.tokens.shape[0] < seq_len + 1:
         raise UpcyclerError(f"{shown_path(source.path)}: eval source {name!r} has {source.tokens.shape[0]} tokens, "
                             f"fewer than seq_len + 1 = {seq_len + 1}; hold out more (prepare-data --heldout) or "

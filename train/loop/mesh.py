@@ -1,4 +1,4 @@
-"""Start JAX's multi-process runtime when configured, and build the (data, fsdp, expert) device mesh.
+"""Start JAX's multi-process runtime when configured, and build the (data, fsdp, context, expert) device mesh.
 
 Every host runs the same command. `distributed.coordinator` (host:port) turns on `jax.distributed`; the
 process count and this process's id come from the config, else from `JAX_NUM_PROCESSES` /
@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec
 from upcycler.train.config import DistributedConfig, MeshConfig
-from upcycler.train.loop import sharding
+from upcycler.train.loop import context_parallel, sharding
 
 _initialised = False
 
@@ -65,24 +65,32 @@ def build_mesh(
     count = len(devices)
     try:
         experts = spec.moe.num_experts if spec is not None and spec.moe is not None else 0
-        mesh = sharding.make_mesh(m.data, m.fsdp, m.expert, devices=devices, experts=experts)
+        mesh = sharding.make_mesh(m.data, m.fsdp, m.expert, devices=devices, experts=experts, context=m.context)
     except ValueError as err:
         raise UpcyclerError(
-            f"mesh {m.data}×{m.fsdp}×{m.expert} does not fit {count} devices ({err}); "
-            "make the sizes multiply to the device count or set one to -1"
+            f"mesh {m.data}×{m.fsdp}×{m.context}×{m.expert} (data×fsdp×context×expert) does not fit {count} "
+            f"devices ({err}); make the sizes multiply to the device count or set one to -1"
         ) from None
     sizes = sharding.mesh_sizes(mesh)
-    size = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+    context_parallel.check_length(seq_len, sizes["context"])
+    if _local_count(devices) % sizes["context"]:
+        raise UpcyclerError(
+            f"mesh.context {sizes['context']} spans more than one process's {_local_count(devices)} devices; "
+            f"a sequence's chunks must stay within one host: make mesh.context a divisor of "
+            f"{_local_count(devices)}"
+        )
+    size = sizes["data"] * sizes["fsdp"] * sizes["expert"]  # the devices that split the rows
     if global_batch_size % (size * microbatches):
         raise UpcyclerError(
             f"data.global_batch_size {global_batch_size} is not divisible by the mesh's {size} devices "
             f"({sizes}) × data.microbatches {microbatches}; make it a multiple of {size * microbatches}"
         )
     per_process = global_batch_size // jax.process_count()
-    if per_process % _local_count(devices):
+    row_devices = _local_count(devices) // sizes["context"]
+    if per_process % row_devices:
         raise UpcyclerError(
             f"data.global_batch_size {global_batch_size} gives {per_process} rows per process, not divisible "
-            f"by its {_local_count(devices)} devices; make it a multiple of {size}"
+            f"by its {row_devices} row groups of devices; make it a multiple of {size}"
         )
     if spec is not None and spec.moe is not None and spec.moe.num_experts % mesh.shape["expert"]:
         raise UpcyclerError(
@@ -95,7 +103,7 @@ def build_mesh(
             f"{m.expert} leaves it 1 of the {count} devices (nothing to exchange); give mesh.expert more "
             "devices (lower mesh.data or mesh.fsdp), or set model.moe_dispatch to gspmd"
         )
-    gathered = global_batch_size // (microbatches * sizes["data"] * sizes["fsdp"]) * seq_len
+    gathered = global_batch_size // (microbatches * sizes["data"] * sizes["fsdp"]) * seq_len // sizes["context"]
     if moe_chunks > 1 and gathered % moe_chunks:
         raise UpcyclerError(
             f"model.moe_chunks {moe_chunks} does not divide the {gathered} tokens each expert group gathers "

@@ -10,6 +10,7 @@ or `data.dir` (after resolving symlinks) is refused, so a run cannot write over 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,11 +95,13 @@ def prepare(config: TrainConfig, resume: bool) -> RunInputs:
     return RunInputs(init.spec, lineage, tokenizer.absolute(), config.model.init, merged)
 
 
-def check_spec_options(config: TrainConfig, spec: ModelSpec) -> None:
+def check_spec_options(config: TrainConfig, spec: ModelSpec, devices: Sequence[Any] | None = None) -> None:
     """The options that need an MoE model: refused for a dense one (they would silently do nothing), and
-    bias balancing, which needs a router with a selection bias to move. The trainer and
-    `upcycler.train.aot.compile` run this once the mesh is built (before a run directory exists), so the
-    mesh's own refusals (`model.moe_chunks` that do not divide the gathered tokens) come first."""
+    bias balancing, which needs a router with a selection bias to move; then the shapes of data phases
+    of their own length, on the mesh over `devices` (default: all) and within the model's positions
+    (`upcycler.train.loop.phases.check_shapes`). The trainer and `upcycler.train.aot.compile` run this
+    once the mesh is built (before a run directory exists), so the mesh's own refusals (`model.moe_chunks`
+    that do not divide the gathered tokens) come first."""
     if spec.moe is None:
         m = config.model
         for option, value, default in (("moe_dispatch", m.moe_dispatch, "gspmd"),
@@ -110,6 +113,9 @@ def check_spec_options(config: TrainConfig, spec: ModelSpec) -> None:
                     "an MoE checkpoint"
                 )
     _check_balancing(config, spec)
+    from upcycler.train.loop.phases import check_shapes  # brings in JAX: only once a mesh is built
+
+    check_shapes(config, spec, devices)
 
 
 def _check_balancing(config: TrainConfig, spec: ModelSpec) -> None:

@@ -3,10 +3,13 @@
 Every parameter carries logical axes (`upcycler.layout`, plus `layers` for the stacked layer axis of
 `upcycler.train.model.params`); activations are named with the `batch`/`seq`/`act_*` axes below. `RULES` maps
 each logical axis to the mesh axes it is split over, and everything else — parameter shardings, batch
-shardings, constraints inside the model — is derived from it. The mesh has three axes:
+shardings, constraints inside the model — is derived from it. The mesh has four axes:
 
     data     pure data parallelism (parameters replicated)
     fsdp     data parallelism with parameters, gradients and optimiser state split (ZeRO-3)
+    context  context parallelism: every sequence split along its length (`seq`), attention's keys and
+             values gathered whole (`kv_seq`; `upcycler.train.loop.context_parallel` orders the chunks);
+             parameters are split over it as over `fsdp`
     expert   expert parallelism: routed experts split over it; outside the experts it carries batch
 
 and for an MoE with fewer experts per expert group than FSDP devices (64 experts over 256 chips) a fourth,
@@ -39,42 +42,44 @@ from upcycler.spec import ModelSpec
 from upcycler.train.model import comm
 from upcycler.train.model.params import ParamInfo, Params, declare_tree
 
-MESH_AXES: tuple[str, ...] = ("data", "fsdp", "expert")  # every mesh has these
+MESH_AXES: tuple[str, ...] = ("data", "fsdp", "context", "expert")  # every mesh has these
 FSDP_OUTER = "fsdp_outer"  # the outer part of FSDP, present when the expert weights want it (see above)
 MeshAxes = str | tuple[str, ...] | None
 
 RULES: dict[str, MeshAxes] = {  # an axis the mesh does not have (`fsdp_outer`) is left out
     # parameters (axis names from upcycler.layout)
     "vocab": None,
-    "embed": (FSDP_OUTER, "fsdp"),
+    "embed": (FSDP_OUTER, "fsdp", "context"),
     "q_heads": None,
     "kv_heads": None,
     "mlp": None,
     "experts": ("expert", FSDP_OUTER),
     "expert_mlp": None,
-    "expert_embed": "fsdp",  # the model width of expert weights in kernel layout ([E, D, 2F], [E, F, D])
+    "expert_embed": ("fsdp", "context"),  # the model width of expert weights in kernel layout ([E, D, 2F], [E, F, D])
     "norm": None,
     "layers": None,
     # activations
     "batch": ("data", FSDP_OUTER, "fsdp", "expert"),
-    "seq": None,
+    "seq": "context",  # a sequence's tokens, split into chunks over the context devices
+    "kv_seq": None,  # the keys and values attention reads: the whole sequence on every context device
+    "tokens": ("data", FSDP_OUTER, "fsdp", "expert", "context"),  # [B·L] flattened: rows, then their chunks
     "act_embed": None,
     "act_vocab": None,
 }
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, expert: int = 1, devices: Sequence[Any] | None = None,
-              experts: int = 0) -> Mesh:
-    """A (data, fsdp, expert) mesh over `devices` (all by default); one size may be -1 (the rest).
+              experts: int = 0, context: int = 1) -> Mesh:
+    """A (data, fsdp, context, expert) mesh over `devices` (all by default); one size may be -1 (the rest).
 
     Over several slices a `data` of 1 with another axis at -1 (a one-slice layout, the default) becomes the
     slice count: data parallelism across slices, the -1 axis over each slice's devices. With `experts` (an
     MoE's routed expert count) whose share per expert group is below the FSDP size, FSDP is split into
     `fsdp_outer` × `fsdp` (`fsdp_split`), the same devices in the same order."""
     devices = list(jax.devices() if devices is None else devices)
-    if data == 1 and -1 in (fsdp, expert):
+    if data == 1 and -1 in (fsdp, context, expert):
         data = len({getattr(d, "slice_index", 0) for d in devices})
-    sizes = [data, fsdp, expert]
+    sizes = [data, fsdp, context, expert]
     if sizes.count(-1) > 1:
         raise ValueError("at most one mesh axis size may be -1")
     known = int(np.prod([s for s in sizes if s != -1]))
@@ -87,11 +92,11 @@ def make_mesh(data: int = 1, fsdp: int = -1, expert: int = 1, devices: Sequence[
             f"mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices, have {len(devices)}"
         )
     grid = device_grid(sizes, devices)
-    outer = fsdp_split(experts // sizes[2] if experts and experts % sizes[2] == 0 else 0, sizes[1])
+    outer = fsdp_split(experts // sizes[3] if experts and experts % sizes[3] == 0 else 0, sizes[1])
     if outer == 1:
         return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
-    axes = ("data", FSDP_OUTER, "fsdp", "expert")
-    grid = grid.reshape(sizes[0], outer, sizes[1] // outer, sizes[2])
+    axes = ("data", FSDP_OUTER, "fsdp", "context", "expert")
+    grid = grid.reshape(sizes[0], outer, sizes[1] // outer, *sizes[2:])
     return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
@@ -105,11 +110,11 @@ def fsdp_split(local_experts: int, fsdp: int) -> int:
 def mesh_sizes(mesh: Mesh) -> dict[str, int]:
     """The mesh as configured: data, fsdp (its outer and inner parts together) and expert sizes."""
     return {"data": mesh.shape["data"], "fsdp": mesh.shape["fsdp"] * dict(mesh.shape).get(FSDP_OUTER, 1),
-            "expert": mesh.shape["expert"]}
+            "context": mesh.shape["context"], "expert": mesh.shape["expert"]}
 
 
 def device_grid(sizes: Sequence[int], devices: Sequence[Any]) -> np.ndarray:
-    """`devices` laid out as a (data, fsdp, expert) grid of `sizes` that follows the hardware: on TPU,
+    """`devices` laid out as a (data, fsdp, context, expert) grid of `sizes` that follows the hardware: on TPU,
     neighbours along each axis are neighbours on the ICI torus (`mesh_utils.create_device_mesh`); over
     several slices (multislice), the `data` axis is split into an outer part across slices, over the
     data-center network, and an inner part within each slice (`create_hybrid_device_mesh`), so only the
@@ -122,7 +127,8 @@ def device_grid(sizes: Sequence[int], devices: Sequence[Any]) -> np.ndarray:
         if sizes[0] % slices:
             raise ValueError(f"mesh.data {sizes[0]} must be a multiple of the {slices} slices (data parallelism "
                              "spans them)")
-        return mesh_utils.create_hybrid_device_mesh([sizes[0] // slices, *sizes[1:]], [slices, 1, 1], devices,
+        return mesh_utils.create_hybrid_device_mesh([sizes[0] // slices, *sizes[1:]],
+                                                     [slices, *(1,) * (len(sizes) - 1)], devices,
                                                      allow_split_physical_axes=True)
     if devices[0].platform != "tpu":
         return np.asarray(devices, dtype=object).reshape(sizes)
@@ -185,8 +191,9 @@ def param_shardings(spec: ModelSpec, mesh: Mesh) -> Params:
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-    """Sharding of a `[B, L, ...]` batch array: batch split over data × fsdp × expert."""
-    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1), mesh=mesh))
+    """Sharding of a `[B, L, ...]` batch array: rows split over data × fsdp × expert, the length `L` (when
+    `ndim` ≥ 2) over context."""
+    return NamedSharding(mesh, logical_to_spec(("batch", "seq")[:ndim] + (None,) * (ndim - 2), mesh=mesh))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -207,6 +214,12 @@ def active_mesh() -> Any | None:
     if mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
         return None
     return mesh
+
+
+def context_degree() -> int:
+    """How many devices split each sequence on the active mesh (`context`; 1 without a mesh)."""
+    mesh = active_mesh()
+    return 1 if mesh is None else dict(mesh.shape).get("context", 1)
 
 
 def per_device(
@@ -279,4 +292,4 @@ class MeshPlacement:
         return per_device(fn, args, axes, gathered, keep_local=keep_local, grad_comm=grad_comm)
 
 
-PLACEMENT = MeshPlacement(expert_axis=MESH_AXES[2])
+PLACEMENT = MeshPlacement(expert_axis="expert")

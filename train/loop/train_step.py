@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from upcycler.spec import ModelSpec
 from upcycler.train import model as model_lib
 from upcycler.train.config import LossConfig, OptimizerConfig
-from upcycler.train.loop import sharding
+from upcycler.train.loop import context_parallel, sharding
 from upcycler.train.loop.optim import (
     Schedule,
     grad_norm,
@@ -123,13 +123,20 @@ def token_nll(
 
     @jax.checkpoint
     def block(args: tuple[jax.Array, jax.Array]) -> jax.Array:
-        hidden_BcD, targets_Bc = args
-        return cross_entropy(model_lib.unembed(whole, hidden_BcD, spec), targets_Bc)
+        hidden_BcCD, targets_BcC = args  # one chunk of each of the c devices' blocks
+        rows, c = targets_BcC.shape[:2]
+        logits = model_lib.unembed(whole, hidden_BcCD.reshape(rows, c * chunk, D), spec)
+        return cross_entropy(logits, targets_BcC.reshape(rows, c * chunk)).reshape(rows, c, chunk)
 
-    hidden_nBcD = jnp.moveaxis(hidden_BLD.reshape(B, n, chunk, D), 1, 0)
-    targets_nBc = jnp.moveaxis(targets_BL.reshape(B, n, chunk), 1, 0)
-    nll_nBc = jax.lax.map(block, (hidden_nBcD, targets_nBc))
-    return jnp.moveaxis(nll_nBc, 0, 1).reshape(B, L)
+    # a sequence split over c context devices holds n/c blocks on each: the blocks are walked as n/c
+    # steps over [B, c, chunk] so each step reads every device's own block, never a gathered sequence
+    c = sharding.context_degree()
+    c = c if n % c == 0 else 1
+    hidden_mBcCD = jnp.moveaxis(hidden_BLD.reshape(B, c, n // c, chunk, D), 2, 0)
+    targets_mBcC = jnp.moveaxis(targets_BL.reshape(B, c, n // c, chunk), 2, 0)
+    hidden_mBcCD = sharding.constrain(hidden_mBcCD, (None, "batch", "seq", None, None))
+    nll_mBcC = jax.lax.map(block, (hidden_mBcCD, targets_mBcC))
+    return jnp.moveaxis(nll_mBcC, 0, 2).reshape(B, L)
 
 
 def loss_fn(
@@ -150,7 +157,8 @@ def loss_fn(
     microbatches add up to the step's (the cross-entropy and z-loss exactly those of one batch; the
     load-balancing loss a token-weighted mean of the microbatches' own).
     """
-    hidden_BLD, aux = model_lib.hidden_states(params, batch["inputs"], spec, cfg, placement=sharding.PLACEMENT)
+    hidden_BLD, aux = model_lib.hidden_states(params, batch["inputs"], spec, cfg, placement=sharding.PLACEMENT,
+                                              token_index_BL=held_order(batch["inputs"].shape))
     mask_BL = batch["mask"].astype(jnp.float32)
     nll_BL = token_nll(params, hidden_BLD, batch["targets"], spec, loss.ce_chunk) * mask_BL
     tokens = mask_BL.sum()
@@ -173,6 +181,15 @@ def loss_fn(
                        router_entropy=share * terms["router_entropy"])
     metrics["total_loss"] = total
     return total, metrics
+
+
+def held_order(shape: tuple[int, ...]) -> jax.Array | None:
+    """Each token's index in its sequence as the batch holds it ([B, L]): context parallelism's balanced
+    order on a mesh that splits sequences (`global_batch` put them so), else None (sequence order)."""
+    degree = sharding.context_degree()
+    if degree == 1:
+        return None
+    return jnp.broadcast_to(jnp.asarray(context_parallel.balanced_order(shape[1], degree)), shape)
 
 
 def make_train_step(
@@ -235,7 +252,7 @@ def split_microbatches(batch: Batch, microbatches: int) -> Batch:
     def split(x: jax.Array) -> jax.Array:
         x = x.reshape(x.shape[0] // microbatches, microbatches, *x.shape[1:])
         x = jnp.swapaxes(x, 0, 1)
-        return sharding.constrain(x, (None, "batch") + (None,) * (x.ndim - 2))
+        return sharding.constrain(x, (None, "batch", "seq")[: x.ndim] + (None,) * (x.ndim - 3))
 
     return {k: split(v) for k, v in batch.items()}
 
@@ -323,6 +340,8 @@ def compile_step(step: Callable, state_shardings: TrainState, mesh: Mesh, state:
 
 
 def global_batch(local: dict[str, Any], mesh: Mesh) -> Batch:
-    """This process's rows (numpy) as global arrays sharded over the mesh."""
+    """This process's rows (numpy) as global arrays sharded over the mesh; with `mesh.context` > 1 each
+    sequence in context parallelism's balanced order first (`held_order` tells the model)."""
     shardings = batch_shardings(mesh)
+    local = context_parallel.to_device_order({k: local[k] for k in BATCH_KEYS}, sharding.mesh_sizes(mesh)["context"])
     return {k: jax.make_array_from_process_local_data(shardings[k], local[k]) for k in BATCH_KEYS}

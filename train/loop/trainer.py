@@ -16,6 +16,7 @@ Guarantees:
 - SIGTERM on any process stops every process after one same step (`techniques.preemption`), saves that
   step and returns `RunResult(preempted=True)` (the CLI then exits with `PREEMPTED_EXIT_STATUS`);
 - with several processes, run_dir must be one directory they all see (`run_dir.refuse_unshared`);
+- one run at a time per run_dir: a second run on it is refused, naming the first (`run_dir.lock_run_dir`);
 - what is watched during the run (metrics.jsonl and the `metrics.writers`, goodput, MFU, held-out
   evaluation, a profile) never changes what is trained: the losses and parameters are the same bit for
   bit with any of them on or off.
@@ -43,16 +44,15 @@ from upcycler.train.config import TrainConfig
 from upcycler.train.data.mix import DataIterator, make_data_iterator
 from upcycler.train.loop import checkpointing as ckpt
 from upcycler.train.loop import mesh as mesh_lib
-from upcycler.train.loop import train_step
+from upcycler.train.loop import phases, train_step
 from upcycler.train.loop.heldout_eval import HeldoutEval, HeldoutEvaluation
 from upcycler.train.loop.preflight import RunInputs, check_spec_options, prepare
 from upcycler.train.loop.profiling import ProfileWindow
 from upcycler.train.loop.remote_inputs import localized
 from upcycler.train.loop.rewind import rewound_state
-from upcycler.train.loop.run_dir import make_run_dir
-from upcycler.train.loop.train_step import TrainState, compile_step, global_batch, make_train_step
+from upcycler.train.loop.run_dir import lock_run_dir, make_run_dir
+from upcycler.train.loop.train_step import TrainState, global_batch, make_train_step
 from upcycler.train.model.params import from_tensors
-from upcycler.train.reporting.flops import flops_per_token
 from upcycler.train.reporting.goodput import RunClock, stamp
 from upcycler.train.reporting.metrics_log import MetricsLog, step_record
 from upcycler.train.reporting.peak import peak_per_device
@@ -91,21 +91,26 @@ def train(config: TrainConfig, *, resume: bool = False, checked: RunInputs | Non
                                    moe_dispatch=config.model.moe_dispatch)
         check_spec_options(config, checked.spec)  # MoE options on a dense model: before the run directory
     data = make_data_iterator(config.data, jax.process_index(), jax.process_count())
-    run = None
+    run, held = None, None
     try:
         heldout = None
         if config.eval is not None:  # its sources are checked before the run directory is made
             heldout = HeldoutEval(config, checked.spec, data.tokenizer_sha256, jax.process_index(),
                                   jax.process_count())
+        held = lock_run_dir(config, resume=resume)  # one run at a time, until its last save is done
         make_run_dir(config)
         run = _Run(config, checked, mesh, data, clock, heldout)
         with clock.timed("checkpoint_restore" if resume else "training_prep"):
             state = run.resumed_state() if resume else run.initial_state()
         return run.loop(state)
     finally:
-        if run is not None:
-            run.ckpts.close()
-        data.close()
+        try:
+            if run is not None:
+                run.ckpts.close()
+            data.close()
+        finally:
+            if held is not None:
+                held.close()
 
 
 class _Run:
@@ -157,7 +162,7 @@ class _Run:
         ckpt.restore_techniques(self.techniques, saved.meta, self.ckpts.step_dir(step))
         # the steps before this run's (a merge it started from, say), as the checkpoint recorded them
         self.ckpts.lineage = [dict(x) for x in saved.meta["lineage"][:-1]]
-        self.data.set_state(saved.data)
+        ckpt.restore_data(self.data, saved.data, self.ckpts.step_dir(step))
         return TrainState(jnp.asarray(step, jnp.int32), saved.params, saved.opt_state, saved.ema)
 
     def loop(self, state: TrainState) -> RunResult:
@@ -165,13 +170,10 @@ class _Run:
         config, primary, clock = self.config, jax.process_index() == 0, self.clock
         start = step = int(state.step)
         sources = self.data.source_names
-        step_fn = make_train_step(
+        steps = phases.CompiledSteps(make_train_step(  # compiled once per data phase shape
             self.spec, config.model.run_config(), config.loss, self.layout.tx, self.layout.schedule,
             len(sources), microbatches=config.data.microbatches, trainable=self.layout.trainable,
-            ema_decay=config.optimizer.ema,
-        )
-        batch_tokens = config.data.global_batch_size * config.data.seq_len
-        flops = flops_per_token(self.spec, config.data.seq_len) * batch_tokens
+            ema_decay=config.optimizer.ema), self.state_shardings, self.mesh)
         with clock.timed("initialization"):
             peak = peak_per_device(config.metrics.peak_flops, jax.devices())
         log = RecordSinks(MetricsLog(config.run_dir, enabled=primary, start_step=start))
@@ -180,7 +182,6 @@ class _Run:
         progress.note(f"{mesh_lib.describe(self.mesh)}; starting at step {start}; {peak.describe()}")
         techniques = [*self.techniques, Preemption()]  # SIGTERM is heard from here until `close`
         last = self.ckpts.step_dir(start) if start else None
-        compiled = None
         try:
             if primary:
                 log.writers = open_writers(config.metrics, config.run_dir, start_step=start,
@@ -192,17 +193,16 @@ class _Run:
                 with clock.timed("data_loading"):
                     batch = global_batch(next(self.data), self.mesh)
                 data_wait = time.perf_counter() - t_data
-                if compiled is None:
-                    with clock.timed("program_startup"):
-                        compiled = compile_step(step_fn, self.state_shardings, self.mesh, state, batch)
+                if steps.compile(state, batch, clock) == 1:  # the run's first compile: techniques start
                     ctx.params = state.params
                     walk(techniques, "start", ctx)
                 t0 = time.perf_counter()
-                state, raw = compiled(state, batch)
+                state, raw = steps.for_batch(batch)(state, batch)
                 ctx.raw = raw = jax.device_get(raw)
                 elapsed = time.perf_counter() - t0
                 clock.add("productive", elapsed)
                 self.last_lr = float(raw["lr"])  # the schedule's value at this step, for the checkpoint's meta
+                batch_tokens, flops = phases.step_size(self.spec, config.data, step)
                 ctx.params, ctx.record = state.params, step_record(
                     step, raw, sources=sources, step_time=elapsed, batch_tokens=batch_tokens,
                     flops_per_step=flops, peak_flops=peak.flops, num_devices=jax.device_count())
@@ -238,7 +238,7 @@ class _Run:
     def _save(self, state: TrainState, step: int, progress: Progress) -> Path:
         """Save `state` as step `step`, with its lineage and meta (tokens seen, lr, the techniques' states)."""
         config = self.config
-        tokens = step * config.data.global_batch_size * config.data.seq_len
+        tokens = config.data.tokens_before(step)
         meta = {"tokens_seen": tokens, "lr": self.last_lr, **ckpt.techniques_meta(self.techniques)}
         lineage = ckpt.lineage_step(config, step, meta.get("rewinds", []))
         self.ckpts.save(step, state.params, state.opt_state, self.data.get_state(), lineage, ema=state.ema,

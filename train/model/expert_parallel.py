@@ -43,8 +43,8 @@ from upcycler.train.model import comm, moe
 from upcycler.train.model.gmm import gmm, target_platform
 from upcycler.train.model.placement import ONE_DEVICE, Placement
 
-TOKEN_AXES = ("batch", "act_embed")  # [T, D]: tokens of the batch rows, flattened
-ROUTING_AXES = ("batch", None)
+TOKEN_AXES = ("tokens", "act_embed")  # [T, D]: the batch rows' tokens, flattened (rows, then sequence chunks)
+ROUTING_AXES = ("tokens", None)
 WEIGHT_AXES = (("experts", "expert_embed", "expert_mlp"), ("experts", "expert_mlp", "expert_embed"))
 Transport = Literal["padded", "ragged", "ragged_emulated"]
 

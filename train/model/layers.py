@@ -121,24 +121,33 @@ def apply_rope(x_BLNh: jax.Array, cos_BLR: jax.Array, sin_BLR: jax.Array) -> jax
 
 
 # --- masks and attention -----------------------------------------------------------------------------
-def attention_mask(segment_ids_BL: jax.Array | None, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
-    """(visible_BLS, distance_LS): causal ∧ same segment, and query index − key index for sliding windows.
+def attention_mask(segment_ids_BL: jax.Array | None, batch: int, length: int,
+                   token_index_BL: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(visible_BLS, distance): causal ∧ same segment, and query index − key index for sliding windows.
 
     Segment ids mark packed documents (and padding, with its own id); a token sees only earlier tokens of
-    its own segment, and always itself, so no row is empty.
+    its own segment, and always itself, so no row is empty. `token_index_BL` gives each token's index in
+    its sequence when the tokens are held in another order (context parallelism's balanced chunks): the
+    masks follow those indices, so the same keys are visible, and the distance is [B, L, S]; without it
+    tokens are in sequence order and the distance is [L, S].
     """
-    idx = jnp.arange(length)
-    distance_LS = idx[:, None] - idx[None, :]
-    visible_BLS = jnp.broadcast_to(distance_LS >= 0, (batch, length, length))
+    if token_index_BL is None:
+        idx = jnp.arange(length)
+        distance = idx[:, None] - idx[None, :]
+        visible_BLS = jnp.broadcast_to(distance >= 0, (batch, length, length))
+    else:
+        distance = token_index_BL[:, :, None] - token_index_BL[:, None, :]
+        visible_BLS = distance >= 0
     if segment_ids_BL is not None:
         visible_BLS = visible_BLS & (segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :])
-    return visible_BLS, distance_LS
+    return visible_BLS, distance
 
 
-def window_mask(visible_BLS: jax.Array, distance_LS: jax.Array, window: jax.Array) -> jax.Array:
-    """Restrict to keys less than `window` positions back; `window` ≤ 0 means no window."""
-    inside_LS = (window <= 0) | (distance_LS < window)
-    return visible_BLS & inside_LS
+def window_mask(visible_BLS: jax.Array, distance: jax.Array, window: jax.Array) -> jax.Array:
+    """Restrict to keys less than `window` positions back (`distance` [L, S] or [B, L, S]); `window` ≤ 0
+    means no window."""
+    inside = (window <= 0) | (distance < window)
+    return visible_BLS & inside
 
 
 def attention(

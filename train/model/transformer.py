@@ -44,6 +44,8 @@ from upcycler.train.model.params import (
 from upcycler.train.model.placement import ONE_DEVICE, Placement
 
 ACTIVATION_AXES = ("batch", "seq", "act_embed")
+KV_AXES = ("batch", "kv_seq", None, None)  # keys and values [B, S, K, h]: every query's keys, the whole sequence
+MASK_AXES = ("batch", "seq", "kv_seq")
 
 
 @jax.tree_util.register_dataclass
@@ -66,10 +68,11 @@ class _Context(NamedTuple):
     cos_BLR: jax.Array
     sin_BLR: jax.Array
     visible_BLS: jax.Array
-    distance_LS: jax.Array
-    causal_only: bool  # no segments: plain causal attention unless a layer has a window
+    distance: jax.Array  # query index − key index: [L, S], or [B, L, S] for tokens out of sequence order
+    causal_only: bool  # tokens in order, no segments: plain causal attention unless a layer has a window
     segment_ids_BL: jax.Array | None  # the packed documents (None: one per row), for attention kernels
     placement: Placement  # where activations live on the devices (`placement.py`)
+    token_index_BL: jax.Array | None  # each token's index in its sequence (None: tokens in order)
 
 
 def forward(
@@ -80,18 +83,23 @@ def forward(
     *,
     segment_ids_BL: jax.Array | None = None,
     positions_BL: jax.Array | None = None,
+    token_index_BL: jax.Array | None = None,
     placement: Placement = ONE_DEVICE,
 ) -> tuple[jax.Array, Aux]:
     """Next-token logits [B, L, V] in fp32, and the router outputs of the MoE layers.
 
     `segment_ids_BL` (optional) confines attention to tokens of the same segment (packed documents; give
-    padding its own id); `positions_BL` (optional, default 0..L-1) are the RoPE positions, e.g. restarting
-    at every packed document. `placement` lays the computation out over the active mesh (given by the
-    caller that built the mesh; the logits are the same with any placement).
+    padding its own id); `positions_BL` (optional, default `token_index_BL`) are the RoPE positions, e.g.
+    restarting at every packed document. `token_index_BL` (optional, default 0..L-1) is each token's index
+    in its sequence when the tokens come in another order (context parallelism's balanced chunks,
+    `upcycler.train.loop.context_parallel`): attention's causal and window masks follow it, so every
+    token's logits are those it has in sequence order. `placement` lays the computation out over the
+    active mesh (given by the caller that built the mesh; the logits are the same with any placement).
     """
     params = weights_for_compute(params, spec, cfg)
     hidden_BLD, aux = hidden_states(
-        params, ids_BL, spec, cfg, segment_ids_BL=segment_ids_BL, positions_BL=positions_BL, placement=placement
+        params, ids_BL, spec, cfg, segment_ids_BL=segment_ids_BL, positions_BL=positions_BL,
+        token_index_BL=token_index_BL, placement=placement,
     )
     return unembed(params, hidden_BLD, spec), aux
 
@@ -139,11 +147,12 @@ def hidden_states(
     *,
     segment_ids_BL: jax.Array | None = None,
     positions_BL: jax.Array | None = None,
+    token_index_BL: jax.Array | None = None,
     placement: Placement = ONE_DEVICE,
 ) -> tuple[jax.Array, Aux]:
     """The final-normed hidden states [B, L, D] (compute dtype) and the router outputs; see `forward`."""
     B, L = ids_BL.shape
-    ctx = _context(spec, B, L, segment_ids_BL, positions_BL, placement)
+    ctx = _context(spec, B, L, segment_ids_BL, positions_BL, placement, token_index_BL)
     x_BLD = jnp.take(params["embed"], ids_BL, axis=0).astype(jnp.dtype(cfg.compute_dtype))
     logits, ids = [], []
     for span in layer_spans(spec):
@@ -156,13 +165,17 @@ def hidden_states(
 
 
 def _context(spec: ModelSpec, B: int, L: int, segment_ids_BL: jax.Array | None,
-             positions_BL: jax.Array | None, placement: Placement = ONE_DEVICE) -> _Context:
+             positions_BL: jax.Array | None, placement: Placement = ONE_DEVICE,
+             token_index_BL: jax.Array | None = None) -> _Context:
     if positions_BL is None:
-        positions_BL = jnp.broadcast_to(jnp.arange(L), (B, L))
+        positions_BL = jnp.broadcast_to(jnp.arange(L), (B, L)) if token_index_BL is None else token_index_BL
     inv_freq, factor = nn.rope_frequencies(spec)
     cos_BLR, sin_BLR = nn.rope_tables(positions_BL, inv_freq, factor)
-    visible_BLS, distance_LS = nn.attention_mask(segment_ids_BL, B, L)
-    return _Context(cos_BLR, sin_BLR, visible_BLS, distance_LS, segment_ids_BL is None, segment_ids_BL, placement)
+    visible_BLS, distance = nn.attention_mask(segment_ids_BL, B, L, token_index_BL)
+    visible_BLS = placement.constrain(visible_BLS, MASK_AXES)
+    in_order = token_index_BL is None
+    return _Context(cos_BLR, sin_BLR, visible_BLS, distance, segment_ids_BL is None and in_order, segment_ids_BL,
+                    placement, token_index_BL)
 
 
 def one_layer(x_BLD: jax.Array, p: Params, spec: ModelSpec, cfg: ModelConfig, *, kind: str, window: int) -> jax.Array:
@@ -224,7 +237,7 @@ def _attention_block(x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig, ctx: _
     is one of `windows`, the sliding windows of the layers run with this one (0: full attention)."""
     x_BLD = ctx.placement.constrain(x_BLD, ACTIVATION_AXES)
     if any(windows):
-        visible_BLS = nn.window_mask(ctx.visible_BLS, ctx.distance_LS, window)
+        visible_BLS = nn.window_mask(ctx.visible_BLS, ctx.distance, window)
     else:
         visible_BLS = None if ctx.causal_only else ctx.visible_BLS
     if cfg.attention == "flexprefill":
@@ -233,8 +246,11 @@ def _attention_block(x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig, ctx: _
     q_BLHh, k_BLKh, v_BLKh = _qkv(x_BLD, p, spec, ctx)
     if cfg.attention == "splash":
         out_BLHh = splash.attention(q_BLHh, k_BLKh, v_BLKh, segment_ids_BL=ctx.segment_ids_BL, window=window,
-                                    windows=windows, placement=ctx.placement)
+                                    windows=windows, placement=ctx.placement, token_index_BL=ctx.token_index_BL)
     else:
+        # split along the sequence (context parallelism), the queries stay local and the keys and values
+        # are gathered whole; on one device or an unsplit sequence these constraints move nothing
+        k_BLKh, v_BLKh = (ctx.placement.constrain(a, KV_AXES) for a in (k_BLKh, v_BLKh))
         out_BLHh = nn.attention(q_BLHh, k_BLKh, v_BLKh, visible_BLS, impl=cfg.attention, chunk=cfg.attention_chunk)
     return _attention_residual(x_BLD, checkpoint_name(out_BLHh, remat.CONTEXT), p, spec)
 
@@ -286,7 +302,7 @@ def attention_of(q_BLHh: jax.Array, k_BLKh: jax.Array, v_BLKh: jax.Array, spec: 
     (positions 0..L−1, causal, within `window` when it is not 0), as the layer computes it."""
     B, L = q_BLHh.shape[:2]
     ctx = _context(spec, B, L, None, None)
-    visible_BLS = nn.window_mask(ctx.visible_BLS, ctx.distance_LS, window) if window else None
+    visible_BLS = nn.window_mask(ctx.visible_BLS, ctx.distance, window) if window else None
     q_BLHh, k_BLKh = nn.apply_rope(q_BLHh, ctx.cos_BLR, ctx.sin_BLR), nn.apply_rope(k_BLKh, ctx.cos_BLR, ctx.sin_BLR)
     return nn.attention(q_BLHh, k_BLKh, v_BLKh, visible_BLS, impl="einsum", chunk=0)
 

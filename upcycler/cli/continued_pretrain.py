@@ -120,10 +120,13 @@ so a scheduler can restart it (a JobSet/Kubernetes podFailurePolicy on exit code
 @click.option("--plan-microbatches", metavar="N1,N2,...", help="With --plan: only these microbatch counts.")
 @click.option("--plan-dispatch", metavar="D1,D2,...",
               help="With --plan: only these MoE dispatches (default gspmd,all_gather; all_to_all on request).")
+@click.option("--plan-context", metavar="C1,C2,...",
+              help="With --plan: only these context degrees (mesh.context; default 1,2,4,8,16 from the "
+                   "config's up, the smallest that fits first).")
 def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_only: bool, topology: str | None,
             slices: int | None, hbm_budget: str | None, save_bandwidth: str | None, as_json: bool,
             plan_out: Path | None, plan_margin: str, plan_remat: str | None, plan_microbatches: str | None,
-            plan_dispatch: str | None, **flags: Any) -> None:
+            plan_dispatch: str | None, plan_context: str | None, **flags: Any) -> None:
     """Continue pretraining a dense or upcycled MoE checkpoint on prepared data; checkpoints go to run_dir."""
     keys = _flags()
     config = load_config(config_path, {keys[name]: value for name, value in flags.items()}, sets)
@@ -135,7 +138,8 @@ def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_
     if plan_out is not None:
         narrow = {"policies": _listed(plan_remat, "--plan-remat", REMAT_POLICIES),
                   "microbatches": _listed(plan_microbatches, "--plan-microbatches", None),
-                  "dispatch": _listed(plan_dispatch, "--plan-dispatch", MOE_DISPATCHES)}
+                  "dispatch": _listed(plan_dispatch, "--plan-dispatch", MOE_DISPATCHES),
+                  "contexts": _listed(plan_context, "--plan-context", None)}
         _plan(config, compile_only, topology, plan_out, plan_margin, as_json,
               {k: v for k, v in narrow.items() if v is not None})
         return
@@ -186,8 +190,9 @@ def _plan(config: TrainConfig, compile_only: bool, topology: str | None, out: Pa
     parse_slice(topology)
     margin_bytes = parse_size(margin, "--plan-margin", most=MAX_HBM_BUDGET)
     from upcycler.train.aot.plan import configured, plan
+    from upcycler.train.loop.phases import at_longest
 
-    found = plan(config, topology, margin=margin_bytes, cache=Path.home() / ".cache" / "upcycler" / "plan",
+    found = plan(at_longest(config), topology, margin=margin_bytes, cache=Path.home() / ".cache" / "upcycler" / "plan",
                  log=lambda line: click.echo(line, err=True), **narrow)
     click.echo(found.to_json() if as_json else found.to_text())
     if found.best is None:

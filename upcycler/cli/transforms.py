@@ -3,7 +3,9 @@
 The options of each transform command are generated from the fields of its config dataclass (type,
 default, choices and help come from the field), plus the output options every writing command shares
 (`--to`, `--family`, `--dtype`, `--shard-size`, `--overwrite`) and `--dry-run` / `--json`. A command is a
-one-step recipe, so it runs exactly like `upcycle run` and records the same lineage.
+one-step recipe, so it runs exactly like `upcycle run` and records the same lineage. A `context` step that
+changes the RoPE is measured after the write: KL and top-1 agreement against the source within the length
+it was trained at (`rope_shift`).
 """
 
 from __future__ import annotations
@@ -181,11 +183,14 @@ def finish(p: Plan, *, dry_run: bool, as_json: bool, overwrite: bool, no_verify:
                                                                       " + ".join(s.name for s in p.steps)))
     out = execute(p, overwrite=overwrite, check=check)
     routing = initial_routing(p, out)
+    moved = rope_shift(p, out, skipped="--no-verify" if no_verify else "")
     if not as_json:
         for step in p.steps:
             for note in step.notes:
                 click.echo(f"{'note' if note.exact else 'warning'}: {step.name}: {note.text}", err=True)
         echo_verification(out, skipped)
+        if moved:
+            click.echo(format_shift(moved), err=True)
         if routing:
             from upcycler.train.evaluation.calibration import format_shares
 
@@ -197,6 +202,7 @@ def finish(p: Plan, *, dry_run: bool, as_json: bool, overwrite: bool, no_verify:
         record = read_manifest(out).extra.get("verification")
         extra = {"initial_routing": {"sources": list(routing[1]), "per_layer": routing[0].round(4).tolist()}} \
             if routing else {}
+        extra.update({"shift": moved} if moved else {})
         click.echo(json.dumps({**p.to_json(), "written": str(out), "verification": record or {"skipped": skipped},
                                **extra}, indent=2))
         return
@@ -264,6 +270,37 @@ def initial_routing(p: Plan, out: Path) -> tuple[np.ndarray, list[str]] | None:
     shares = routing_shares(read_checkpoint(out), Path(c["calibration"]), names, recorded["expert_sources"],
                             c["calibration_sequences"] or CENTROID_SEQUENCES, c["calibration_length"])
     return shares, names
+
+
+def rope_shift(p: Plan, out: Path, skipped: str = "") -> dict | None:
+    """For a plan with a `context` step that changed the RoPE: how far the written model moved from the source
+    within the length the source was trained at (`upcycler.verify.shift`), or why that was not measured
+    (`skipped`, e.g. --no-verify); None for any other plan."""
+    step = next((e for e in p.ckpt.lineage if e.get("step") == "context" and not e.get("function_preserving")),
+                None)
+    if step is None:
+        return None
+    from upcycler.errors import UpcyclerError
+    from upcycler.verify import shift
+
+    within = min(step["rope_before"]["max_position_embeddings"], p.ckpt.spec.max_position_embeddings)
+    if skipped:
+        return {"within": within, "not_measured": skipped}
+    try:
+        return {"within": within, **shift(p.recipe.source, out, within=within)}
+    except UpcyclerError as err:  # the output is written: say why it could not be measured, do not fail
+        return {"within": within, "not_measured": str(err)}
+
+
+def format_shift(moved: dict) -> str:
+    """The line `rope_shift` prints on stderr."""
+    head = f"RoPE changed: not function-preserving at any length; within the original {moved['within']:,} positions"
+    if "not_measured" in moved:
+        return f"{head}, not measured: {moved['not_measured']}"
+    probe = moved["probe"]
+    return (f"{head}, against the source on {probe['batch']} × {probe['tokens']} probe tokens: "
+            f"KL {moved['kl_mean']:.3e} mean ({moved['kl_max']:.3e} max), top-1 agreement "
+            f"{moved['top1_agreement']:.2%}")
 
 
 def transform_command(t: Transform) -> click.Command:

@@ -82,7 +82,7 @@ class Family:
     family never changes a transform: `default_router`, `shared_experts`, `routed_scaling` and
     `auto_rank` say how `dense-to-moe` builds an MoE for it; `neutral_qkv_bias` and `neutral_router_bias`
     name the function-neutral zero tensors `conform` adds when writing it, and `ties_embeddings` whether a
-    tied output head is written as a copy instead.
+    tied output head is written as a copy instead; `rope_scalings` which RoPE scalings `context` may write.
     """
 
     name: str
@@ -107,6 +107,9 @@ class Family:
     # Glm4MoeForCausalLM always builds its own lm_head)
     ties_embeddings: bool = True
     partial_rotary: bool = False  # whether the config can say that rope turns only part of each head
+    # the `rope_scaling` types (rope_type) that both transformers (`ROPE_INIT_FUNCTIONS`, through the
+    # family's rotary embedding) and vLLM (`get_rope`) load for this family
+    rope_scalings: tuple[str, ...] = ("linear", "dynamic", "yarn", "longrope", "llama3")
 
     def read_config(self, cfg: dict[str, Any]) -> ModelSpec:
         """The spec a config.json of this family describes (its fields checked; see the module doc)."""

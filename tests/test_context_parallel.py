@@ -1,0 +1,94 @@
+"""Context parallelism: every sequence split along its length over `mesh.context` devices.
+
+The equality checks run once in a child process on 8 fake CPU devices (`context_parallel_checks.py`):
+context 4 × FSDP 2 (and context 4 × expert 2, context 2 × FSDP 4 for the splash kernel) against one
+device, for a dense model, sliding-window layers, the MoE's dropless and expert-parallel dispatches,
+packed documents, and the splash kernel in the interpreter. The balanced order itself is tested here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from upcycler.errors import UpcyclerError
+from upcycler.train.loop import context_parallel
+
+HERE = Path(__file__).parent
+GRAD_TOLERANCE = 1e-5  # fp32: the same sums in another order
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(HERE / "context_parallel_checks.py")], env=env, capture_output=True,
+                         check=False,
+                         text=True, timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", ["dense", "dense_sliding_window", "dense_dot_product", "moe_dropless",
+                                  "moe_expert_parallel", "splash_sliding_window"])
+def test_split_sequences_equal_one_device(measured, case):
+    got = measured[case]
+    one, split = got["loss"]
+    assert abs(one - split) <= 1e-6 * abs(one)
+    assert got["grad_rel_error"] <= GRAD_TOLERANCE, got
+    assert got["grads"] >= 9  # every parameter compared, not a subset
+    for name, (a, b) in got["metrics"].items():
+        assert abs(a - b) <= 1e-5 * max(abs(a), 1e-6), (name, a, b)
+    assert all(got["integer_equal"].values()), got["integer_equal"]
+    assert got["input_spec"][1] == "context", got  # the sequence really is split
+
+
+def test_moe_cases_compare_the_expert_counts(measured):
+    assert set(measured["moe_dropless"]["integer_equal"]) == {"expert_counts", "expert_counts_by_source"}
+    assert measured["moe_expert_parallel"]["mesh"]["expert"] == 2
+
+
+def test_packed_documents_stay_apart_on_a_split_sequence(measured):
+    got = measured["packed"]
+    assert got["rel_error"] <= 1e-5
+    assert got["second_document_differs_without_segments"] > 1e-3  # the segments matter to this case
+
+
+@pytest.mark.parametrize("degree", [2, 4, 8])
+def test_balanced_order_gives_each_device_equal_causal_work(degree):
+    length = 16 * degree
+    order = context_parallel.balanced_order(length, degree)
+    assert sorted(order.tolist()) == list(range(length))
+    blocks = order.reshape(degree, -1)
+    chunk = length // (2 * degree)
+    for i, block in enumerate(blocks):  # device i: chunks i and 2·degree − 1 − i
+        assert block[:chunk].tolist() == list(range(i * chunk, (i + 1) * chunk))
+        assert block[chunk:].tolist() == list(range((2 * degree - 1 - i) * chunk, (2 * degree - i) * chunk))
+    work = [int((block[:, None] >= np.arange(length)[None]).sum()) for block in blocks]  # causal pairs
+    assert len(set(work)) == 1
+    contiguous = [int((block[:, None] >= np.arange(length)[None]).sum())
+                  for block in np.arange(length).reshape(degree, -1)]
+    assert max(contiguous) > 2 * min(contiguous)  # what the reordering saves
+
+
+def test_device_order_round_trips_and_moves_rows_together():
+    rng = np.random.default_rng(0)
+    batch = {"inputs": rng.integers(0, 9, (3, 24)), "mask": rng.random((3, 24)), "source_id": np.arange(3)}
+    held = context_parallel.to_device_order(batch, 3)
+    assert np.array_equal(held["source_id"], batch["source_id"])
+    order = context_parallel.balanced_order(24, 3)
+    assert np.array_equal(held["inputs"], batch["inputs"][:, order])
+    assert np.array_equal(held["mask"], batch["mask"][:, order])
+    assert np.array_equal(context_parallel.from_device_order(held["inputs"], 3), batch["inputs"])
+    assert context_parallel.to_device_order(batch, 1)["inputs"] is batch["inputs"]
+
+
+def test_a_length_that_does_not_split_into_balanced_chunks_is_refused():
+    with pytest.raises(UpcyclerError, match=r"data.seq_len 100 .* 8 equal chunks .* multiple of 8"):
+        context_parallel.check_length(100, 4)
+    context_parallel.check_length(100, 1)
