@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import trainer_fixtures as F
 from xla_flags import CLASSIC_EMITTERS, with_devices
 
@@ -96,11 +97,12 @@ def test_memory_options_on_four_devices_match_plain_one_device(ws, cache, tmp_pa
     assert_same_run(tmp_path / "options" / "run", reference, keys=("loss", "z_loss", "grad_norm"))
 
 
-def test_two_processes_match_one(ws, cache, tmp_path):
-    """A dense model on 2 processes × 2 devices (mesh data=2 × fsdp=2) against one device."""
-    cfg = F.config_dict(
-        tmp_path, ws["dense"], ws["data"], steps=STEPS, mesh={"data": 2, "fsdp": 2, "expert": 1}
-    )
+@pytest.mark.parametrize("mesh", [{"data": 2, "fsdp": 2, "expert": 1}, {"data": 1, "fsdp": 1, "context": 4}],
+                         ids=["data2xfsdp2", "context4-across-processes"])
+def test_two_processes_match_one(ws, cache, tmp_path, mesh):
+    """A dense model on 2 processes × 2 devices against one device: data=2 × fsdp=2, and context=4, each
+    sequence split over the devices of both processes (both read the same rows, each device its chunks)."""
+    cfg = F.config_dict(tmp_path, ws["dense"], ws["data"], steps=STEPS, mesh=mesh)
     path = F.write_config(tmp_path / "train.yaml", cfg)
     port = F.free_port()
     procs = [

@@ -11,6 +11,7 @@ dimension goes to which mesh axis is decided only by `upcycler.train.loop.shardi
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -73,12 +74,6 @@ def build_mesh(
         ) from None
     sizes = sharding.mesh_sizes(mesh)
     context_parallel.check_length(seq_len, sizes["context"])
-    if _local_count(devices) % sizes["context"]:
-        raise UpcyclerError(
-            f"mesh.context {sizes['context']} spans more than one process's {_local_count(devices)} devices; "
-            f"a sequence's chunks must stay within one host: make mesh.context a divisor of "
-            f"{_local_count(devices)}"
-        )
     size = sizes["data"] * sizes["fsdp"] * sizes["expert"]  # the devices that split the rows
     if global_batch_size % (size * microbatches):
         raise UpcyclerError(
@@ -86,7 +81,7 @@ def build_mesh(
             f"({sizes}) × data.microbatches {microbatches}; make it a multiple of {size * microbatches}"
         )
     per_process = global_batch_size // jax.process_count()
-    row_devices = _local_count(devices) // sizes["context"]
+    row_devices = max(_local_count(devices) // sizes["context"], 1)  # a sequence's devices may span processes
     if per_process % row_devices:
         raise UpcyclerError(
             f"data.global_batch_size {global_batch_size} gives {per_process} rows per process, not divisible "
@@ -110,6 +105,23 @@ def build_mesh(
             f"(global batch × seq_len / (microbatches × data × fsdp)); pick a divisor of {gathered}"
         )
     return mesh
+
+
+def data_shard(mesh: Mesh) -> tuple[int, int]:
+    """(index, count): this process reads block `index` of `count` equal blocks of every batch's rows, the
+    rows its devices hold. Block `process_index` of `process_count` unless a sequence's context devices span
+    processes: those processes then read the same block (their devices take different chunks of it)."""
+    sizes = sharding.mesh_sizes(mesh)
+    rows = math.prod(sizes[axis] for axis in ("data", "fsdp", "expert"))
+    shape = (rows, sizes["context"])  # one row per row group, one token per context device
+    held = sorted({index[0].indices(rows)[0]
+                   for index in sharding.batch_sharding(mesh).addressable_devices_indices_map(shape).values()})
+    if len(held) * jax.process_count() == rows:
+        return jax.process_index(), jax.process_count()
+    if held != list(range(held[0], held[0] + len(held))) or rows % len(held):
+        raise UpcyclerError(f"{describe(mesh)}: this process's devices hold rows {held[:8]} of each {rows}, not "
+                            "one contiguous block; give mesh.context a size whose devices lie on whole hosts")
+    return held[0] // len(held), rows // len(held)
 
 
 def _local_count(devices: Sequence[Any]) -> int:

@@ -23,6 +23,7 @@ from upcycler.spec import ModelSpec
 from upcycler.train import model as model_lib
 from upcycler.train.config import LossConfig, OptimizerConfig
 from upcycler.train.loop import context_parallel, sharding
+from upcycler.train.loop.mesh import data_shard
 from upcycler.train.loop.optim import (
     Schedule,
     grad_norm,
@@ -342,6 +343,9 @@ def compile_step(step: Callable, state_shardings: TrainState, mesh: Mesh, state:
 def global_batch(local: dict[str, Any], mesh: Mesh) -> Batch:
     """This process's rows (numpy) as global arrays sharded over the mesh; with `mesh.context` > 1 each
     sequence in context parallelism's balanced order first (`held_order` tells the model)."""
-    shardings = batch_shardings(mesh)
+    shardings, (_, blocks) = batch_shardings(mesh), data_shard(mesh)
     local = context_parallel.to_device_order({k: local[k] for k in BATCH_KEYS}, sharding.mesh_sizes(mesh)["context"])
-    return {k: jax.make_array_from_process_local_data(shardings[k], local[k]) for k in BATCH_KEYS}
+    # every process's rows are one block of the batch; a sequence's chunks are looked up in the whole row
+    return {k: jax.make_array_from_process_local_data(shardings[k], local[k],
+                                                      (local[k].shape[0] * blocks, *local[k].shape[1:]))
+            for k in BATCH_KEYS}

@@ -90,13 +90,12 @@ def train(config: TrainConfig, *, resume: bool = False, checked: RunInputs | Non
                                    seq_len=config.data.seq_len, moe_chunks=config.model.moe_chunks,
                                    moe_dispatch=config.model.moe_dispatch)
         check_spec_options(config, checked.spec)  # MoE options on a dense model: before the run directory
-    data = make_data_iterator(config.data, jax.process_index(), jax.process_count())
+    data = make_data_iterator(config.data, *mesh_lib.data_shard(mesh))
     run, held = None, None
     try:
         heldout = None
         if config.eval is not None:  # its sources are checked before the run directory is made
-            heldout = HeldoutEval(config, checked.spec, data.tokenizer_sha256, jax.process_index(),
-                                  jax.process_count())
+            heldout = HeldoutEval(config, checked.spec, data.tokenizer_sha256, *mesh_lib.data_shard(mesh))
         held = lock_run_dir(config, resume=resume)  # one run at a time, until its last save is done
         make_run_dir(config)
         run = _Run(config, checked, mesh, data, clock, heldout)
