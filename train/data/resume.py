@@ -143,7 +143,7 @@ def read_journal(work: Path, plan: Plan, names: Sequence[str]) -> list[dict] | N
     path = work / JOURNAL
     try:
         text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no journal (or no work directory: its place is a file)
         return None
     except (OSError, UnicodeDecodeError) as err:
         raise _untrusted(path, f"cannot be read ({getattr(err, 'strerror', None) or type(err).__name__})") from None

@@ -67,6 +67,9 @@ def locked(lock: Path | str, busy: str, fix: str, *, lease_seconds: float | None
             yield lease
         return
     fd = _acquire(Path(lock), busy, fix)
+    if fd is None:
+        yield Lock()
+        return
     try:
         yield Lock()
     finally:
@@ -75,14 +78,14 @@ def locked(lock: Path | str, busy: str, fix: str, *, lease_seconds: float | None
         os.close(fd)
 
 
-def _acquire(path: Path, busy: str, fix: str) -> int:
-    """The descriptor of `path`, locked by this process and holding its record; `Busy` if another holds it."""
+def _acquire(path: Path, busy: str, fix: str) -> int | None:
+    """The descriptor of `path`, locked by this process and holding its record (None where the lock file
+    cannot be created); `Busy` if another process holds it."""
     while True:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as err:
-            raise UpcyclerError(f"{describe(str(path), 200)}: cannot create the lock file ({err.strerror}); "
-                                "choose a location you can write to") from None
+        except OSError:  # a place this process cannot write: neither can any write of it, whose own check
+            return None  # refuses it naming the option and the fix (and no other writer can race it there)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
