@@ -92,3 +92,58 @@ def test_a_length_that_does_not_split_into_balanced_chunks_is_refused():
     with pytest.raises(UpcyclerError, match=r"data.seq_len 100 .* 8 equal chunks .* multiple of 8"):
         context_parallel.check_length(100, 4)
     context_parallel.check_length(100, 1)
+
+
+def _long_config(context: int = 1):
+    from upcycler.train.config import TrainConfig
+
+    return TrainConfig.from_dict({
+        "run_dir": "runs/x", "steps": 1,
+        "model": {"init": "bench/configs/models/llama3-8b-40-layers", "attention": "splash",
+                  "compute_dtype": "bfloat16", "weights_dtype": "bfloat16"},
+        "data": {"dir": "data", "seq_len": 32768, "global_batch_size": 128, "phases": [{"weights": {"web": 1.0}}]},
+        "mesh": {"data": 1, "fsdp": -1, "context": context, "expert": 1},
+    }, "test")
+
+
+def test_plan_searches_the_context_degree_smallest_first(monkeypatch):
+    """With compiles faked (a peak that halves with each doubling of the degree, fitting from 4 up), the
+    plan tries 1, 2 and 4, then 8 once (4 fitted below the ceiling), and no further; the best is 4."""
+    from upcycler.train.aot import plan as plan_lib
+    from upcycler.train.aot.compile import model_spec
+
+    spec = model_spec(Path(__file__).parents[1] / "bench/configs/models/llama3-8b-40-layers")
+    tried = []
+
+    def fake_compile(config, topology, chip, spec):
+        degree = config.mesh.context
+        tried.append(degree)
+        peak = int(40 * 2**30 / degree)
+        return plan_lib.Figures(peak, 1e12, 1e10, 0.70 - 0.01 * degree, 1.0, "compute", 0.0, None)
+
+    monkeypatch.setattr(plan_lib, "_compile", fake_compile)
+    found = plan_lib.plan(_long_config(), "v5e-256", policies=("full",), microbatches=(1,), dispatch=("gspmd",),
+                          spec=spec)
+    assert tried == [1, 2, 4, 8]
+    assert found.best.choice.context == 4 and "mesh.context=4" in found.best.choice.sets()
+    assert plan_lib.context_degrees(_long_config(2), 256) == [2, 4, 8, 16]
+    assert plan_lib.context_degrees(_long_config(), 256, wanted=(8, 3)) == [8]  # 3 does not divide the chips
+
+
+def test_a_compile_that_does_not_fit_names_the_context_degree_that_would():
+    """The estimate: the state stays, the activations and work buffers split with the sequence."""
+    from dataclasses import replace
+
+    from upcycler.train.aot.compile_report import Memory, Report
+
+    gib = 2**30
+    memory = Memory(params=gib // 4, optimizer=gib // 2, gradients=gib // 4, batch=0, arguments=gib, outputs=gib,
+                    aliased=gib, temporaries=16 * gib, code=0, peak=17 * gib)  # working 16 GiB
+    report = Report(target="v5e-256", devices=256, device_kind="TPU v5 lite", chip="TPU v5e",
+                    mesh={"data": 1, "fsdp": 256, "context": 1, "expert": 1}, model={}, options={"seq_len": 32768},
+                    memory=memory, budget=int(15.75 * gib), fits=False, failure=None, flops={}, collectives={},
+                    unknown_loops=(), roofline=None, compile_seconds=0.0)
+    assert report.context_that_fits() == 2  # 16 / 2 = 8 GiB of 14.75 left beside the state
+    assert replace(report, options={"seq_len": 32768 + 128}).context_that_fits() is None  # no 4 equal tiles
+    assert replace(report, fits=True).context_that_fits() is None
+    assert json.loads(report.to_json())["context_that_fits"] == 2
