@@ -84,7 +84,7 @@ def test_eight_fake_devices_split_the_state(demo):
     _, report = compile_report(config, env={"XLA_FLAGS": with_devices(8)})
     params, adam = expected_bytes(model_dir, fsdp=8)
     memory = report["memory"]
-    assert report["devices"] == 8 and report["mesh"] == {"data": 1, "fsdp": 8, "expert": 1}
+    assert report["devices"] == 8 and report["mesh"] == {"data": 1, "fsdp": 8, "context": 1, "expert": 1}
     assert memory["params"] == params
     assert adam <= memory["optimizer"] <= adam + ADAM_COUNTERS
     assert memory["arguments"] == memory["params"] + memory["optimizer"] + memory["batch"] + 4
@@ -129,7 +129,7 @@ def test_two_slices_report_dcn_traffic_apart(demo):
     config, model_dir = demo
     _, report = compile_report(config, "--topology", "v5e-4", "--slices", "2", "--set", "model.compute_dtype=bfloat16")
     assert report["target"] == "2 × v5e-4" and report["slices"] == 2 and report["devices"] == 8
-    assert report["mesh"] == {"data": 2, "fsdp": 4, "expert": 1} and report["fits"] is True
+    assert report["mesh"] == {"data": 2, "fsdp": 4, "context": 1, "expert": 1} and report["fits"] is True
     assert report["chip"] == "TPU v5e" and report["budget"] == int(15.75 * 2**30)  # a whole chip per device
     assert report["memory"]["params"] == expected_bytes(model_dir, fsdp=4)[0]
     kinds = report["collectives"]
