@@ -207,3 +207,18 @@ def test_an_asynchronous_slice_is_charged_its_slice():
     beside the slice. Charged: the 4 KiB row read into on-chip memory, then written back by the fusion
     (4 KiB); not the 32 KiB operand, twice."""
     assert hbm_bytes(ASYNC_SLICE) == 4096 + 4096
+
+
+def test_a_conditional_is_charged_one_branch_not_all():
+    """A switch among 8 branches that move the same bytes (as splash's kernels per chunk place do) is
+    charged what one branch moves, within the index's few bytes: one of them runs."""
+    x = jnp.ones((1024, 1024), jnp.float32)
+    branches = [lambda a, k=k: jnp.sin(a) * (k + 1) for k in range(8)]
+
+    def switched(a, i):
+        return jax.lax.switch(i, branches, a)
+
+    one = jax.jit(branches[3]).lower(x).compile().as_text()
+    chosen = jax.jit(switched).lower(x, jnp.int32(3)).compile().as_text()
+    assert "conditional" in chosen
+    assert hbm_bytes(chosen) == pytest.approx(hbm_bytes(one), rel=0.02)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -307,11 +308,16 @@ def _module_devices(hlo_text: str) -> int | None:
 
 
 def execution_counts(
-    computations: dict[str, Computation], entry: str
-) -> tuple[dict[str, int], list[str]]:
+    computations: dict[str, Computation], entry: str, *, one_branch: bool = False
+) -> tuple[dict[str, int | Fraction], list[str]]:
     """Runs of every computation reachable from `entry` in one execution of it; the loops whose trip count
-    is unknown (counted once) and that run a collective, the only ones whose count matters here."""
-    edges: dict[str, list[tuple[str, int]]] = {name: [] for name in computations}
+    is unknown (counted once) and that run a collective, the only ones whose count matters here.
+
+    A conditional runs one of its n branches. By default each branch is counted as running (what may run:
+    a collective in any branch is seen); with `one_branch` each runs 1/n of the time, so what the branches
+    move is charged as their mean: exactly one branch's when they move the same bytes, as the kernels the
+    model chooses among at run time do (splash's per window and per chunk place)."""
+    edges: dict[str, list[tuple[str, int | Fraction]]] = {name: [] for name in computations}
     unknown: list[tuple[str, str, str]] = []  # (computation holding the loop, the loop, its body)
     for comp in computations.values():
         for instr in comp.instrs.values():
@@ -326,9 +332,10 @@ def execution_counts(
                         edges[comp.name].append((callee, trips + (attr == "condition")))
             if instr.opcode in _NOT_CALLING or instr.name.startswith(_ASYNC_COLLECTIVE_DONE):
                 continue
-            for callee in callees(instr.attrs):
-                if callee in computations and not callee.startswith(_ASYNC_COLLECTIVE_CONTINUATION):
-                    edges[comp.name].append((callee, 1))
+            called = [c for c in callees(instr.attrs)
+                      if c in computations and not c.startswith(_ASYNC_COLLECTIVE_CONTINUATION)]
+            share = Fraction(1, len(called)) if one_branch and instr.opcode == "conditional" and called else 1
+            edges[comp.name] += [(callee, share) for callee in called]
     order = _topological(edges, entry)
     counts = dict.fromkeys(order, 0)
     counts[entry] = 1

@@ -20,6 +20,8 @@ reaches memory with the bytes it reads and writes:
   array it updates is not read (a scanned layer writes its own layer of the stacked activations);
 - an operand a fusion hands through to its result untouched (the TPU compiler's fusions that carry an
   overlapped collective's buffers): neither read nor written;
+- a conditional's n branches: each 1/n of the conditional's runs, so their mean, which is one branch's when
+  they move the same bytes (the kernels chosen at run time: splash's per window and per chunk place);
 - nothing for what moves no data: parameters, tuples and their elements, constants, bitcasts, the loops,
   calls and branches themselves (their bodies are walked), the `-done` half of an asynchronous pair, the
   TPU's buffer reservations and the concatenations it reads off them (`AllocateBuffer`, `ConcatBitcast`);
@@ -87,7 +89,7 @@ class Charge:
     `bytes` is the larger. Both are None for every other instruction."""
 
     instr: Instr
-    runs: int
+    runs: int | float  # a conditional's branch: 1/n of its conditional's runs (`collectives.execution_counts`)
     bytes: int
     estimate: int | None = None
     operand_bytes: int | None = None
@@ -110,12 +112,13 @@ def hbm_bytes(hlo_text: str) -> float:
 def charges(hlo_text: str) -> Iterator[Charge]:
     """Every instruction of `hlo_text` that moves HBM bytes, with its charge and its runs per step."""
     computations, entry = parse_module(hlo_text)
-    counts, _ = execution_counts(computations, entry)
+    counts, _ = execution_counts(computations, entry, one_branch=True)
     inner = _called_on_values(computations)
     for name, runs in counts.items():
         if runs == 0 or name in inner:
             continue
         comp = computations[name]
+        runs = int(runs) if runs == int(runs) else float(runs)  # a branch of a conditional: its share of the runs
         for instr in comp.instrs.values():
             charged = _instr_bytes(instr, comp, computations)
             if instr.opcode == "custom-call" and _KERNEL_TARGET in instr.attrs:
