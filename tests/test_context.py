@@ -159,6 +159,7 @@ def test_force_shorter(tiny_dir, tmp_path):
     (["--max-position", "256"], "--force-shorter"),
     (["--max-position", "128", "--rope-scaling", "linear"], "--force-shorter"),
     (["--max-position", "1024", "--rope-scaling", "linear", "--factor", "1"], "--factor 1 is not a scaling factor"),
+    (["--max-position", "1024", "--rope-scaling", "linear", "--factor", "1e308"], "--factor 1e+308 is above 1e+06"),
     (["--max-position", "1024", "--rope-scaling", "yarn", "--factor", "0.5"], "--factor 0.5"),
     (["--max-position", "256", "--force-shorter", "--rope-scaling", "linear"], "not a scaling factor above 1"),
     (["--max-position", "1024", "--rope-theta", "0"], "--rope-theta 0"),

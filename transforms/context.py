@@ -30,7 +30,7 @@ from typing import Any
 
 from upcycler.errors import UpcyclerError
 from upcycler.families import family_named
-from upcycler.spec import ModelSpec, freeze_mapping, within_limit
+from upcycler.spec import POSITIVE_REALS, ModelSpec, freeze_mapping, within_limit
 from upcycler.tensors import TensorMap
 from upcycler.transforms.registry import TransformContext, option, record, register, report
 
@@ -137,6 +137,10 @@ def _scaling(cfg: Context, spec: ModelSpec) -> dict[str, Any] | None:
             f"--max-position {cfg.max_position:,} / the original {original:,} = {factor:g}"
         raise UpcyclerError(f"{which} is not a scaling factor above 1; pass --factor above 1 or a larger "
                             "--max-position")
+    largest = POSITIVE_REALS["rope_scaling.factor"][1]
+    if factor > largest:  # what a model's config may hold (upcycler.spec); said here, of the option
+        raise UpcyclerError(f"--factor {factor:g} is above {largest:g}, the largest scaling a config may hold; "
+                            "pass a smaller --factor")
     out: dict[str, Any] = {"rope_type": cfg.rope_scaling, "factor": float(factor)}
     if cfg.rope_scaling in _KEEPS_ORIGINAL:
         out["original_max_position_embeddings"] = original
