@@ -31,10 +31,12 @@ rewrites it when it resumes.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
 import re
+import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
@@ -219,6 +221,7 @@ class RunCheckpoints:
         except UpcyclerError:
             raise
         except Exception as err:  # noqa: BLE001  (tensorstore raises a bare Exception for a damaged array)
+            _quiet_abandoned_reads()
             raise read_failure(self.step_dir(step), err) from None
 
     def delete(self, step: int) -> None:
@@ -349,6 +352,24 @@ def checked_meta(meta: Any, where: Path, step: int) -> dict[str, Any]:
     if not isinstance(lineage, list) or not lineage or not all(isinstance(s, dict) for s in lineage):
         raise entries.refuse("lineage", "is not a non-empty list of lineage steps")
     return dict(meta)
+
+
+def _quiet_abandoned_reads() -> None:
+    """After a read failed: Orbax abandons the reads of the step's other arrays, and each, collected later
+    (at the latest when the process exits), would print "Exception ignored in <coroutine …>" or asyncio's
+    "exception was never retrieved" with a traceback after the one line that says what failed. From now
+    on such reports are dropped; every other unraisable exception and asyncio message is reported."""
+    previous = sys.unraisablehook
+    if getattr(previous, "quiets_abandoned_reads", False):
+        return
+    logging.getLogger("asyncio").addFilter(lambda record: "exception was never retrieved" not in record.getMessage())
+
+    def hook(unraisable: Any) -> None:
+        if not inspect.iscoroutine(unraisable.object):
+            previous(unraisable)
+
+    hook.quiets_abandoned_reads = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook
 
 
 def read_failure(step_dir: Path, err: BaseException) -> UpcyclerError:
