@@ -41,6 +41,11 @@ CASES = {  # name: (spec changes, model options, mesh, batch rows, sequence leng
     # the splash kernel (interpreted): the smallest length whose 2 × 2 chunks are one 128-token tile each
     "splash_sliding_window": ({"sliding_window": 100, "layer_types": ("sliding_attention", "full_attention")},
                               {"attention": "splash"}, {"fsdp": 4, "context": 2}, 4, 512),
+    # the ring exchange: four devices, so a block makes three hops and the pairs take every mask kind
+    # (skipped, whole, causal, windows offset by one and two chunks)
+    "splash_ring_sliding_window": ({"sliding_window": 200, "layer_types": ("sliding_attention", "full_attention")},
+                                   {"attention": "splash", "context_exchange": "ring"}, {"fsdp": 2, "context": 4},
+                                   2, 1024),
 }
 
 

@@ -3,7 +3,8 @@
 The equality checks run once in a child process on 8 fake CPU devices (`context_parallel_checks.py`):
 context 4 × FSDP 2 (and context 4 × expert 2, context 2 × FSDP 4 for the splash kernel) against one
 device, for a dense model, sliding-window layers, the MoE's dropless and expert-parallel dispatches,
-packed documents, and the splash kernel in the interpreter. The balanced order itself is tested here.
+packed documents, and the splash kernel in the interpreter with either exchange of keys and values
+(gathered whole, or passed around a ring of four). The balanced order itself is tested here.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def measured() -> dict:
 
 
 @pytest.mark.parametrize("case", ["dense", "dense_sliding_window", "dense_dot_product", "moe_dropless",
-                                  "moe_expert_parallel", "splash_sliding_window"])
+                                  "moe_expert_parallel", "splash_sliding_window", "splash_ring_sliding_window"])
 def test_split_sequences_equal_one_device(measured, case):
     got = measured[case]
     one, split = got["loss"]
@@ -123,11 +124,36 @@ def test_plan_searches_the_context_degree_smallest_first(monkeypatch):
 
     monkeypatch.setattr(plan_lib, "_compile", fake_compile)
     found = plan_lib.plan(_long_config(), "v5e-256", policies=("full",), microbatches=(1,), dispatch=("gspmd",),
-                          spec=spec)
+                          spec=spec, exchange=("gather",))
     assert tried == [1, 2, 4, 8]
     assert found.best.choice.context == 4 and "mesh.context=4" in found.best.choice.sets()
     assert plan_lib.context_degrees(_long_config(2), 256) == [2, 4, 8, 16]
     assert plan_lib.context_degrees(_long_config(), 256, wanted=(8, 3)) == [8]  # 3 does not divide the chips
+
+
+def test_plan_measures_both_exchanges_and_keeps_the_one_that_wins(monkeypatch):
+    """Faked compiles: the ring holds less than the gather (no chip keeps the whole sequence's keys and
+    values), so at degree 2 only the ring fits, and its bound beats degree 4's. Both exchanges are compiled
+    at each split degree (none when the sequence is whole), and the winner's config names the ring."""
+    from upcycler.train.aot import plan as plan_lib
+    from upcycler.train.aot.compile import model_spec
+
+    spec = model_spec(Path(__file__).parents[1] / "bench/configs/models/llama3-8b-40-layers")
+    tried = []
+
+    def fake_compile(config, topology, chip, spec):
+        degree, exchange = config.mesh.context, config.model.context_exchange
+        tried.append((degree, exchange))
+        peak = int(40 * 2**30 / degree * (0.6 if exchange == "ring" else 1.0))
+        return plan_lib.Figures(peak, 1e12, 1e10, 0.70 - 0.01 * degree, 1.0, "compute", 0.0, None)
+
+    monkeypatch.setattr(plan_lib, "_compile", fake_compile)
+    found = plan_lib.plan(_long_config(), "v5e-256", policies=("full",), microbatches=(1,), dispatch=("gspmd",),
+                          spec=spec)
+    assert tried == [(1, "gather"), (2, "gather"), (2, "ring"), (4, "gather"), (4, "ring")]
+    assert (found.best.choice.context, found.best.choice.exchange) == (2, "ring")
+    assert "model.context_exchange=ring" in found.best.choice.sets()
+    assert plan_lib.exchanges("splash", 1) == ["gather"] and plan_lib.exchanges("dot_product", 4) == ["gather"]
 
 
 def test_a_compile_that_does_not_fit_names_the_context_degree_that_would():

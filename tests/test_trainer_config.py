@@ -110,6 +110,8 @@ BAD = {
     "a phase length the attention blocks do not divide": (
         {**_long_phase({"seq_len": 48}), "model.attention": "chunked", "model.attention_chunk": 32},
         "model.attention_chunk 32 does not divide data.phases[1] seq_len 48"),
+    "the ring exchange without the splash kernel": (
+        {"mesh.context": 2, "mesh.fsdp": 1, "model.context_exchange": "ring"}, "model.context_exchange ring"),
     "keep_tokens beside a batch of its own": (
         _long_phase({"seq_len": 64, "batch": "keep_tokens", "global_batch_size": 4}), "drop one of them"),
 }

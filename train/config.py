@@ -13,6 +13,7 @@ Schema (every section but `model` and `data` is optional; defaults shown):
       attention: einsum                # einsum | dot_product | chunked (query blocks of attention_chunk) | splash (TPU)
                                        # (flexprefill: `upcycle eval` only; its options: evaluation/config)
       attention_chunk: 512
+      context_exchange: gather         # gather | ring: a split sequence's keys and values (splash, mesh.context > 1)
       moe_impl: dropless               # dropless | reference (one-hot)
       gmm_backend: auto                # auto | tiled | ragged_dot | megablox | mosaic_gpu (the dropless expert matmul)
       moe_dispatch: gspmd              # gspmd | all_to_all | all_gather (expert parallelism on mesh.expert)
@@ -83,6 +84,7 @@ from upcycler.untrusted import describe, escape, load_yaml, parse_yaml, shown_pa
 SCHEDULE_KINDS = ("warmup", "constant", "cosine", "linear")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("einsum", "dot_product", "chunked", "splash", "flexprefill")
+CONTEXT_EXCHANGES = ("gather", "ring")  # how a split sequence's keys and values reach every query (splash)
 # `upcycler.train.model.remat`, most memory first
 REMAT_POLICIES = ("none", "dots", "all_but_ffn_hidden", "attention_and_ffn_input", "attention", "qkv",
                   "offload_attention", "offload_attention_and_ffn_input", "full")
@@ -119,6 +121,12 @@ class ModelConfig:
                                 "interpreted, for tests), or flexprefill (prefill only, "
                                 "`upcycle eval`: per prompt and head, the key blocks that hold γ of the attention).")
     attention_chunk: int = field(512, range=Range(1, 1 << 22), help="Queries per block of chunked attention.")
+    context_exchange: str = field("gather", choices=CONTEXT_EXCHANGES,
+                                  help="How a sequence split over mesh.context reaches every query under splash "
+                                       "attention: gather (every device gathers the whole sequence's keys and "
+                                       "values, then attends) or ring (the keys and values pass around the "
+                                       "context devices a block at a time, each transfer overlapping the "
+                                       "kernels of the block before; no device holds the whole sequence's).")
     moe_impl: str = field("dropless", choices=MOE_IMPLS,
                           help="dropless (sort, then grouped matmul) or reference (one-hot, for tests).")
     gmm_backend: str = field("auto", choices=GMM_BACKENDS,
@@ -246,8 +254,9 @@ class MeshConfig:
     fsdp: int = field(-1, range=Range(-1, MAX_DEVICES), help="FSDP size (-1: the remaining devices).")
     context: int = field(1, range=Range(-1, MAX_DEVICES),
                          help="Context-parallel size: every sequence split along its length over this many "
-                              "devices, attention's keys and values gathered whole, the causal work balanced "
-                              "(-1: the remaining devices). Parameters are split over it as over fsdp.")
+                              "devices, attention's keys and values gathered whole or passed around a ring "
+                              "(model.context_exchange), the causal work balanced (-1: the remaining "
+                              "devices). Parameters are split over it as over fsdp.")
     expert: int = field(1, range=Range(-1, MAX_DEVICES), help="Expert-parallel size (-1: the remaining devices).")
 
 
@@ -381,6 +390,9 @@ def _check_context_chunks(config: TrainConfig, seq_len: int, where: str, origin:
     if config.model.attention == "chunked":
         raise UpcyclerError(f"{origin}: model.attention chunked walks the whole sequence's query blocks, which "
                             "mesh.context splits over devices; use splash (TPU), dot_product or einsum")
+    if config.model.context_exchange == "ring" and config.model.attention != "splash":
+        raise UpcyclerError(f"{origin}: model.context_exchange ring runs through the splash kernel; set "
+                            "model.attention splash or context_exchange gather")
     unit = 2 * degree * (128 if config.model.attention == "splash" else 1)
     if seq_len % unit:
         tiles = " of whole 128-token splash tiles" if config.model.attention == "splash" else ""

@@ -15,7 +15,12 @@ the chip's HBM free:
 - the context degree (`mesh.context`, context parallelism: each sequence split over that many chips), from
   the config's upwards through `CONTEXT_DEGREES`. A larger degree computes the same FLOPs and moves more
   (the keys and values gathered), so it is tried only while nothing fits yet, and once more after the
-  first degree that fits unless that fit is already at the best policy's ceiling.
+  first degree that fits unless that fit is already at the best policy's ceiling;
+- with the sequence split under splash, how the keys and values reach the queries
+  (`model.context_exchange`): gathered whole, then the ring (the same FLOPs; each block's transfer hidden
+  behind the kernels of the block before, and no chip holding the whole sequence's keys and values). The
+  ring is walked after the gather with the same pruning, so it is compiled only where it can still win:
+  a policy the gather could not fit, or fit only with more microbatches.
 
 Every candidate is compiled whole. The layers run under `lax.scan`, so a compile costs about the same at
 any depth (the reference MoE: 47 s for 32 layers, 48-57 s for slices of 2 and 4), and a slice of the
@@ -51,7 +56,7 @@ from pathlib import Path
 from upcycler.errors import UpcyclerError
 from upcycler.spec import ModelSpec
 from upcycler.train.aot.compile_report import executed_flops_per_token
-from upcycler.train.config import REMAT_POLICIES, TrainConfig
+from upcycler.train.config import CONTEXT_EXCHANGES, REMAT_POLICIES, TrainConfig
 from upcycler.train.reporting.flops import flops_per_token
 from upcycler.units import human_bytes
 
@@ -75,12 +80,14 @@ class Choice:
     expert: int = 1
     attention: str = "einsum"
     context: int = 1
+    exchange: str = "gather"
 
     def sets(self) -> tuple[str, ...]:
         """As `--set KEY=VALUE` arguments."""
         return (f"model.remat={self.remat}", f"data.microbatches={self.microbatches}",
                 f"model.moe_dispatch={self.moe_dispatch}", f"mesh.expert={self.expert}",
-                f"model.attention={self.attention}", f"mesh.context={self.context}")
+                f"model.attention={self.attention}", f"mesh.context={self.context}",
+                f"model.context_exchange={self.exchange}")
 
 
 @dataclass(frozen=True)
@@ -130,12 +137,13 @@ class Plan:
                 f"{self.seconds:.0f} s; fits = peak ≤ {human_bytes(self.budget)} − {human_bytes(self.margin)} "
                 "margin; MFU is the roofline's bound, not a measurement")
         rows = [(f"{'remat':<32} {'mb':>3} {'attention':<10} {'dispatch':<10} {'expert':>6} {'context':>7} "
+                 f"{'exchange':<8} "
                  f"{'fits':<4} {'peak':>10} {'MFU ≤':>6} {'bound':<13} {'HBM traffic':>11} {'collectives':>11}")]
         for o in self.outcomes:
             c, f = o.choice, o.figures
             peak = human_bytes(f.peak) if f.peak is not None else "out of mem"
             rows.append(f"{c.remat:<32} {c.microbatches:>3} {c.attention:<10} {c.moe_dispatch:<10} {c.expert:>6} "
-                        f"{c.context:>7} "
+                        f"{c.context:>7} {c.exchange:<8} "
                         f"{'yes' if o.fits else 'no':<4} {peak:>10} {f.mfu:>6.1%} {f.bound:<13} "
                         f"{human_bytes(f.hbm_bytes):>11} {human_bytes(f.traffic_bytes):>11}")
         best = self.best
@@ -156,7 +164,8 @@ class Plan:
 def configured(config: TrainConfig, choice: Choice) -> TrainConfig:
     """`config` with the options `choice` sets (checked as a loaded config is)."""
     raw = config.to_dict()
-    raw["model"].update(remat=choice.remat, moe_dispatch=choice.moe_dispatch, attention=choice.attention)
+    raw["model"].update(remat=choice.remat, moe_dispatch=choice.moe_dispatch, attention=choice.attention,
+                        context_exchange=choice.exchange)
     raw["data"]["microbatches"] = choice.microbatches
     raw["mesh"]["expert"] = choice.expert
     raw["mesh"]["context"] = choice.context
@@ -170,6 +179,14 @@ def context_degrees(config: TrainConfig, devices: int, wanted: Sequence[int] | N
     start = max(config.mesh.context, 1)
     pool = sorted(set(wanted)) if wanted else [c for c in sorted(set(CONTEXT_DEGREES) | {start}) if c >= start]
     return [c for c in pool if devices % c == 0 and (c == 1 or config.data.seq_len % (2 * c * SPLASH_TILE) == 0)]
+
+
+def exchanges(attention: str, context: int, wanted: Sequence[str] | None = None) -> list[str]:
+    """The exchanges of keys and values to try at a context degree: gather, then ring, where the sequence is
+    split under splash (`wanted` narrows them); gather alone otherwise (it is what an unsplit sequence does)."""
+    if context <= 1 or attention != "splash":
+        return ["gather"]
+    return [e for e in CONTEXT_EXCHANGES if not wanted or e in wanted]
 
 
 def dispatches(spec: ModelSpec, devices: int, wanted: Sequence[str] | None = None) -> list[tuple[str, int]]:
@@ -188,11 +205,12 @@ def dispatches(spec: ModelSpec, devices: int, wanted: Sequence[str] | None = Non
 def plan(config: TrainConfig, topology: str, *, margin: int = 1 << 30, cache=None,
          policies: Sequence[str] = POLICIES, microbatches: Sequence[int] = MICROBATCHES,
          dispatch: Sequence[str] | None = None, spec: ModelSpec | None = None,
-         contexts: Sequence[int] | None = None, log: Callable[[str], None] = lambda _: None) -> Plan:
+         contexts: Sequence[int] | None = None, exchange: Sequence[str] | None = None,
+         log: Callable[[str], None] = lambda _: None) -> Plan:
     """Search `config`'s options for `topology` (see the module docstring); `cache` (a directory) keeps
-    compiled figures between plans; `policies`, `microbatches`, `dispatch` and `contexts` (context degrees)
-    narrow the search; `spec`
-    stands for model.init's architecture; `log` hears of each compile."""
+    compiled figures between plans; `policies`, `microbatches`, `dispatch`, `contexts` (context degrees) and
+    `exchange` (context exchanges) narrow the search; `spec` stands for model.init's architecture; `log`
+    hears of each compile."""
     from upcycler.train.aot.compile import model_spec, target
 
     started = time.perf_counter()
@@ -234,7 +252,9 @@ def plan(config: TrainConfig, topology: str, *, margin: int = 1 << 30, cache=Non
     for context in context_degrees(config, len(tgt.devices), contexts):
         if fitted_at is not None and (context > 2 * fitted_at or best >= top_ceiling * 0.999):
             break
-        for moe_dispatch, expert in dispatches(spec, len(tgt.devices) // context, dispatch):
+        walks = [(e, d, x) for e in exchanges(attention, context, exchange)
+                 for d, x in dispatches(spec, len(tgt.devices) // context, dispatch)]
+        for how, moe_dispatch, expert in walks:
             fewest = max(microbatches) + 1  # only fewer microbatches than this can beat what fits
             for policy in order:
                 if ceilings[policy] <= best:
@@ -246,7 +266,7 @@ def plan(config: TrainConfig, topology: str, *, margin: int = 1 << 30, cache=Non
                 # bisect for the fewest that fit
                 top = None
                 while counts and top is None:  # the most microbatches the batch and the mesh allow
-                    top = tried(Choice(policy, counts[-1], moe_dispatch, expert, attention, context))
+                    top = tried(Choice(policy, counts[-1], moe_dispatch, expert, attention, context, how))
                     if top is None:
                         counts.pop()
                 if top is None or not top.fits:
@@ -255,7 +275,7 @@ def plan(config: TrainConfig, topology: str, *, margin: int = 1 << 30, cache=Non
                 fit = top
                 while lo < hi:
                     mid = (lo + hi) // 2
-                    outcome = tried(Choice(policy, counts[mid], moe_dispatch, expert, attention, context))
+                    outcome = tried(Choice(policy, counts[mid], moe_dispatch, expert, attention, context, how))
                     if outcome is not None and outcome.fits:
                         hi, fit = mid, outcome
                     else:

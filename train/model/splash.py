@@ -18,8 +18,10 @@ a mesh). With the sequence split over a context axis (context parallelism, held 
 keys, values and key segment ids of the whole sequence, puts them back in sequence order, and runs each of
 its two query chunks through a kernel whose causal (or window) mask is offset by that chunk's place in the
 sequence: one kernel per chunk place, chosen at run time by the device's index. The blocks such a mask
-rules out are skipped, so every device does the same work. On CPU it runs in the Pallas interpreter
-(exact but slow, for tests); other platforms are refused.
+rules out are skipped, so every device does the same work (`exchange` "gather", `model.context_exchange`).
+The other exchange, "ring", passes the keys and values around the context axis a block at a time instead
+(`upcycler.train.model.splash_ring`). On CPU it runs in the Pallas interpreter (exact but slow, for tests);
+other platforms are refused.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from upcycler.train.config import CONTEXT_EXCHANGES
+from upcycler.train.model import splash_ring
 from upcycler.train.model.gmm import runs_unpartitioned, target_platform
 from upcycler.train.model.placement import Placement
 
@@ -46,14 +50,16 @@ def block_size(length: int) -> int | None:
 
 def attention(q_BLHh: jax.Array, k_BSKh: jax.Array, v_BSKh: jax.Array, *, segment_ids_BL: jax.Array | None,
               window: jax.Array | int, windows: tuple[int, ...], placement: Placement,
-              token_index_BL: jax.Array | None = None) -> jax.Array:
+              token_index_BL: jax.Array | None = None, exchange: str = "gather") -> jax.Array:
     """Causal grouped-query attention of q over k, v through the splash kernel; [B, L, H, h] like q.
 
     `segment_ids_BL` None: one document per row. `window` (traced, per layer) is one of `windows` (the
     distinct windows of the layers run together; 0 is full attention); `placement` runs the kernel per
     device on its rows of the batch and, when the mesh splits the sequence, its chunks of it.
     `token_index_BL` not None says the tokens are in context parallelism's balanced order (its values are
-    not read: the order follows from the mesh); see the module docstring.
+    not read: the order follows from the mesh); see the module docstring. `exchange` says how a split
+    sequence's keys and values reach every query: "gather" (whole, on every device) or "ring"
+    (`upcycler.train.model.splash_ring`: passed around the context axis a block at a time).
     """
     platform = target_platform()
     if platform not in ("tpu", "cpu"):
@@ -68,7 +74,10 @@ def attention(q_BLHh: jax.Array, k_BSKh: jax.Array, v_BSKh: jax.Array, *, segmen
     if degree > 1 and token_index_BL is None:
         raise ValueError("a sequence split over the context axis must come in the balanced order (pass "
                          "token_index_BL, as the train step does)")
-    run = partial(_per_device, windows=distinct, interpret=interpret, context=degree)
+    if exchange not in CONTEXT_EXCHANGES:
+        raise ValueError(f"a split sequence's keys and values are exchanged by one of {CONTEXT_EXCHANGES}, "
+                         f"not {exchange!r}")
+    run = partial(_per_device, windows=distinct, interpret=interpret, context=degree, exchange=exchange)
     return placement.per_device(run, (q_BLHh, k_BSKh, v_BSKh, segment_ids_BL, _window_index(window, distinct)),
                                 (QKV_AXES, QKV_AXES, QKV_AXES, SEGMENT_AXES, ()), (False,) * 5)
 
@@ -80,7 +89,11 @@ def _window_index(window: jax.Array | int, windows: tuple[int, ...]) -> jax.Arra
 
 
 def _per_device(q_BLHh, k_BSKh, v_BSKh, segment_ids_BL, index, *, windows: tuple[int, ...], interpret: bool,
-                context: int = 1):
+                context: int = 1, exchange: str = "gather"):
+    if context > 1 and exchange == "ring":
+        block = _checked_block(q_BLHh.shape[1] // 2, q_BLHh, k_BSKh, interpret)
+        return splash_ring.attention(q_BLHh, k_BSKh, v_BSKh, segment_ids_BL, segment_ids_BL, index,
+                                     windows=windows, interpret=interpret, context=context, block=block)
     if context > 1:
         return _context_chunks(q_BLHh, k_BSKh, v_BSKh, segment_ids_BL, index, windows=windows,
                                interpret=interpret, context=context)
@@ -119,22 +132,29 @@ def _inverse(order: list[int]) -> list[int]:
     return out
 
 
+def _checked_block(length: int, q_BLHh, k_BSKh, interpret: bool) -> int:
+    """The kernel's tile for query chunks of `length` tokens; refuse what the kernel cannot run."""
+    if not interpret and not runs_unpartitioned():
+        raise ValueError("splash attention is a Pallas kernel XLA cannot partition: run it through a placement "
+                         "that splits only the batch rows (every mesh axis manual), or on one device")
+    H, K = q_BLHh.shape[2], k_BSKh.shape[2]
+    if H % K:
+        raise ValueError(f"splash attention needs the query heads ({H}) to be a multiple of the key heads ({K})")
+    block = block_size(length)
+    if block is None or block_size(k_BSKh.shape[1]) is None:
+        raise ValueError(f"splash attention needs the sequence length ({length}) to be a multiple of 128")
+    return block
+
+
 def _kernel_call(q_BLHh, k_BSKh, v_BSKh, q_segments_BL, kv_segments_BS, index, *, windows: tuple[int, ...],
                  interpret: bool, places: int = 1):
     """The kernel for (window `index // places`, query place `index % places`) on q over k, v: queries at
     place p start at p·L of the keys (`places` 1: q and k start together)."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    if not interpret and not runs_unpartitioned():
-        raise ValueError("splash attention is a Pallas kernel XLA cannot partition: run it through a placement "
-                         "that splits only the batch rows (every mesh axis manual), or on one device")
     _, L, H, h = q_BLHh.shape
-    S, K = k_BSKh.shape[1], k_BSKh.shape[2]
-    if H % K:
-        raise ValueError(f"splash attention needs the query heads ({H}) to be a multiple of the key heads ({K})")
-    block = block_size(L)
-    if block is None or block_size(S) is None:
-        raise ValueError(f"splash attention needs the sequence length ({L}) to be a multiple of 128")
+    S = k_BSKh.shape[1]
+    block = _checked_block(L, q_BLHh, k_BSKh, interpret)
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
 

@@ -246,7 +246,8 @@ def _attention_block(x_BLD, p: Params, spec: ModelSpec, cfg: ModelConfig, ctx: _
     q_BLHh, k_BLKh, v_BLKh = _qkv(x_BLD, p, spec, ctx)
     if cfg.attention == "splash":
         out_BLHh = splash.attention(q_BLHh, k_BLKh, v_BLKh, segment_ids_BL=ctx.segment_ids_BL, window=window,
-                                    windows=windows, placement=ctx.placement, token_index_BL=ctx.token_index_BL)
+                                    windows=windows, placement=ctx.placement, token_index_BL=ctx.token_index_BL,
+                                    exchange=cfg.context_exchange)
     else:
         # split along the sequence (context parallelism), the queries stay local and the keys and values
         # are gathered whole; on one device or an unsplit sequence these constraints move nothing

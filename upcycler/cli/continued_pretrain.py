@@ -31,6 +31,7 @@ from upcycler.locations import Location
 from upcycler.schema import options
 from upcycler.train.aot.topology import parse_slice
 from upcycler.train.config import (
+    CONTEXT_EXCHANGES,
     MOE_DISPATCHES,
     REMAT_POLICIES,
     RESUME_MODES,
@@ -123,10 +124,13 @@ so a scheduler can restart it (a JobSet/Kubernetes podFailurePolicy on exit code
 @click.option("--plan-context", metavar="C1,C2,...",
               help="With --plan: only these context degrees (mesh.context; default 1,2,4,8,16 from the "
                    "config's up, the smallest that fits first).")
+@click.option("--plan-exchange", metavar="E1,E2",
+              help="With --plan: only these exchanges of a split sequence's keys and values under splash "
+                   "(model.context_exchange; default gather,ring).")
 def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_only: bool, topology: str | None,
             slices: int | None, hbm_budget: str | None, save_bandwidth: str | None, as_json: bool,
             plan_out: Path | None, plan_margin: str, plan_remat: str | None, plan_microbatches: str | None,
-            plan_dispatch: str | None, plan_context: str | None, **flags: Any) -> None:
+            plan_dispatch: str | None, plan_context: str | None, plan_exchange: str | None, **flags: Any) -> None:
     """Continue pretraining a dense or upcycled MoE checkpoint on prepared data; checkpoints go to run_dir."""
     keys = _flags()
     config = load_config(config_path, {keys[name]: value for name, value in flags.items()}, sets)
@@ -139,7 +143,8 @@ def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_
         narrow = {"policies": _listed(plan_remat, "--plan-remat", REMAT_POLICIES),
                   "microbatches": _listed(plan_microbatches, "--plan-microbatches", None),
                   "dispatch": _listed(plan_dispatch, "--plan-dispatch", MOE_DISPATCHES),
-                  "contexts": _listed(plan_context, "--plan-context", None)}
+                  "contexts": _listed(plan_context, "--plan-context", None),
+                  "exchange": _listed(plan_exchange, "--plan-exchange", CONTEXT_EXCHANGES)}
         _plan(config, compile_only, topology, plan_out, plan_margin, as_json,
               {k: v for k, v in narrow.items() if v is not None})
         return
