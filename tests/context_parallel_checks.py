@@ -81,12 +81,12 @@ def train_case(spec_changes, options, mesh_sizes, rows, length) -> dict:
             "input_spec": [a if isinstance(a, str) else list(a or ()) for a in batch["inputs"].sharding.spec]}
 
 
-def packed_case() -> dict:
+def packed_case(cfg: ModelConfig = ModelConfig(), length: int = 64, split: int = 40) -> dict:
     """Two documents per row, positions restarting at each: the hidden states on a context-4 mesh (tokens
     in the balanced order) put back in sequence order, against one device."""
-    spec, cfg = tiny_spec(**WINDOWED), ModelConfig()
+    spec = tiny_spec(**WINDOWED)
     params = init_params(spec, jax.random.key(1), std=0.05)
-    rows, length, split = 2, 64, 40
+    rows = 2
     ids = batch_of(spec, rows, length, seed=3)["inputs"]
     segments = np.where(np.arange(length) < split, 1, 2)[None].repeat(rows, 0).astype(np.int32)
     positions = np.where(np.arange(length) < split, np.arange(length), np.arange(length) - split)[None]
@@ -118,6 +118,8 @@ def main() -> None:
            for name, (changes, options, mesh, rows, length) in CASES.items() if not only or name in only}
     if not only or "packed" in only:
         out["packed"] = packed_case()
+    if not only or "packed_splash_ring" in only:  # a document boundary inside a chunk, three hops of the ring
+        out["packed_splash_ring"] = packed_case(ModelConfig(attention="splash", context_exchange="ring"), 1024, 600)
     print(json.dumps(out))
 
 

@@ -54,8 +54,9 @@ def test_moe_cases_compare_the_expert_counts(measured):
     assert measured["moe_expert_parallel"]["mesh"]["expert"] == 2
 
 
-def test_packed_documents_stay_apart_on_a_split_sequence(measured):
-    got = measured["packed"]
+@pytest.mark.parametrize("case", ["packed", "packed_splash_ring"])
+def test_packed_documents_stay_apart_on_a_split_sequence(measured, case):
+    got = measured[case]
     assert got["rel_error"] <= 1e-5
     assert got["second_document_differs_without_segments"] > 1e-3  # the segments matter to this case
 
@@ -144,8 +145,10 @@ def test_plan_measures_both_exchanges_and_keeps_the_one_that_wins(monkeypatch):
     def fake_compile(config, topology, chip, spec):
         degree, exchange = config.mesh.context, config.model.context_exchange
         tried.append((degree, exchange))
-        peak = int(40 * 2**30 / degree * (0.6 if exchange == "ring" else 1.0))
-        return plan_lib.Figures(peak, 1e12, 1e10, 0.70 - 0.01 * degree, 1.0, "compute", 0.0, None)
+        ring = exchange == "ring"
+        peak = int(40 * 2**30 / degree * (0.6 if ring else 1.0))
+        return plan_lib.Figures(peak, 1.6e12 if ring else 1e12, 1e10, 0.70 - 0.01 * degree, 1.0, "compute", 0.0,
+                                None)
 
     monkeypatch.setattr(plan_lib, "_compile", fake_compile)
     found = plan_lib.plan(_long_config(), "v5e-256", policies=("full",), microbatches=(1,), dispatch=("gspmd",),
@@ -154,6 +157,9 @@ def test_plan_measures_both_exchanges_and_keeps_the_one_that_wins(monkeypatch):
     assert (found.best.choice.context, found.best.choice.exchange) == (2, "ring")
     assert "model.context_exchange=ring" in found.best.choice.sets()
     assert plan_lib.exchanges("splash", 1) == ["gather"] and plan_lib.exchanges("dot_product", 4) == ["gather"]
+    # at degree 4 both fit at the same bound: the gather, moving fewer bytes, ranks above the smaller ring
+    at_4 = [o.choice.exchange for o in found.outcomes if o.choice.context == 4]
+    assert at_4 == ["gather", "ring"]
 
 
 def test_a_compile_that_does_not_fit_names_the_context_degree_that_would():

@@ -244,13 +244,40 @@ def test_the_shape_advisor_proposes_a_shape_whose_lines_run(demo_moe, tmp_path):
     assert written.active_params() == spec.active_params() + router  # top-2 × F/2: the dense MLP, and a router
 
 
+def test_the_advisor_plans_a_long_sequence_split_over_chips(monkeypatch, capsys, tmp_path):
+    """`--plan-seq-len 32768` on a v5e-256 (compiles faked: one chip holds 8k tokens of a sequence): the
+    run keeps the default's tokens per chip (256 × 4 × 4096 = 128 sequences of 32k) and each proposal
+    names the context degree that fits, 4."""
+    from upcycler.cli import moe_advice
+
+    planned = []
+
+    def fake_compile(config, topology, chip, spec):
+        planned.append((config.data.seq_len, config.data.global_batch_size, config.mesh.context))
+        fits = config.data.seq_len // config.mesh.context <= 8192
+        return Figures(10 << 30 if fits else 20 << 30, 1e12, 1e10, 0.6 if fits else 0.0, 1.0, "compute", 0.0, None)
+
+    monkeypatch.setattr(plan_lib, "_compile", fake_compile)
+    monkeypatch.setenv("HOME", str(tmp_path))  # an empty plan cache
+    moe_advice.advise(demo_assets() / "model", "v5e-256", active=None, total=None, train_config=None,
+                      margin=1 << 30, as_json=True, fixed={"experts": 16, "topk": 2, "width": None}, seq_len=32768)
+    [proposal] = json.loads(capsys.readouterr().out.splitlines()[-1])["proposals"]
+    assert {(s, b) for s, b, _ in planned} == {(32768, 128)}
+    assert list(dict.fromkeys(c for _, _, c in planned))[:3] == [1, 2, 4]  # the smallest degrees first
+    assert proposal["fits"] and "mesh.context=4" in proposal["sets"]
+
+
 @pytest.mark.parametrize("args,message", [
     (("OUT", "--plan-for", "v5e-4"), "--plan-for writes nothing"),
     (("--plan-for", "v5e-4", "--active-params", "lots"), "--active-params: 'lots' is not a count"),
     (("--plan-for", "v5e-4", "--active-params", "10"), "is not above the source's parameters outside its MLPs"),
     (("--plan-for", "v5e-4", "--topk", "2", "--expert-width", "128"), "no exact MoE shape meets these targets"),
     (("--plan-for", "v99-8"), "--plan-for 'v99-8': not a TPU slice"),
-], ids=["with-out", "bad-count", "too-few", "narrow", "bad-slice"])
+    (("--plan-for", "v5e-4", "--plan-seq-len", "32768", "--train-config", "OUT"), "drop one of them"),
+    (("--plan-for", "v5e-4", "--plan-seq-len", "12"), "--plan-seq-len"),
+    (("OUT", "--experts", "4", "--topk", "2", "--plan-seq-len", "32768"), "it needs --plan-for"),
+], ids=["with-out", "bad-count", "too-few", "narrow", "bad-slice", "seq-len-and-config", "short-seq-len",
+        "seq-len-alone"])
 def test_the_advisor_refuses_what_it_cannot_plan(tmp_path, args, message):
     args = [str(tmp_path / a) if a == "OUT" else a for a in args]
     proc = subprocess.run([sys.executable, "-m", "upcycler", "dense-to-moe", str(demo_assets() / "model"), *args],

@@ -20,7 +20,8 @@ the chip's HBM free:
   (`model.context_exchange`): gathered whole, then the ring (the same FLOPs; each block's transfer hidden
   behind the kernels of the block before, and no chip holding the whole sequence's keys and values). The
   ring is walked after the gather with the same pruning, so it is compiled only where it can still win:
-  a policy the gather could not fit, or fit only with more microbatches.
+  a policy the gather could not fit, or fit only with more microbatches. At equal bounds the candidate
+  that moves fewer bytes ranks first (the ring moves more: its partial results merged in fp32 per block).
 
 Every candidate is compiled whole. The layers run under `lax.scan`, so a compile costs about the same at
 any depth (the reference MoE: 47 s for 32 layers, 48-57 s for slices of 2 and 4), and a slice of the
@@ -284,8 +285,16 @@ def plan(config: TrainConfig, topology: str, *, margin: int = 1 << 30, cache=Non
                 fitted_at = context if fitted_at is None else fitted_at
                 # a memory-bound fit can lose to more recomputation at its own count
                 fewest = fit.choice.microbatches + (fit.figures.bound == "memory")
-    outcomes.sort(key=lambda o: (not o.fits, -o.mfu, o.figures.peak if o.figures.peak is not None else float("inf")))
+    outcomes.sort(key=_rank)
     return Plan(topology, budget, margin, outcomes, time.perf_counter() - started, compiled)
+
+
+def _rank(outcome: Outcome) -> tuple:
+    """Best first: what fits, the higher bound; at equal bounds the fewer bytes moved (HBM, then collectives:
+    less to hide behind the matmuls the bound assumes they overlap), then the smaller peak."""
+    f = outcome.figures
+    return (not outcome.fits, -outcome.mfu, f.hbm_bytes, f.traffic_bytes,
+            f.peak if f.peak is not None else float("inf"))
 
 
 def _ceiling(config: TrainConfig, spec: ModelSpec, policy: str) -> float:

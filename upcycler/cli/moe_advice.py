@@ -22,9 +22,9 @@ ROWS_PER_CHIP = 4
 
 
 def advise(src: Path, topology: str, *, active: int | None, total: int | None, train_config: Path | None,
-           margin: int, as_json: bool, fixed: dict[str, int | None]) -> None:
+           margin: int, as_json: bool, fixed: dict[str, int | None], seq_len: int | None = None) -> None:
     """Print the proposals for upcycling `src` to train on `topology` (`fixed`: the experts, topk and width
-    the user chose); exit 1 when none fits."""
+    the user chose; `seq_len`: the default run's sequence length); exit 1 when none fits."""
     from upcycler.io.hf_read import read_spec
     from upcycler.train.aot.compile import target
     from upcycler.train.aot.plan import plan
@@ -35,7 +35,7 @@ def advise(src: Path, topology: str, *, active: int | None, total: int | None, t
     proposals = shapes(source, active=active, total=total, **fixed)
     chips = len(target(topology, 1).devices)
     config = (load_config(train_config, {"model.init": str(src)}) if train_config is not None
-              else TrainConfig.from_dict(_default_run(src, chips), "the planned run"))
+              else TrainConfig.from_dict(_default_run(src, chips, seq_len or SEQ_LEN), "--plan-seq-len"))
     rows = []
     for shape in proposals:
         click.echo(f"planning {shape.flags()} for {topology}", err=True)
@@ -74,11 +74,14 @@ def advise(src: Path, topology: str, *, active: int | None, total: int | None, t
                             "slice, a shorter sequence or fewer rows per step (--train-config)")
 
 
-def _default_run(src: Path, chips: int) -> dict:
-    """The run a shape is planned for without --train-config: `SEQ_LEN` tokens, `ROWS_PER_CHIP` rows per
-    chip, bf16 compute and weights, FSDP over every chip, chunked cross-entropy."""
+def _default_run(src: Path, chips: int, seq_len: int = SEQ_LEN) -> dict:
+    """The run a shape is planned for without --train-config: `seq_len` tokens per sequence and the tokens
+    per chip of `ROWS_PER_CHIP` rows of `SEQ_LEN` (at least one sequence per step; longer sequences than
+    that fill fewer rows, the plan splitting each over chips), bf16 compute and weights, FSDP over every
+    chip, chunked cross-entropy."""
+    rows = max(1, ROWS_PER_CHIP * SEQ_LEN * chips // seq_len)
     return {"run_dir": "runs/planned", "steps": 1,
             "model": {"init": str(src), "compute_dtype": "bfloat16", "weights_dtype": "bfloat16"},
-            "data": {"dir": "data", "seq_len": SEQ_LEN, "global_batch_size": ROWS_PER_CHIP * chips,
+            "data": {"dir": "data", "seq_len": seq_len, "global_batch_size": rows,
                      "phases": [{"weights": {"data": 1.0}}]},
             "loss": {"ce_chunk": 512}, "mesh": {"data": 1, "fsdp": -1, "expert": 1}}

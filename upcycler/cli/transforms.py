@@ -129,13 +129,17 @@ def _option(opt: Option) -> Callable:
     return click_option(opt)
 
 
-ADVICE_OPTIONS = ("plan_for", "active_params", "total_params", "train_config", "plan_margin")
+ADVICE_OPTIONS = ("plan_for", "active_params", "total_params", "train_config", "plan_margin", "plan_seq_len")
 
 
 def _advice_options(fn: Callable) -> Callable:
     """dense-to-moe's shape advisor (`upcycler.cli.moe_advice`)."""
     fn = click.option("--plan-margin", metavar="SIZE", default="1GiB", show_default=True,
                       help="With --plan-for: HBM per chip a proposal must leave free.")(fn)
+    fn = click.option("--plan-seq-len", type=click.IntRange(128, 1 << 22), metavar="TOKENS",
+                      help="With --plan-for (no --train-config): plan for sequences of this many tokens (default "
+                           "4096), the rows per step scaled to keep the tokens per chip; a sequence that does not "
+                           "fit one chip is split over several (mesh.context), the degree in each proposal.")(fn)
     fn = click.option("--train-config", type=LOCAL_PATH, metavar="YAML",
                       help="With --plan-for: the training run to plan for (its data, batch and sequence; "
                            "default 4096 tokens × 4 rows per chip).")(fn)
@@ -156,7 +160,11 @@ def _advise(src: Path, out: Path | None, as_json: bool, advice: dict, fixed: dic
     if out is not None:
         raise click.UsageError("--plan-for writes nothing: drop OUT (the proposals print the command that writes)")
     parse_slice(advice["plan_for"], "--plan-for")
+    if advice["plan_seq_len"] is not None and advice["train_config"] is not None:
+        raise click.UsageError("--plan-seq-len plans the default run at another length; --train-config names its "
+                               "own data.seq_len: drop one of them")
     advise(src, advice["plan_for"], as_json=as_json, train_config=advice["train_config"],
+           seq_len=advice["plan_seq_len"],
            active=parse_count(advice["active_params"], "--active-params") if advice["active_params"] else None,
            total=parse_count(advice["total_params"], "--total-params") if advice["total_params"] else None,
            margin=parse_size(advice["plan_margin"], "--plan-margin"), fixed=fixed)
@@ -319,6 +327,9 @@ def transform_command(t: Transform) -> click.Command:
                          "width": values.get("expert_width")}
                 _advise(src, out, as_json, advice, fixed)
                 return
+            stray = [k for k in ADVICE_OPTIONS if k != "plan_margin" and advice[k] is not None]
+            if stray:
+                raise click.UsageError(f"--{stray[0].replace('_', '-')} plans a shape: it needs --plan-for TOPOLOGY")
         if out is None and not dry_run:
             raise click.UsageError("missing argument OUT (only --dry-run can do without it)")
         recipe = single(t.name, values, src, Output(out, to, family, dtype, parse_size(shard_size, "--shard-size")))
