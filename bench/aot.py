@@ -6,6 +6,7 @@
     python bench/aot.py --only moe-13b-a2b --set model.remat=attention   # a config option changed
     python bench/aot.py --plan --only moe-13b-a2b   # the planner: the best configuration that fits
     python bench/aot.py --only moe-13b-a2b --breakdown   # where the HBM traffic goes, per layer
+    python bench/aot.py --only moe-13b-a2b-128k --exchanges   # a split sequence's keys and values: ring vs gather
 
 For each workload (a config in `bench/configs/`, its model a config-only directory), the train step is
 compiled with the config's memory options through `upcycler.train.aot.compile.compile_only`, the same path
@@ -54,7 +55,7 @@ def measure(name: str, baseline: bool, changes: tuple[str, ...] = (), breakdown:
     m = report.memory
     line = {
         "workload": name, "topology": topology, "total_params": report.model["total_params"],
-        "active_params": report.model["active_params"], "options": report.options,
+        "active_params": report.model["active_params"], "options": report.options, "mesh": report.mesh,
         "hbm_bytes": report.budget, "fits": report.fits, "margin_bytes": report.margin, "failure": report.failure,
         "memory_bytes": {"params": m.params, "optimizer": m.optimizer, "gradients": m.gradients, "batch": m.batch,
                          "working": m.working, "peak": m.peak},
@@ -86,13 +87,43 @@ def main() -> None:
                         help="search each workload's options for the best bound that fits with 1 GiB to spare "
                              "(`upcycle continued-pretrain --compile-only --plan`), against the config as written")
     parser.add_argument("--plan-cache", type=Path, help="with --plan: keep compiled figures here between runs")
+    parser.add_argument("--exchanges", action="store_true",
+                        help="compile each workload with its split sequence's keys and values gathered whole (the "
+                             "baseline) and passed around a ring (model.context_exchange), one line with both")
     args = parser.parse_args()
     for name in args.only or WORKLOADS:
-        if args.plan:
+        if args.exchanges:
+            line = exchanges(name, tuple(args.set))
+        elif args.plan:
             line = planned(name, tuple(args.set), args.plan_cache)
         else:
             line = measure(name, baseline=not args.no_baseline, changes=tuple(args.set), breakdown=args.breakdown)
         print(json.dumps(line), flush=True)
+
+
+def exchanges(name: str, changes: tuple[str, ...]) -> dict:
+    """The workload compiled with each `model.context_exchange`, the gather the baseline: per chip peak,
+    HBM traffic, collective traffic and MFU bound, and the ring's ratios to the gather's."""
+    figures = {}
+    for exchange in ("gather", "ring"):
+        line = measure(name, baseline=False, changes=(*changes, f"model.context_exchange={exchange}"))
+        roofline = line["roofline"] or {}
+        figures[exchange] = {"fits": line["fits"], "peak": line["memory_bytes"]["peak"],
+                             "hbm_seconds": roofline.get("memory_s"), "mfu_bound": line["mfu_bound"],
+                             "bound": roofline.get("bound"), "collective_bytes": line["collective_traffic_bytes"],
+                             "compile_seconds": line["compile_seconds"]}
+    gather, ring = figures["gather"], figures["ring"]
+
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    return {"workload": name, "topology": WORKLOADS[name][1], "mesh": line["mesh"],
+            "gather": gather, "ring": ring,
+            "ring_vs_gather": {"peak": ratio(ring["peak"], gather["peak"]),
+                               "hbm": ratio(ring["hbm_seconds"], gather["hbm_seconds"]),
+                               "collectives": ratio(sum(ring["collective_bytes"].values()),
+                                                    sum(gather["collective_bytes"].values())),
+                               "mfu_bound": ratio(ring["mfu_bound"], gather["mfu_bound"])}}
 
 
 def planned(name: str, changes: tuple[str, ...], cache: Path | None) -> dict:

@@ -7,7 +7,7 @@
         --paths dropless                  # the reference MoE's layers, cut to 4, on an accelerator
 
 Each path (the dropless sort + grouped-matmul MoE, and the one-hot reference that runs every expert on
-every token) is compiled once through the trainer's own `compile_step` (same shardings, donation and
+every token) is built by the trainer's own `run_build.build` (same mesh, shardings, donation and
 optimiser) and timed over `--steps` steps after a warm-up step. The peak is measured in the same run, right
 before every timed step (the best of three large fp32 matmuls, `--peak-size`), so a machine shared with
 other work is compared with itself under the same load. The peak matmul runs in the compute dtype
@@ -29,6 +29,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import jax
@@ -38,10 +39,9 @@ import numpy as np
 from upcycler.io.hf_read import read_spec
 from upcycler.spec import ModelSpec, MoESpec
 from upcycler.train import model as model_lib
-from upcycler.train.config import LossConfig, OptimizerConfig
-from upcycler.train.loop import sharding
-from upcycler.train.loop.optim import make_optimizer, opt_state_shardings
-from upcycler.train.loop.train_step import TrainState, compile_step, global_batch, make_train_step
+from upcycler.train.config import TrainConfig
+from upcycler.train.loop import run_build
+from upcycler.train.loop.train_step import TrainState, global_batch
 from upcycler.train.model.params import init_params
 from upcycler.train.reporting.flops import flops_per_token
 
@@ -109,19 +109,27 @@ class MatmulPeak:
         return now
 
 
+def _run_config(cfg: model_lib.ModelConfig, batch: int, seq_len: int) -> TrainConfig:
+    """A training config running `cfg` on `batch` × `seq_len` tokens of one source, FSDP over every device,
+    the optimiser at lr 1e-4 (the model's architecture comes from the spec given beside it)."""
+    return TrainConfig.from_dict({
+        "run_dir": "runs/bench", "steps": 1,
+        "model": {"init": "random-weights", **{f.name: getattr(cfg, f.name) for f in fields(cfg)}},
+        "data": {"dir": "data", "seq_len": seq_len, "global_batch_size": batch, "phases": [{"weights": {"data": 1.0}}]},
+        "optimizer": {"lr": 1e-4}, "mesh": {"data": 1, "fsdp": -1, "context": 1, "expert": 1},
+    }, "bench")
+
+
 def bench_path(
     spec: ModelSpec, cfg: model_lib.ModelConfig, batch: int, seq_len: int, steps: int, peak: MatmulPeak
 ) -> dict:
-    """Compile and time the train step under `cfg` (one MoE implementation), probing the peak before every step."""
-    mesh = sharding.make_mesh()
-    tx, schedule = make_optimizer(OptimizerConfig(lr=1e-4), spec)
-    p_shard = sharding.param_shardings(spec, mesh)
-    params = jax.jit(lambda k: init_params(spec, k), out_shardings=p_shard)(jax.random.key(0))
-    o_shard = opt_state_shardings(
-        tx, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params), p_shard, mesh
-    )
-    state = TrainState(jnp.asarray(0, jnp.int32), params, jax.jit(tx.init, out_shardings=o_shard)(params))
-    state_shard = TrainState(sharding.replicated(mesh), p_shard, o_shard)
+    """Compile and time the train step under `cfg` (one MoE implementation), probing the peak before every step.
+    The step is the trainer's own (`run_build.build`: mesh, layout, optimiser, step) on random weights."""
+    built = run_build.build(_run_config(cfg, batch, seq_len), spec)
+    shardings = built.layout.shardings
+    params = jax.jit(lambda k: init_params(spec, k), out_shardings=shardings.params)(jax.random.key(0))
+    state = TrainState(jnp.asarray(0, jnp.int32), params,
+                       jax.jit(built.layout.tx.init, out_shardings=shardings.opt_state)(params))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, spec.vocab_size, size=(batch, seq_len + 1), dtype=np.int32)
     local = {
@@ -130,10 +138,9 @@ def bench_path(
         "mask": np.ones((batch, seq_len), np.float32),
         "source_id": np.zeros(batch, np.int32),
     }
-    data = global_batch(local, mesh)
-    step = make_train_step(spec, cfg, LossConfig(), tx, schedule, num_sources=1)
+    data = global_batch(local, built.mesh)
     t0 = time.perf_counter()
-    compiled = compile_step(step, state_shard, mesh, state, data)
+    compiled = built.compile(state, data)
     compile_s = time.perf_counter() - t0
     state, metrics = compiled(state, data)
     jax.block_until_ready(metrics)

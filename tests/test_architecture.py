@@ -409,3 +409,21 @@ def test_every_technique_implements_the_protocol():
     keys = [key for cls in techniques.values() for key in cls.meta_keys]
     assert len(keys) == len(set(keys))
     assert not set(keys) & {"step", "tokens_seen", "lr", "spec", "lineage"}
+
+
+STEP_WIRING = ("make_train_step", "state_layout", "compile_step")  # what assembles and compiles a run's step
+STEP_BUILDER = {"train/loop/run_build.py", "train/loop/train_step.py"}  # the builder, and where they are defined
+
+
+def test_one_builder_assembles_the_step():
+    """The trainer, compile-only, the planner and the benchmarks take their step from `run_build.build`:
+    no other file calls what wires the mesh, the layout and the step together."""
+    callers = []
+    for path in sorted([*ROOT.glob("upcycler/**/*.py"), *ROOT.glob("train/**/*.py"), *ROOT.glob("bench/*.py")]):
+        where = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                if name in STEP_WIRING and where not in STEP_BUILDER:
+                    callers.append(f"{where}:{node.lineno} {name}")
+    assert callers == []

@@ -3,7 +3,7 @@
 `compile_only(config, topology=...)` builds the train state from the checkpoint's `ModelSpec` alone (a
 directory holding only config.json is enough: no tensor is read, no data file opened), lays it out on the
 configured mesh over the target devices, lowers and compiles the very step `upcycler.train.loop.trainer` runs
-(same `make_train_step`, shardings, remat, dtypes, microbatches), and returns the `compile_report.Report` of
+(the same `run_build.build`: mesh, shardings, remat, dtypes, microbatches), and returns the `compile_report.Report` of
 what one device needs. A step too large for the target's memory fails the TPU compile with
 RESOURCE_EXHAUSTED; that is reported as "does not fit" with the analytic part of the memory, not raised.
 When data phases train at lengths of their own, every phase's shape is checked as the run checks it and
@@ -28,7 +28,6 @@ from upcycler.spec import ModelSpec
 from upcycler.train.aot import compile_report
 from upcycler.train.aot.topology import parse_slice, tpu_devices
 from upcycler.train.config import TrainConfig
-from upcycler.train.loop.preflight import check_spec_options
 
 
 @dataclass(frozen=True)
@@ -71,27 +70,19 @@ def compile_only(config: TrainConfig, *, topology: str | None = None, hbm_budget
     the bucket; default `save_time.DEFAULT_HOST_BANDWIDTH`) sets the checkpoint save's bound."""
     import jax
 
-    from upcycler.train.loop import mesh as mesh_lib
-    from upcycler.train.loop import phases
-    from upcycler.train.loop.train_step import abstract_batch, compile_step, make_train_step, state_layout
+    from upcycler.train.loop import phases, run_build
+    from upcycler.train.loop.train_step import abstract_batch
 
     spec = spec if spec is not None else model_spec(config.model.init)
     tgt = target(topology, slices)
-    mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, spec,
-                               microbatches=config.data.microbatches, devices=tgt.devices,
-                               seq_len=config.data.seq_len, moe_chunks=config.model.moe_chunks,
-                               moe_dispatch=config.model.moe_dispatch)
-    check_spec_options(config, spec, tgt.devices)  # every phase's shape too; the mesh is the same for all
+    built = run_build.build(config, spec, devices=tgt.devices, lineage=_lineage(config.model.init))
+    mesh, layout = built.mesh, built.layout
     config = phases.at_longest(config)
-    layout = state_layout(spec, config.optimizer, mesh, _lineage(config.model.init))
     batch = abstract_batch(config.data.global_batch_size, config.data.seq_len, mesh)
-    step = make_train_step(spec, config.model.run_config(), config.loss, layout.tx, layout.schedule,
-                           len(config.data.source_names), microbatches=config.data.microbatches,
-                           trainable=layout.trainable, ema_decay=config.optimizer.ema)
     started = time.perf_counter()
     try:
         with nullcontext() if topology is None else without_persistent_cache():
-            compiled = compile_step(step, layout.shardings, mesh, layout.abstract, batch)
+            compiled = built.compile(layout.abstract, batch)
         failure = None
     except jax.errors.JaxRuntimeError as err:  # how XLA refuses a program: out of memory, or unsupported
         if "RESOURCE_EXHAUSTED" not in str(err):

@@ -27,6 +27,7 @@ from upcycler.hardware import Chip
 from upcycler.spec import ModelSpec
 from upcycler.train.aot import collectives, hbm_traffic, roofline, save_time
 from upcycler.train.config import LossConfig, ModelConfig, TrainConfig
+from upcycler.train.loop.train_step import program_fingerprint
 from upcycler.train.model import remat
 from upcycler.train.model.gmm_megablox import scoped_vmem_of
 from upcycler.train.reporting.flops import flops_per_token, matmul_params
@@ -100,6 +101,7 @@ class Report:
     slices: int = 1  # TPU slices joined by the data-center network (`dcn_traffic_bytes` of each kind crosses it)
     traffic_sources: list[dict[str, Any]] = field(default_factory=list)  # the largest HBM sources, per layer
     moe_layer_bytes: float | None = None  # HBM traffic of one routed-expert layer (`MOE_SOURCES`), per chip
+    program: str | None = None  # `train_step.program_fingerprint` of what was compiled (None: out of memory)
 
     @property
     def margin(self) -> int | None:
@@ -194,6 +196,7 @@ def build(config: TrainConfig, spec: ModelSpec, mesh, layout, batch, compiled, *
                                   mesh.devices, save_bandwidth),
         slices=len({getattr(d, "slice_index", 0) for d in mesh.devices.flat}),
         traffic_sources=sources, moe_layer_bytes=moe_bytes,
+        program=program_fingerprint(compiled) if compiled is not None else None,
     )
 
 

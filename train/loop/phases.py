@@ -17,7 +17,7 @@ Llama 3 and ProLong lengthen the context in stages. What the loop needs of that 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
@@ -81,14 +81,15 @@ def at_longest(config: TrainConfig) -> TrainConfig:
 class CompiledSteps:
     """The train step compiled for each batch shape met, kept for the rest of the run.
 
-    `compile(state, batch, clock)` compiles the step for `batch`'s shape (with `train_step.compile_step`, for
-    `step`, `shardings` and `mesh`) only the first time that shape is met, `for_batch(batch)` returns it;
-    `compiles` counts the compilations."""
+    `compile(state, batch, clock)` compiles the run's step (`run_build.BuiltRun`) for `batch`'s shape only
+    the first time that shape is met, `for_batch(batch)` returns it; `compiles` counts the compilations and
+    `fingerprints` names each program compiled (`train_step.program_fingerprint`), in order."""
 
-    def __init__(self, step: Callable, shardings: Any, mesh: Any):
-        self.step, self.shardings, self.mesh = step, shardings, mesh
+    def __init__(self, built: Any):
+        self.built = built
         self._compiled: dict[tuple[int, ...], Any] = {}
         self.compiles = 0
+        self.fingerprints: list[str] = []
 
     def has(self, batch: dict[str, Any]) -> bool:
         """Whether the step for `batch`'s shape is compiled already."""
@@ -100,8 +101,8 @@ class CompiledSteps:
         if self.has(batch):
             return 0
         with clock.timed("program_startup") if clock is not None else nullcontext():
-            self._compiled[_shape(batch)] = train_step.compile_step(self.step, self.shardings, self.mesh,
-                                                                    state, batch)
+            self._compiled[_shape(batch)] = compiled = self.built.compile(state, batch)
+        self.fingerprints.append(train_step.program_fingerprint(compiled))
         self.compiles += 1
         return self.compiles
 

@@ -10,6 +10,8 @@ Shape suffixes follow the dimension key of `upcycler.train.model` (here: B, L, V
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -338,6 +340,16 @@ def compile_step(step: Callable, state_shardings: TrainState, mesh: Mesh, state:
     )
     with jax.set_mesh(mesh):
         return jitted.lower(state, batch).compile()
+
+
+def program_fingerprint(compiled: Any) -> str:
+    """A digest of a compiled program's optimised HLO without what names where it came from (the module's
+    name, the source files, functions and stack frames of its metadata, which follow the caller): equal
+    digests, the same program."""
+    text = re.sub(r"^HloModule \S+", "HloModule", compiled.as_text(), count=1, flags=re.MULTILINE)
+    text = re.sub(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n(\d+ .*\n)*", "", text, flags=re.MULTILINE)
+    text = re.sub(r", metadata=\{[^}]*\}", "", text)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def global_batch(local: dict[str, Any], mesh: Mesh) -> Batch:

@@ -35,7 +35,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
 from upcycler.errors import UpcyclerError
 from upcycler.io import read_checkpoint
@@ -44,14 +43,14 @@ from upcycler.train.config import TrainConfig
 from upcycler.train.data.mix import DataIterator, make_data_iterator
 from upcycler.train.loop import checkpointing as ckpt
 from upcycler.train.loop import mesh as mesh_lib
-from upcycler.train.loop import phases, train_step
+from upcycler.train.loop import phases, run_build
 from upcycler.train.loop.heldout_eval import HeldoutEval, HeldoutEvaluation
-from upcycler.train.loop.preflight import RunInputs, check_spec_options, prepare
+from upcycler.train.loop.preflight import RunInputs, prepare
 from upcycler.train.loop.profiling import ProfileWindow
 from upcycler.train.loop.remote_inputs import localized
 from upcycler.train.loop.rewind import rewound_state
 from upcycler.train.loop.run_dir import lock_run_dir, make_run_dir
-from upcycler.train.loop.train_step import TrainState, global_batch, make_train_step
+from upcycler.train.loop.train_step import TrainState, global_batch
 from upcycler.train.model.params import from_tensors
 from upcycler.train.reporting.goodput import RunClock, stamp
 from upcycler.train.reporting.metrics_log import MetricsLog, step_record
@@ -69,11 +68,13 @@ from upcycler.train.techniques.spike_guard import SpikeGuard
 
 @dataclass
 class RunResult:
-    """How a run ended: the step reached, the last checkpoint written, and whether SIGTERM stopped it."""
+    """How a run ended: the step reached, the last checkpoint written, whether SIGTERM stopped it, and
+    the programs it compiled (`train_step.program_fingerprint`, one per data phase shape met)."""
 
     step: int
     last_checkpoint: Path | None
     preempted: bool = False
+    programs: tuple[str, ...] = ()
 
 
 def train(config: TrainConfig, *, resume: bool = False, checked: RunInputs | None = None) -> RunResult:
@@ -85,11 +86,9 @@ def train(config: TrainConfig, *, resume: bool = False, checked: RunInputs | Non
         mesh_lib.init_distributed(config.distributed)
         config = localized(config)
         checked = checked or prepare(config, resume)
-        mesh = mesh_lib.build_mesh(config.mesh, config.data.global_batch_size, checked.spec,
-                                   microbatches=config.data.microbatches,
-                                   seq_len=config.data.seq_len, moe_chunks=config.model.moe_chunks,
-                                   moe_dispatch=config.model.moe_dispatch)
-        check_spec_options(config, checked.spec)  # MoE options on a dense model: before the run directory
+        # the mesh, layout and step (MoE options on a dense model refused): before the run directory
+        built = run_build.build(config, checked.spec, lineage=checked.lineage)
+        mesh = built.mesh
     data = make_data_iterator(config.data, *mesh_lib.data_shard(mesh))
     run, held = None, None
     try:
@@ -98,7 +97,7 @@ def train(config: TrainConfig, *, resume: bool = False, checked: RunInputs | Non
             heldout = HeldoutEval(config, checked.spec, data.tokenizer_sha256, *mesh_lib.data_shard(mesh))
         held = lock_run_dir(config, resume=resume)  # one run at a time, until its last save is done
         make_run_dir(config)
-        run = _Run(config, checked, mesh, data, clock, heldout)
+        run = _Run(config, checked, built, data, clock, heldout)
         with clock.timed("checkpoint_restore" if resume else "training_prep"):
             state = run.resumed_state() if resume else run.initial_state()
         return run.loop(state)
@@ -115,11 +114,12 @@ def train(config: TrainConfig, *, resume: bool = False, checked: RunInputs | Non
 class _Run:
     """The pieces of one run: mesh, shardings, optimiser, data, checkpoints, techniques, compiled step."""
 
-    def __init__(self, config: TrainConfig, checked: RunInputs, mesh: Mesh, data: DataIterator,
+    def __init__(self, config: TrainConfig, checked: RunInputs, built: run_build.BuiltRun, data: DataIterator,
                  clock: RunClock, heldout: HeldoutEval | None):
-        self.config, self.checked, self.mesh, self.data, self.clock = config, checked, mesh, data, clock
+        self.config, self.checked, self.built, self.data, self.clock = config, checked, built, data, clock
+        self.mesh = mesh = built.mesh
         self.spec = spec = checked.spec
-        self.layout = train_step.state_layout(spec, config.optimizer, mesh, checked.lineage)
+        self.layout = built.layout
         self.state_shardings = self.layout.shardings
         c = config.checkpoint  # side files: the tokenizer's first, then the init's
         self.ckpts = ckpt.RunCheckpoints(
@@ -169,10 +169,7 @@ class _Run:
         config, primary, clock = self.config, jax.process_index() == 0, self.clock
         start = step = int(state.step)
         sources = self.data.source_names
-        steps = phases.CompiledSteps(make_train_step(  # compiled once per data phase shape
-            self.spec, config.model.run_config(), config.loss, self.layout.tx, self.layout.schedule,
-            len(sources), microbatches=config.data.microbatches, trainable=self.layout.trainable,
-            ema_decay=config.optimizer.ema), self.state_shardings, self.mesh)
+        steps = phases.CompiledSteps(self.built)  # compiled once per data phase shape
         with clock.timed("initialization"):
             peak = peak_per_device(config.metrics.peak_flops, jax.devices())
         log = RecordSinks(MetricsLog(config.run_dir, enabled=primary, start_step=start))
@@ -226,8 +223,8 @@ class _Run:
                         last = self._save(state, step, progress)
                     log.saved()
                 if STOP in actions:
-                    return RunResult(step, last, preempted=True)
-            return RunResult(step, last)
+                    return RunResult(step, last, preempted=True, programs=tuple(steps.fingerprints))
+            return RunResult(step, last, programs=tuple(steps.fingerprints))
         finally:
             for t in reversed(techniques):
                 t.close()
