@@ -381,34 +381,49 @@ def technique_classes() -> dict[str, type]:
 
 
 # what train/techniques/ defines that is no technique: the protocol's own types (the checked reading of a
-# checkpoint's meta among them), and the window of counts the expert technique keeps
+# checkpoint's meta among them, and the in-step half's base), the window of counts the expert technique
+# keeps, and what held-out evaluation asks of the run's evaluator
 NOT_TECHNIQUES = {"protocol.Technique", "protocol.StepContext", "protocol.Action", "protocol.Rewind",
-                  "protocol.Checkpoints", "protocol.MetaEntries", "expert_window.ExpertWindow"}
+                  "protocol.Checkpoints", "protocol.MetaEntries", "expert_window.ExpertWindow",
+                  "in_step.StepTechnique", "heldout.Evaluator"}
 
 
 def test_every_technique_implements_the_protocol():
-    """A class of train/techniques/ is a `Technique` (or one of the protocol's own types): its hooks keep the
-    protocol's signatures, and the checkpoint meta's keys it declares are its own, none of the loop's."""
+    """A class of train/techniques/ is a technique on one protocol, the loop's half (`Technique`) or the
+    step's (`StepTechnique`), or one of the protocol's own types: its hooks keep the protocol's signatures,
+    and the checkpoint meta's keys it declares are its own, none of the loop's. No technique is defined
+    anywhere else."""
+    import importlib
     import inspect
 
-    from upcycler.train.loop.heldout_eval import HeldoutEvaluation
-    from upcycler.train.loop.profiling import ProfileWindow
+    from upcycler.train.techniques.in_step import StepTechnique
     from upcycler.train.techniques.protocol import Technique
 
     classes = technique_classes()
     assert set(NOT_TECHNIQUES) <= set(classes)
     techniques = {k: c for k, c in classes.items() if k not in NOT_TECHNIQUES}
-    assert sorted(k for k, c in techniques.items() if not issubclass(c, Technique)) == []
-    assert len(techniques) >= 5  # spike guard, finiteness, expert window, checkpoint schedule, preemption
-    techniques.update({"heldout_eval.HeldoutEvaluation": HeldoutEvaluation, "profiling.ProfileWindow": ProfileWindow})
-    hooks = [n for n, f in vars(Technique).items() if inspect.isfunction(f)]
-    wrong = [f"{k}.{hook}" for k, cls in techniques.items() for hook in hooks
-             if list(inspect.signature(getattr(cls, hook)).parameters)
-             != list(inspect.signature(getattr(Technique, hook)).parameters)]
+    assert sorted(k for k, c in techniques.items() if not issubclass(c, Technique | StepTechnique)) == []
+    loop = {k: c for k, c in techniques.items() if issubclass(c, Technique)}
+    step = {k: c for k, c in techniques.items() if issubclass(c, StepTechnique)}
+    # spike guard, finiteness, expert window, checkpoint schedule, preemption, held-out evaluation, profiling
+    assert len(loop) >= 7 and len(step) >= 3  # selection-bias balancing, weights average, z-loss ramp
+    wrong = []
+    for half, base in ((loop, Technique), (step, StepTechnique)):
+        hooks = [n for n, f in vars(base).items() if inspect.isfunction(f) or isinstance(f, classmethod)]
+        wrong += [f"{k}.{hook}" for k, cls in half.items() for hook in hooks
+                  if list(inspect.signature(getattr(cls, hook)).parameters)
+                  != list(inspect.signature(getattr(base, hook)).parameters)]
     assert wrong == []
-    keys = [key for cls in techniques.values() for key in cls.meta_keys]
+    keys = [key for cls in loop.values() for key in cls.meta_keys]
     assert len(keys) == len(set(keys))
     assert not set(keys) & {"step", "tokens_seen", "lr", "spec", "lineage"}
+    elsewhere = []
+    for name in sorted(m for m in modules() if m.startswith("upcycler.train.")
+                       and not m.startswith("upcycler.train.techniques.")):
+        module = importlib.import_module(name)
+        elsewhere += [f"{name}.{n}" for n, cls in inspect.getmembers(module, inspect.isclass)
+                      if cls.__module__ == name and issubclass(cls, Technique | StepTechnique)]
+    assert elsewhere == []
 
 
 STEP_WIRING = ("make_train_step", "state_layout", "compile_step")  # what assembles and compiles a run's step

@@ -38,6 +38,7 @@ Schema (every section but `model` and `data` is optional; defaults shown):
     loss:
       lb_coef: 0.01
       z_coef: 0.001
+      z_coef_ramp: 0                   # steps over which the z-loss weight rises to z_coef (0: constant)
       ce_chunk: 0                      # positions per logits block (0: all)
       bias_update_rate: 0.0            # aux-loss-free balancing of the selection bias (0: off)
       bias_update: on                  # on | frozen (keep an inherited bias as it is)
@@ -234,6 +235,10 @@ class LossConfig:
 
     lb_coef: float = field(0.01, range=_NON_NEGATIVE, help="Weight of the load-balancing loss.")
     z_coef: float = field(0.001, range=_NON_NEGATIVE, help="Weight of the router z-loss.")
+    z_coef_ramp: int = field(0, range=Range(0, MAX_STEP),
+                             help="Raise the z-loss weight linearly from z_coef / N at step 0 to z_coef at step "
+                                  "N − 1 over these N steps (0: z_coef from the start); its value per step is "
+                                  "logged as technique/z_coef.")
     ce_chunk: int = field(0, range=Range(0, 1 << 22),
                           help="Positions per block of the cross-entropy (0: all at once); with a block, "
                                "the [tokens, vocab] logits never exist in full.")
@@ -330,7 +335,7 @@ EVAL_LENGTHS = ("data", "phase")
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """`eval`: held-out loss per source during training (`upcycler.train.loop.heldout_eval`)."""
+    """`eval`: held-out loss per source during training (`upcycler.train.loop.heldout_eval`, on the loop as `upcycler.train.techniques.heldout`)."""
 
     every: int = field(100, range=_STEPS, help="Evaluate after every this many steps (and after the last).")
     batches: int = field(4, range=Range(1, 1 << 16),

@@ -39,7 +39,6 @@ from upcycler.train.data.format import HELDOUT_SUFFIX, heldout_name
 from upcycler.train.data.sources import Windows, open_source, prepared_names
 from upcycler.train.loop import sharding
 from upcycler.train.loop.train_step import batch_shardings, global_batch, loss_fn
-from upcycler.train.techniques.protocol import StepContext, Technique
 from upcycler.untrusted import shown_path
 
 
@@ -113,31 +112,6 @@ class HeldoutEval:
         """`run` on the starting parameters at step 0's shape, named `eval_start/…` (before any step changed
         them)."""
         return {key.replace("eval/", "eval_start/", 1): value for key, value in self.run(params, mesh).items()}
-
-
-class HeldoutEvaluation(Technique):
-    """`HeldoutEval` on the loop: compiled with the step, the starting point measured before step 0, and
-    the evaluation's figures on the record of every step it is due after (never a discarded one's)."""
-
-    def __init__(self, heldout: HeldoutEval, mesh: Mesh, param_shardings: Any):
-        self.heldout, self.mesh, self.param_shardings = heldout, mesh, param_shardings
-        self._baseline: dict[str, float] = {}
-
-    def start(self, ctx: StepContext) -> None:
-        with ctx.clock.timed("program_startup"):
-            self.heldout.compile(ctx.params, self.mesh, self.param_shardings, ctx.step)
-        if ctx.step == 0:  # the starting point of every eval curve
-            with ctx.clock.timed("eval"):
-                self._baseline = self.heldout.baseline(ctx.params, self.mesh)
-
-    def before_write(self, ctx: StepContext) -> None:
-        if ctx.step == 0:
-            ctx.record.update(self._baseline)
-        if ctx.discarded is None and self.heldout.due(ctx.step):
-            with ctx.clock.timed("program_startup"):  # a shape not evaluated before: compiled now
-                self.heldout.compile(ctx.params, self.mesh, self.param_shardings, ctx.step)
-            with ctx.clock.timed("eval"):
-                ctx.record.update(self.heldout.run(ctx.params, self.mesh, ctx.step))
 
 
 def default_sources(directory: Any, training: tuple[str, ...]) -> list[str]:

@@ -3,7 +3,8 @@
 The trainer (`upcycler.train.loop.trainer`), the compile-only path (`upcycler.train.aot.compile`, and through
 it the planner and the shape advisor) and the benchmarks (`bench/train_step.py`) all take their step from
 `build`, so "compile-only compiles the step training runs" holds by construction: the same mesh over the
-same devices, the same layout (shardings, optimiser, trainable rows), the same step function, compiled by
+same devices, the same layout (shardings, optimiser, trainable rows), the same step function with the
+same in-step techniques (`upcycler.train.techniques.step_list.for_run`), compiled by
 the same `train_step.compile_step` (whose `program_fingerprint` names a compiled program by its optimised
 HLO: how a test shows the two paths compile one program).
 """
@@ -21,6 +22,7 @@ from upcycler.train.config import TrainConfig
 from upcycler.train.loop import mesh as mesh_lib
 from upcycler.train.loop import train_step
 from upcycler.train.loop.preflight import check_spec_options
+from upcycler.train.techniques import step_list
 
 
 @dataclass(frozen=True)
@@ -49,5 +51,5 @@ def build(config: TrainConfig, spec: ModelSpec, *, devices: Sequence[Any] | None
     layout = train_step.state_layout(spec, config.optimizer, mesh, lineage)
     step = train_step.make_train_step(spec, config.model.run_config(), config.loss, layout.tx, layout.schedule,
                                       len(config.data.source_names), microbatches=config.data.microbatches,
-                                      trainable=layout.trainable, ema_decay=config.optimizer.ema)
+                                      trainable=layout.trainable, techniques=step_list.for_run(config, spec))
     return BuiltRun(mesh, layout, step)

@@ -14,6 +14,7 @@ import hashlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
@@ -36,10 +37,11 @@ from upcycler.train.loop.optim import (
 )
 from upcycler.train.model import moe
 from upcycler.train.model.params import ParamInfo, Params, abstract_params, declare_tree
-from upcycler.train.techniques import balancing
-from upcycler.train.techniques.ema import ema_update
+from upcycler.train.techniques import in_step
+from upcycler.train.techniques.in_step import StepTechnique, StepValues
 
 Batch = dict[str, jax.Array]
+FORWARD_VALUES = ("lb_coef", "z_coef")  # the in-step techniques' values `loss_fn` reads: the router losses' weights
 BATCH_KEYS = ("inputs", "targets", "mask", "source_id")
 
 
@@ -151,8 +153,12 @@ def loss_fn(
     loss: LossConfig,
     num_sources: int,
     step_tokens: jax.Array | None = None,
+    values: StepValues | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(total loss, metrics): masked mean cross-entropy plus weighted router losses.
+
+    `values` are the in-step techniques' traced values of this step (`FORWARD_VALUES`): a loss term's
+    coefficient given there replaces the config's.
 
     `params` are as the forward reads them (`model.weights_for_compute`). When `batch` is one microbatch
     of a step, `step_tokens` is the step's count of real tokens: the cross-entropy is divided by it and
@@ -178,7 +184,8 @@ def loss_fn(
     if aux.router_logits is not None:
         terms = router_terms(aux, mask_BL, spec, batch["source_id"], num_sources)
         lb, z = share * terms["lb_loss"], share * terms["z_loss"]
-        total = total + loss.lb_coef * lb + loss.z_coef * z
+        values = values or {}
+        total = total + values.get("lb_coef", loss.lb_coef) * lb + values.get("z_coef", loss.z_coef) * z
         metrics.update(lb_loss=lb, z_loss=z, expert_counts=terms["expert_counts"],
                        expert_counts_by_source=terms["expert_counts_by_source"],
                        router_entropy=share * terms["router_entropy"])
@@ -204,45 +211,44 @@ def make_train_step(
     num_sources: int,
     microbatches: int = 1,
     trainable: Params | None = None,
-    ema_decay: float = 0.0,
+    techniques: Sequence[StepTechnique] = (),
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict]]:
-    """The (unjitted) step: gradients of `loss_fn`, clipped AdamW update, metrics of the step; then the
-    selection-bias update (`loss.bias_update_rate`, `upcycler.train.techniques.balancing`) and the weights' moving
-    average (`ema_decay`, `upcycler.train.techniques.ema`, when the state carries one).
+    """The (unjitted) step: gradients of `loss_fn`, clipped AdamW update, metrics of the step, with the
+    in-step `techniques` (`upcycler.train.techniques.in_step`: the run's are `step_list.for_run`) handing
+    the forward their values of the step and adjusting the state after the update, in order.
 
     With `microbatches` > 1 the rows run in that many parts under a `lax.scan`, gradients and metrics
     summed in fp32: the same update as one batch (see `loss_fn`), with one part's activations alive.
     `trainable` (from `optim.trainable_rows`) zeroes the frozen rows' gradients before the norm is taken.
     """
 
-    def loss_of(weights: Params, batch: Batch, step_tokens: jax.Array | None):
+    def loss_of(weights: Params, batch: Batch, step_tokens: jax.Array | None, values: StepValues):
         return loss_fn(weights, batch, spec=spec, cfg=cfg, loss=loss, num_sources=num_sources,
-                       step_tokens=step_tokens)
+                       step_tokens=step_tokens, values=values)
 
     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
 
-    def gradients(state: TrainState, batch: Batch) -> tuple[Params, dict[str, jax.Array]]:
+    def gradients(state: TrainState, batch: Batch, values: StepValues) -> tuple[Params, dict[str, jax.Array]]:
         weights = model_lib.weights_for_compute(state.params, spec, cfg)  # once per step, before gathers
         if microbatches == 1:
-            (_, metrics), grads = grad_fn(weights, batch, None)
+            (_, metrics), grads = grad_fn(weights, batch, None, values)
         else:
             step_tokens = batch["mask"].astype(jnp.float32).sum()
             micro = split_microbatches(batch, microbatches)
-            (_, metrics), grads = _accumulate(grad_fn, weights, micro, step_tokens, spec)
+            (_, metrics), grads = _accumulate(partial(grad_fn, values=values), weights, micro, step_tokens, spec)
         return jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params), metrics
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        grads, metrics = gradients(state, batch)
+        values = in_step.step_values(list(techniques), state.step, FORWARD_VALUES)
+        grads, metrics = gradients(state, batch, values)
         grads = keep_trainable(grads, trainable)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics.update(grad_norm=grad_norm(grads, spec), lr=schedule(state.step))
-        if balancing.has_selection_bias(spec):
-            metrics["selection_bias"] = balancing.selection_bias(state.params)
-            if loss.bias_update == "on" and loss.bias_update_rate > 0:
-                params = balancing.update_selection_bias(params, metrics["expert_counts"], loss.bias_update_rate)
-        ema = None if state.ema is None else ema_update(state.ema, params, state.step + 1, ema_decay)
-        return TrainState(state.step + 1, params, opt_state, ema), metrics
+        after = TrainState(state.step + 1, params, opt_state, state.ema)
+        for technique in techniques:
+            after = technique.after_update(state, after, metrics)
+        return after, metrics
 
     return step
 

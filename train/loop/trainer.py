@@ -44,9 +44,8 @@ from upcycler.train.data.mix import DataIterator, make_data_iterator
 from upcycler.train.loop import checkpointing as ckpt
 from upcycler.train.loop import mesh as mesh_lib
 from upcycler.train.loop import phases, run_build
-from upcycler.train.loop.heldout_eval import HeldoutEval, HeldoutEvaluation
+from upcycler.train.loop.heldout_eval import HeldoutEval
 from upcycler.train.loop.preflight import RunInputs, prepare
-from upcycler.train.loop.profiling import ProfileWindow
 from upcycler.train.loop.remote_inputs import localized
 from upcycler.train.loop.rewind import rewound_state
 from upcycler.train.loop.run_dir import lock_run_dir, make_run_dir
@@ -56,13 +55,15 @@ from upcycler.train.reporting.goodput import RunClock, stamp
 from upcycler.train.reporting.metrics_log import MetricsLog, step_record
 from upcycler.train.reporting.peak import peak_per_device
 from upcycler.train.reporting.progress import Progress
-from upcycler.train.reporting.writers import RecordSinks, open_writers
+from upcycler.train.reporting.writers import RecordSinks, open_writers, trace_location
 from upcycler.train.techniques.checkpoint_schedule import CheckpointSchedule
 from upcycler.train.techniques.expert_health import moe_layer_numbers
 from upcycler.train.techniques.expert_window import ExpertWatch
 from upcycler.train.techniques.finiteness import FinitenessCheck
+from upcycler.train.techniques.heldout import HeldoutEvaluation
 from upcycler.train.techniques.preemption import Preemption
-from upcycler.train.techniques.protocol import SAVE, STOP, Rewind, StepContext, Technique, walk
+from upcycler.train.techniques.profile_window import ProfileWindow
+from upcycler.train.techniques.protocol import FINISH, SAVE, STOP, Rewind, StepContext, Technique, walk
 from upcycler.train.techniques.spike_guard import SpikeGuard
 
 
@@ -127,7 +128,7 @@ class _Run:
             side_dirs=(checked.tokenizer.parent, checked.init), hf_every=c.hf_every, hf_dtype=c.hf_dtype)
         evaluation = [HeldoutEvaluation(heldout, mesh, self.state_shardings.params)] if heldout else []
         self.techniques: list[Technique] = [  # in the order they are walked; preemption joins in `loop`
-            ProfileWindow(config.profile, config.run_dir), *evaluation, SpikeGuard(config.loss.spike),
+            ProfileWindow(config.profile, *trace_location(config.run_dir)), *evaluation, SpikeGuard(config.loss.spike),
             FinitenessCheck(), ExpertWatch(spec, config.metrics, config.steps, data.source_names),
             CheckpointSchedule(config.checkpoint.every, config.steps),
         ]
@@ -218,12 +219,12 @@ class _Run:
                         last = self._save(state, step + 1, progress)  # the rewound state, saved at once
                         log.saved()
                 step += 1
-                if ctx.discarded is None and (SAVE in actions or STOP in actions):
+                if ctx.discarded is None and {SAVE, STOP, FINISH} & set(actions):
                     with clock.timed("checkpoint_save"):
                         last = self._save(state, step, progress)
                     log.saved()
-                if STOP in actions:
-                    return RunResult(step, last, preempted=True, programs=tuple(steps.fingerprints))
+                if STOP in actions or FINISH in actions:
+                    return RunResult(step, last, preempted=FINISH not in actions, programs=tuple(steps.fingerprints))
             return RunResult(step, last, programs=tuple(steps.fingerprints))
         finally:
             for t in reversed(techniques):

@@ -8,6 +8,9 @@ The log holds one JSON object per step, written by the primary process only (`me
     lb_loss, z_loss load-balancing and router z losses (mean over MoE layers; absent for dense models)
     total_loss      loss + lb_coef·lb_loss + z_coef·z_loss, what the gradient is of
     grad_norm       global L2 norm of the gradients before clipping
+    technique/<name>
+                    a figure an in-step technique adds to the step (`upcycler.train.techniques.in_step`),
+                    e.g. technique/z_coef, the z-loss weight of the step under `loss.z_coef_ramp`
     lr              learning rate used by this step
     tokens          real target tokens in the batch
     step_time, tokens_per_s   wall time of the compiled step and B·L / step_time
@@ -76,7 +79,8 @@ NUMBER_FIELDS = (
     "data_wait", "goodput",
 )
 TIMING_FIELDS = ("step_time", "tokens_per_s", "mfu", "data_wait", "goodput", "clock")  # differ run to run
-NUMBER_PREFIXES = ("loss/", "eval/loss/", "eval/ppl/", "eval_start/loss/", "eval_start/ppl/")
+TECHNIQUE_PREFIX = "technique/"  # an in-step technique's scalar figure of the step
+NUMBER_PREFIXES = ("loss/", "eval/loss/", "eval/ppl/", "eval_start/loss/", "eval_start/ppl/", TECHNIQUE_PREFIX)
 _FIX = "fix or delete that line"
 MAX_STEP = 2**53  # steps are plotted as floats: every step up to here is exact
 MAX_NAME = 255  # a data source's name is a file-name stem

@@ -25,7 +25,7 @@ from upcycler.bucket_client import refusals
 from upcycler.errors import UpcyclerError
 from upcycler.locations import is_remote
 from upcycler.train.reporting import metrics_objects, metrics_resume
-from upcycler.train.reporting.metrics import METRICS_FILE
+from upcycler.train.reporting.metrics import METRICS_FILE, TECHNIQUE_PREFIX
 from upcycler.untrusted import describe, shown_path
 
 
@@ -113,6 +113,7 @@ def step_record(
     for key in ("lb_loss", "z_loss"):
         if key in raw:
             rec[key] = float(raw[key])
+    rec.update({key: float(value) for key, value in raw.items() if key.startswith(TECHNIQUE_PREFIX)})
     rec.update(
         total_loss=float(raw["total_loss"]),
         grad_norm=float(raw["grad_norm"]),

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -178,6 +178,15 @@ def local_mirror(run_dir: Path) -> Path:
     from upcycler.io.remote_sources import cache_root
 
     return cache_root() / "runs" / run_id(run_dir)
+
+
+def trace_location(run_dir: Path) -> tuple[Path, Callable[[], None] | None]:
+    """Where a profile trace of the run in `run_dir` is written (RUN_DIR/tensorboard, or its local mirror
+    for a bucket run_dir) and what uploads it when it stops (None: written in place)."""
+    if not is_remote(run_dir):
+        return Path(run_dir) / TENSORBOARD_DIR, None
+    local = local_mirror(run_dir) / TENSORBOARD_DIR
+    return local, lambda: upload_tree(local, run_dir / TENSORBOARD_DIR)
 
 
 ORBAX_COMMIT_FILE = "commit_success.txt"

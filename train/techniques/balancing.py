@@ -15,11 +15,15 @@ same on any number of devices or processes.
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 from upcycler.spec import ModelSpec
 from upcycler.train.model.params import Params
+from upcycler.train.techniques.in_step import StepTechnique
 
 BIAS_PATH = ("layers", "moe", "moe", "router_bias")  # [M, E]: the MoE layers' selection biases, in order
 
@@ -44,3 +48,27 @@ def update_selection_bias(params: Params, counts_ME: jax.Array, rate: float) -> 
     new_bias = (bias_ME + jnp.float32(rate) * step_ME).astype(bias_ME.dtype)
     moe = params["layers"]["moe"]
     return {**params, "layers": {**params["layers"], "moe": {**moe, "moe": {**moe["moe"], "router_bias": new_bias}}}}
+
+
+class SelectionBiasBalancing(StepTechnique):
+    """In the step, for a model with a selection bias: the bias the step routed with, as the metric
+    `selection_bias`, and (`loss.bias_update` on, `loss.bias_update_rate` > 0) its update from the step's
+    expert counts, applied to the parameters after the optimiser's."""
+
+    name = "selection-bias balancing"
+
+    def __init__(self, rate: float):
+        self.rate = rate
+
+    @classmethod
+    def from_run(cls, config: Any, spec: ModelSpec) -> SelectionBiasBalancing | None:
+        if not has_selection_bias(spec):
+            return None
+        loss = config.loss
+        return cls(loss.bias_update_rate if loss.bias_update == "on" else 0.0)
+
+    def after_update(self, before: Any, after: Any, metrics: dict[str, jax.Array]) -> Any:
+        metrics["selection_bias"] = selection_bias(before.params)
+        if self.rate > 0:
+            after = replace(after, params=update_selection_bias(after.params, metrics["expert_counts"], self.rate))
+        return after

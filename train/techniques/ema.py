@@ -14,10 +14,14 @@ the parameters, saved with every checkpoint (`ema/`) and exported with `upcycle 
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
 from upcycler.train.model.params import Params
+from upcycler.train.techniques.in_step import StepTechnique
 
 
 def ema_update(ema: Params, params: Params, updates_done: jax.Array, decay: float) -> Params:
@@ -26,3 +30,21 @@ def ema_update(ema: Params, params: Params, updates_done: jax.Array, decay: floa
     beta = jnp.float32(decay)
     c = (1 - beta) / (1 - beta**t)
     return jax.tree.map(lambda e, p: jnp.where(t == 1, p, e + c * (p - e)), ema, params)
+
+
+class WeightsAverage(StepTechnique):
+    """In the step (`optimizer.ema` > 0): the average moved to the parameters the update produced."""
+
+    name = "weights average"
+
+    def __init__(self, decay: float):
+        self.decay = decay
+
+    @classmethod
+    def from_run(cls, config: Any, spec: Any) -> WeightsAverage | None:
+        return cls(config.optimizer.ema) if config.optimizer.ema > 0 else None
+
+    def after_update(self, before: Any, after: Any, metrics: dict[str, jax.Array]) -> Any:
+        if after.ema is None:  # a state laid out without an average (`train_step.state_layout`)
+            return after
+        return replace(after, ema=ema_update(after.ema, after.params, before.step + 1, self.decay))

@@ -13,7 +13,8 @@ A step, as the loop runs it (`upcycler.train.loop.trainer`):
     before_write(ctx)   the record is about to be written: figures measured outside the step (held-out
                         evaluation)
     after_write(ctx)    the record is written: a technique stops the run (raises) or returns an `Action`
-                        for the loop: `SAVE` this step, `STOP` (save it and end the run: preempted), or
+                        for the loop: `SAVE` this step, `STOP` (save it and end the run: preempted, to be
+                        resumed), `FINISH` (save it and end the run as finished: nothing to resume), or
                         `Rewind` to the average of earlier checkpoints
     close()             the run ends, however it ends (in the reverse order of the list)
 
@@ -51,13 +52,15 @@ class Checkpoints(Protocol):
 
 @dataclass(frozen=True)
 class Action:
-    """What a technique asks of the loop after a step: `SAVE` it, or `STOP` (save it, end the run)."""
+    """What a technique asks of the loop after a step: `SAVE` it, `STOP` (save it, end the run: preempted)
+    or `FINISH` (save it, end the run: finished)."""
 
     kind: str
 
 
 SAVE = Action("save")
-STOP = Action("stop")
+STOP = Action("stop")  # preempted: save this step and end the run, to be resumed
+FINISH = Action("finish")  # done early: save this step and end the run as finished, as if it reached `steps`
 
 
 @dataclass(frozen=True)

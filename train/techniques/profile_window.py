@@ -4,28 +4,26 @@ Every process traces its own host into RUN_DIR/tensorboard/plugins/profile/<sess
 the layout TensorBoard's profile tab (XProf, `tensorboard-plugin-profile`) lists as one session beside the
 scalars. For a bucket run_dir the trace is written into the local mirror (`writers.local_mirror`) and
 uploaded when it stops. A resumed run traces only what of the window is still ahead of it.
-`ProfileWindow` is a technique on the loop (`upcycler.train.techniques.protocol`).
+`ProfileWindow` is a technique on the loop (`upcycler.train.techniques.protocol`); the run tells it where
+the trace goes (`reporting.writers.trace_location`: the directory, and how to upload it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
 
-from upcycler.locations import is_remote
 from upcycler.train.config import ProfileConfig
-from upcycler.train.reporting.writers import TENSORBOARD_DIR, local_mirror, upload_tree
 from upcycler.train.techniques.protocol import StepContext, Technique
 
 
 class ProfileWindow(Technique):
     """Starts the trace before the window's first step and stops it after its last (see the module docstring)."""
 
-    def __init__(self, options: ProfileConfig | None, run_dir: Path):
-        self.options, self.run_dir = options, run_dir
-        remote = is_remote(run_dir)
-        self.logdir = (local_mirror(run_dir) if remote else Path(run_dir)) / TENSORBOARD_DIR
+    def __init__(self, options: ProfileConfig | None, logdir: Path, upload: Callable[[], None] | None = None):
+        self.options, self.logdir, self.upload = options, logdir, upload
         self._active = False
 
     def before_step(self, ctx: StepContext) -> None:
@@ -41,10 +39,10 @@ class ProfileWindow(Technique):
             self.close()
 
     def close(self) -> None:
-        """End the trace (if one is running) and, for a bucket run_dir, upload it."""
+        """End the trace (if one is running) and upload it where the run says so."""
         if not self._active:
             return
         jax.profiler.stop_trace()
         self._active = False
-        if is_remote(self.run_dir):
-            upload_tree(self.logdir, self.run_dir / TENSORBOARD_DIR)
+        if self.upload is not None:
+            self.upload()
