@@ -97,7 +97,7 @@ BAD = {
     "token chunks that do not divide the gathered tokens": (
         {"model.moe_dispatch": "all_gather", "model.moe_chunks": 3}, "model.moe_chunks 3"),
     "NaN chunk count": ({"model.moe_chunks": float("nan")}, "model.moe_chunks"),
-    "sparse prefill attention for training": ({"model.attention": "flexprefill"}, "upcycle eval"),
+    "sparse prefill attention for training": ({"model.attention": "flexprefill"}, "'flexprefill'"),
     "a prefill option in a training config": ({"model.prefill_gamma": 0.5}, "'prefill_gamma'"),
     "an HF export no saved step reaches": ({"checkpoint.hf_every": 5}, "checkpoint.hf_every 5 exports no step"),
     "a phase longer than the model's positions": (_long_phase({"seq_len": 512}), "run `upcycle context`"),

@@ -11,7 +11,6 @@ Schema (every section but `model` and `data` is optional; defaults shown):
       compute_dtype: float32           # float32 | bfloat16 (master weights are always float32)
       weights_dtype: float32           # dtype the forward reads the weights in (bfloat16: half the FSDP traffic)
       attention: einsum                # einsum | dot_product | chunked (query blocks of attention_chunk) | splash (TPU)
-                                       # (flexprefill: `upcycle eval` only; its options: evaluation/config)
       attention_chunk: 512
       context_exchange: gather         # gather | ring: a split sequence's keys and values (splash, mesh.context > 1)
       moe_impl: dropless               # dropless | reference (one-hot)
@@ -85,6 +84,7 @@ from upcycler.untrusted import describe, escape, load_yaml, parse_yaml, shown_pa
 SCHEDULE_KINDS = ("warmup", "constant", "cosine", "linear")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("einsum", "dot_product", "chunked", "splash", "flexprefill")
+TRAINING_ATTENTION = ATTENTION_IMPLS[:4]  # flexprefill is a prefill for evaluation
 CONTEXT_EXCHANGES = ("gather", "ring")  # how a split sequence's keys and values reach every query (splash)
 # `upcycler.train.model.remat`, most memory first
 REMAT_POLICIES = ("none", "dots", "all_but_ffn_hidden", "attention_and_ffn_input", "attention", "qkv",
@@ -165,6 +165,13 @@ class ModelConfig:
 class ModelSection(ModelConfig):
     """`model:`: the checkpoint to start from, its tokenizer, and how to run it (every `ModelConfig` option)."""
 
+    # the attentions a train step runs (`upcycle eval --attention flexprefill` is a prefill, not one of them)
+    attention: str = field("einsum", choices=TRAINING_ATTENTION,
+                           help="einsum (explicit, exact), dot_product (jax.nn.dot_product_attention), chunked "
+                                "(einsum over blocks of attention_chunk queries, recomputed in the backward pass: "
+                                "scores of one block at a time) or splash (JAX's Pallas TPU flash attention: the "
+                                "scores stay on chip; sequence a multiple of 128; off TPU it runs interpreted, "
+                                "for tests).")
     init: Location = field(help="The checkpoint to start from (HF or Orbax; a path or gs:// URL).")
     tokenizer: Location | None = field(None, help="tokenizer.json or its directory (default: "
                                                   "init/tokenizer.json).")
@@ -335,7 +342,8 @@ EVAL_LENGTHS = ("data", "phase")
 
 @dataclass(frozen=True)
 class EvalConfig:
-    """`eval`: held-out loss per source during training (`upcycler.train.loop.heldout_eval`, on the loop as `upcycler.train.techniques.heldout`)."""
+    """`eval`: held-out loss per source during training (`upcycler.train.loop.heldout_eval`, run on the loop
+    by `upcycler.train.techniques.heldout`)."""
 
     every: int = field(100, range=_STEPS, help="Evaluate after every this many steps (and after the last).")
     batches: int = field(4, range=Range(1, 1 << 16),
@@ -422,11 +430,6 @@ def check(config: TrainConfig, origin: str = "config") -> None:
                 f"{origin}: {where}global_batch_size {batch} is not divisible by the mesh "
                 f"(data × fsdp × expert) × data.microbatches = {known}; make it a multiple of {known}"
             )
-    if config.model.attention == "flexprefill":
-        raise UpcyclerError(
-            f"{origin}: model.attention flexprefill is a prefill for evaluation (upcycle eval --attention "
-            "flexprefill), not for training; set model.attention to einsum, dot_product, chunked or splash"
-        )
     for where, seq_len, _ in _shapes(config.data):
         _check_blocks(config, seq_len, where, origin)
         _check_context_chunks(config, seq_len, where, origin)
