@@ -6,7 +6,7 @@ grad_comm_dtype; and `--topology`, `--hbm-budget`. Each bad input, run in-proces
 (`CliRunner`), must give exit 2 by `SystemExit` (no other exception), exactly one `error:` line naming
 the key and the fix, its inputs' bytes and mtimes unchanged, no run directory, within `SECONDS` each
 (the refusals come before JAX compiles anything). Three cases go through a real subprocess. Then
-Hypothesis: the new keys of the config, the `init_from_merge` string and the topology names turn any
+Hypothesis: the new keys of the config, the `init_from_merge` section and the topology names turn any
 generated input into a value or one `UpcyclerError`.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import re
 import resource
@@ -30,9 +31,10 @@ from test_hostile_train import _mutate, _parse_or_refuse, _valid_config, json_va
 
 from upcycler.cli import main
 from upcycler.errors import UpcyclerError
+from upcycler.schema import from_mapping
 from upcycler.train.aot.topology import MAX_CHIPS, parse_slice
-from upcycler.train.config import TrainConfig, load_config
-from upcycler.train.techniques.init_merge import parse_init_merge
+from upcycler.train.config import AVERAGING_METHODS, InitMergeConfig, TrainConfig, load_config
+from upcycler.train.techniques.init_merge import merge_sources, method_options
 
 SECONDS = 10  # per refused case, in-process (a hang or a runaway search fails the test)
 FUZZ = settings(max_examples=100, deadline=None,
@@ -186,45 +188,61 @@ def _merge_sources(ws, tmp: Path) -> dict[str, tuple[str, str]]:
     loop.symlink_to(loop)
     dangling.symlink_to(tmp / "nowhere")
     (tmp / "alias").symlink_to(run / "4")
-    return {  # case: (the option's string, mention)
-        "nonexistent": (f"{tmp}/nowhere --last 2", "nowhere"),
-        "a FIFO": (str(fifo), "fifo: not a directory"),
-        "a symlink loop": (str(loop), "loop"),
-        "a dangling symlink": (str(dangling), "dangling"),
-        "a device": ("/dev/zero", "/dev/zero"),
-        "a file": (str(ws["tokenizer"]), "not a directory"),
-        "the data directory": (str(ws["data"]), "not a checkpoint"),
-        "the same checkpoint twice": (f"{run}/4 {run}/4", "merged twice"),
-        "the same checkpoint through a symlink": (f"{run}/4 {tmp}/alias", "merged twice"),
-        "the same run twice": (f"{run} {run} --last 2", "merged twice"),
-        "another architecture": (f"{run}/2 {ws['moe']}", "family"),
-        "another architecture than model.init": (f"{ws['moe']}", "differ from model.init"),
-        "no path": ("--last 3", "name a run directory"),
-        "unclosed quote": ("'unclosed", "No closing quotation"),
-        "a flag without value": (f"{run} --last", "needs a value"),
-        "a flag twice": (f"{run} --last 2 --last 1", "given twice"),
-        "--every 0": (f"{run} --every 0", "--every 0"),
-        "--last huge": (f"{run} --last {10**20}", "--last"),
-        "--last 5000 digits": (f"{run} --last {'9' * 5000}", "--last"),
-        "--alpha NaN": (f"{run} --method ema --alpha nan", "--alpha"),
-        "--alpha 2": (f"{run} --method ema --alpha 2", "--alpha"),
-        "not an average": (f"{run} --method ties", "not an averaging method"),
-        "unknown flag": (f"{run} --weights 1,2", "unknown option"),
+    return {  # case: (the section, mention)
+        "nonexistent": ({"sources": [f"{tmp}/nowhere"], "last": 2}, "nowhere"),
+        "a FIFO": ({"sources": [str(fifo)]}, "fifo: not a directory"),
+        "a symlink loop": ({"sources": [str(loop)]}, "loop"),
+        "a dangling symlink": ({"sources": [str(dangling)]}, "dangling"),
+        "a device": ({"sources": ["/dev/zero"]}, "/dev/zero"),
+        "a file": ({"sources": [str(ws["tokenizer"])]}, "not a directory"),
+        "the data directory": ({"sources": [str(ws["data"])]}, "not a checkpoint"),
+        "the same checkpoint twice": ({"sources": [f"{run}/4", f"{run}/4"]}, "merged twice"),
+        "the same checkpoint through a symlink": ({"sources": [f"{run}/4", f"{tmp}/alias"]}, "merged twice"),
+        "the same run twice": ({"sources": [str(run), str(run)], "last": 2}, "merged twice"),
+        "another architecture": ({"sources": [f"{run}/2", str(ws["moe"])]}, "family"),
+        "another architecture than model.init": ({"sources": [str(ws["moe"])]}, "differ from model.init"),
+        "no source": ({"sources": [], "last": 3}, "name a run directory"),
+        "the old one-string form": (f"{run} --last 3", "must be a mapping"),
+        "every 0": ({"sources": [str(run)], "every": 0}, "model.init_from_merge.every"),
+        "last huge": ({"sources": [str(run)], "last": 10**20}, "model.init_from_merge.last"),
+        "last 5000 digits": ({"sources": [str(run)], "last": _Raw("9" * 5000)}, "model.init_from_merge"),
+        "alpha NaN": ({"sources": [str(run)], "method": "ema", "alpha": float("nan")}, "alpha"),
+        "alpha 2": ({"sources": [str(run)], "method": "ema", "alpha": 2}, "alpha"),
+        "alpha without ema": ({"sources": [str(run)], "method": "sma", "alpha": 0.5}, "option of method ema"),
+        "not an average": ({"sources": [str(run)], "method": "ties"}, "model.init_from_merge.method"),
+        "unknown key": ({"sources": [str(run)], "weights": "1,2"}, "'weights'"),
     }
+
+
+class _Raw(str):
+    """A value written into the YAML as it is (an integer too long for Python to print)."""
+
+
+def _yaml(section) -> str:
+    """A `--set` value for the section: JSON (which YAML reads), NaN as YAML's .nan, `_Raw` as it is."""
+    if isinstance(section, str):
+        return json.dumps(section)
+
+    def value(v) -> str:
+        if isinstance(v, _Raw):
+            return str(v)
+        return ".nan" if isinstance(v, float) and math.isnan(v) else json.dumps(v)
+
+    return "{" + ", ".join(f"{k}: {value(v)}" for k, v in section.items()) + "}"
 
 
 MERGE_CASES = ["nonexistent", "a FIFO", "a symlink loop", "a dangling symlink", "a device", "a file",
                "the data directory", "the same checkpoint twice", "the same checkpoint through a symlink",
-               "the same run twice", "another architecture", "another architecture than model.init", "no path",
-               "unclosed quote", "a flag without value", "a flag twice", "--every 0", "--last huge",
-               "--last 5000 digits", "--alpha NaN", "--alpha 2", "not an average", "unknown flag"]
+               "the same run twice", "another architecture", "another architecture than model.init", "no source",
+               "the old one-string form", "every 0", "last huge", "last 5000 digits", "alpha NaN", "alpha 2",
+               "alpha without ema", "not an average", "unknown key"]
 
 
 @pytest.mark.parametrize("case", MERGE_CASES)
 def test_a_bad_merge_to_start_from_is_one_error(ws, tmp_path, case):
     (tmp_path / "links").mkdir()
-    text, mentions = _merge_sources(ws, tmp_path / "links")[case]
-    line = refused(ws, tmp_path, ["--set", f"model.init_from_merge={json.dumps(text)}"], mentions,
+    section, mentions = _merge_sources(ws, tmp_path / "links")[case]
+    line = refused(ws, tmp_path, ["--set", f"model.init_from_merge={_yaml(section)}"], mentions,
                    inputs=(ws["source_run"],))
     assert "model.init_from_merge" in line
 
@@ -282,7 +300,8 @@ def test_real_process_refusals(ws, tmp_path):
     for args, mentions in (
         (["--compile-only", "--topology", "v5e-" + "9" * 5000], "--topology"),
         (["--set", "optimizer.trainable='^([a-z_.0-9]|[a-z_.0-9])*!$'"], "took over"),
-        (["--set", f"model.init_from_merge='{ws['source_run']} {ws['source_run']} --last 1'"], "merged twice"),
+        (["--set", f"model.init_from_merge={{sources: ['{ws['source_run']}', '{ws['source_run']}'], last: 1}}"],
+         "merged twice"),
     ):
         proc = run_cli("continued-pretrain", "--config", cfg, *args, check=False, timeout=SECONDS * 6)
         assert proc.returncode == 2
@@ -337,18 +356,23 @@ def test_new_keys_mutated_are_a_config_or_one_error(changes):
         assert 0 <= result.optimizer.ema < 1 and result.checkpoint.hf_every >= 0
 
 
-merge_words = st.sampled_from(["--last", "--every", "--until", "--method", "--alpha", "--t", "sma", "ema", "ties",
-                               "run", "'", '"', "\\", "\0", "-1", "0", "nan", "inf", "1e999", "9" * 5000, "",
-                               "--", "a b"]) | st.text(max_size=8)
+merge_values = st.one_of(st.none(), st.integers(-2, 10**6) | st.just(10**20), st.floats(allow_nan=True),
+                         st.sampled_from(["sma", "ema", "ties", "run", "", "\0", "9" * 5000, "a b"]),
+                         st.lists(st.text(max_size=8), max_size=3), st.text(max_size=8))
 
 
 @FUZZ
-@given(st.lists(merge_words, max_size=12).map(" ".join) | st.text(max_size=60))
-def test_init_from_merge_string_is_parsed_or_one_error(text):
-    parsed = _parse_or_refuse(lambda: parse_init_merge(text))
-    if parsed is not None:
-        paths, steps, method, _ = parsed
-        assert paths and all(isinstance(v, int) for v in steps.values()) and isinstance(method, str)
+@given(st.dictionaries(st.sampled_from(["sources", "last", "every", "until", "method", "alpha", "weights"]),
+                       merge_values, max_size=7))
+def test_init_from_merge_section_is_read_or_one_error(raw):
+    section = _parse_or_refuse(lambda: from_mapping(InitMergeConfig, raw, "model.init_from_merge"))
+    if section is not None:
+        checked = _parse_or_refuse(lambda: (merge_sources(section), method_options(section)))
+        if checked is not None:
+            paths, options = checked
+            assert paths and all(isinstance(v, int) for v in (section.last, section.every, section.until)
+                                 if v is not None)
+            assert section.method in AVERAGING_METHODS and set(options) <= {"alpha"}
 
 
 @FUZZ

@@ -217,7 +217,8 @@ def test_a_run_starts_from_the_average_of_another_runs_last_checkpoints(ws, cach
     run(ws, tmp_path / "a", steps=6, **{"checkpoint.every": 2, "checkpoint.keep": 3})
     steps = [F.step_params(tmp_path / "a" / "run" / str(n)) for n in (2, 4, 6)]
     cfg = F.config_dict(tmp_path / "b", ws["dense"], ws["data"], steps=1, **{
-        "model.init_from_merge": f"{tmp_path / 'a' / 'run'} --last 3 --method sma", "optimizer.lr": 0.0})
+        "model.init_from_merge": {"sources": [str(tmp_path / "a" / "run")], "last": 3, "method": "sma"},
+        "optimizer.lr": 0.0})
     train(TrainConfig.from_dict(cfg))
     started = F.step_params(tmp_path / "b" / "run" / "1")  # lr 0: the state it started from
     for name, value in started.items():
@@ -228,7 +229,8 @@ def test_a_run_starts_from_the_average_of_another_runs_last_checkpoints(ws, cach
     resumed = read_checkpoint(tmp_path / "b" / "run" / "2").lineage
     assert [s for s in resumed if s["step"] == "merge"] == merge
 
-    bad = {**cfg, "run_dir": str(tmp_path / "c"), "model": {**cfg["model"], "init_from_merge": "--last 3"}}
+    bad = {**cfg, "run_dir": str(tmp_path / "c"), "model": {**cfg["model"], "init_from_merge": {"sources": [],
+                                                                                                 "last": 3}}}
     proc = F.run_cli("continued-pretrain", "--config", F.write_config(tmp_path / "c.yaml", bad), check=False)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
     assert "model.init_from_merge" in proc.stderr and "name a run directory" in proc.stderr, proc.stderr

@@ -7,7 +7,7 @@ Schema (every section but `model` and `data` is optional; defaults shown):
     model:
       init: ckpt/                      # HF or Orbax checkpoint to start from (an upcycled MoE, say)
       tokenizer: null                  # tokenizer.json or its directory; default: init/tokenizer.json
-      init_from_merge: null            # "RUN --last 3 --method sma": start from an average of a run's steps
+      init_from_merge: null            # {sources: [RUN], last: 3, method: sma}: start from an average of a run's steps
       compute_dtype: float32           # float32 | bfloat16 (master weights are always float32)
       weights_dtype: float32           # dtype the forward reads the weights in (bfloat16: half the FSDP traffic)
       attention: einsum                # einsum | dot_product | chunked (query blocks of attention_chunk) | splash (TPU)
@@ -103,6 +103,24 @@ _NON_NEGATIVE = Range(0, None)
 RESUME_MODES = ("auto", "always", "never")  # `continued-pretrain --resume`: see loop.preflight.resumes
 
 
+AVERAGING_METHODS = ("sma", "ema", "wma", "minus-sqrt")  # `upcycle merge`'s averages of a run's steps
+
+
+@dataclass(frozen=True)
+class InitMergeConfig:
+    """`model.init_from_merge`: the checkpoints a run starts from the average of, chosen as `upcycle merge`
+    chooses a run's steps (`upcycler.train.techniques.init_merge`)."""
+
+    sources: tuple[str, ...] = field(help="Run directories (their committed steps) or checkpoints to average.")
+    last: int | None = field(None, range=Range(1, 1 << 20), help="Only the newest this many steps.")
+    every: int | None = field(None, range=Range(1, MAX_STEP), help="Only the steps that are multiples of this.")
+    until: int | None = field(None, range=Range(0, MAX_STEP), help="Only the steps up to this one.")
+    method: str = field("sma", choices=AVERAGING_METHODS,
+                        help="sma (equal weights), ema (--alpha), wma (linear in the step) or minus-sqrt.")
+    alpha: float | None = field(None, range=Range(0, 1, lo_open=True),
+                                help="ema: the weight of the newest step (1 − decay).")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """How to run a model: compute dtype, implementations, rematerialisation (not the architecture, which
@@ -175,11 +193,9 @@ class ModelSection(ModelConfig):
     init: Location = field(help="The checkpoint to start from (HF or Orbax; a path or gs:// URL).")
     tokenizer: Location | None = field(None, help="tokenizer.json or its directory (default: "
                                                   "init/tokenizer.json).")
-    init_from_merge: str | None = field(
-        None, metavar="'RUN --last N --method M'",
-        help="Start from an average of a run's checkpoints instead of model.init's weights: a run directory "
-             "and `upcycle merge` step options (--last, --every, --until, --method sma|ema|wma|minus-sqrt, "
-             "--alpha), e.g. 'runs/a --last 3 --method sma'. model.init still gives the architecture.")
+    init_from_merge: InitMergeConfig | None = field(
+        None, help="Start from an average of checkpoints instead of model.init's weights (model.init still gives "
+                   "the architecture), e.g. {sources: [runs/a], last: 3, method: sma}.")
 
     def run_config(self) -> ModelConfig:
         """The `ModelConfig` part alone: what the jitted forward is specialised on."""

@@ -53,6 +53,7 @@ from upcycler.io.manifest import MANIFEST, PretrainStep, pretrain_step, write_ma
 from upcycler.io.orbax_layout import COMMIT_FILE, PARAMS, STEP_HF, STEP_SIDE_FILES
 from upcycler.io.orbax_write import quiet_failed_writes
 from upcycler.locations import is_remote
+from upcycler.schema import to_plain
 from upcycler.spec import ModelSpec
 from upcycler.train.config import TrainConfig
 from upcycler.train.loop.preflight import committed_steps
@@ -409,7 +410,7 @@ def lineage_step(config: TrainConfig, step: int, rewinds: Sequence[Mapping[str, 
         optimizer["ema"] = o.ema
     details: dict[str, Any] = {"rewinds": list(rewinds)} if rewinds else {}
     if config.model.init_from_merge:
-        details["init_from_merge"] = config.model.init_from_merge
+        details["init_from_merge"] = to_plain(config.model.init_from_merge)
     return pretrain_step(
         step, config.data.tokens_before(step),
         data={"sources": list(config.data.source_names), "phases": _phases(config)},

@@ -26,7 +26,7 @@ from upcycler.spec import ModelSpec
 from upcycler.train.config import RESUME_MODES, TrainConfig
 from upcycler.train.data.sources import open_source
 from upcycler.train.loop import trainable
-from upcycler.train.techniques.init_merge import parse_init_merge, plan_init_merge
+from upcycler.train.techniques.init_merge import merge_sources, plan_init_merge
 from upcycler.untrusted import shown_path
 
 
@@ -45,7 +45,7 @@ def prepare(config: TrainConfig, resume: bool) -> RunInputs:
     """All file checks of a run (no devices, no tensor bytes): raises `UpcyclerError` on the first problem."""
     refuse_run_dir_overlap(config)
     if config.model.init_from_merge is not None:  # also on a resume: run_dir is never a merge source
-        for source in parse_init_merge(config.model.init_from_merge)[0]:
+        for source in merge_sources(config.model.init_from_merge):
             refuse_overlap(config.run_dir, source, "model.init_from_merge")
     if not is_remote(config.run_dir) and os.path.lexists(config.run_dir) and not config.run_dir.is_dir():
         raise UpcyclerError(
