@@ -88,6 +88,8 @@ HEAVY_FILES = {
     "test_launch_recipes.py": "pod launch recipes run as processes",
     "test_notebooks.py": "notebooks executed end to end",
     "test_demo.py": "the demo end to end (surgery, data, a training run, a report)",
+    "test_run_build.py": "a training run and two compiles of its step",
+    "test_in_step_techniques.py": "training runs with techniques inside the step",
 }
 
 
