@@ -80,7 +80,8 @@ def _generate(hf_dir: Path, prompt: str) -> None:
         import torch
         import transformers
     except ImportError:
-        click.echo("(transformers/torch not installed: skipping generation)")
+        click.echo("(transformers/torch not installed: skipping generation; pip install torch==2.13.0 "
+                   "transformers to see the result generate)")
         return
     from tokenizers import Tokenizer
 
@@ -131,7 +132,8 @@ def command(out: Path, steps: int, overwrite: bool) -> None:
     _generate(hf, "def main(")
     _run(["report", str(run_dir)])
     click.secho(f"\ndemo finished in {time.time() - started:.0f}s; everything is in {out}/", bold=True)
-    click.echo(f"  watch it: tensorboard --logdir {run_dir / 'tensorboard'}")
+    click.echo(f"  watch it: tensorboard --logdir {run_dir / 'tensorboard'}  (the viewer: pip install "
+               "'upcycler[profile]')")
     for name, what in ((moe, "the upcycled MoE (HF)"), (run_dir, "training run: checkpoints, metrics.jsonl, plots"),
                        (merged, "EMA of the last checkpoints (Orbax)"), (hf, "final model (HF, loads in transformers)")):
         click.echo(f"  {name}  {what}")
