@@ -152,12 +152,12 @@ def test_a_step_that_cannot_fit_says_so_with_its_largest_items(demo):
 
 
 def test_a_step_the_tpu_compiler_cannot_fit_is_reported_not_raised(demo):
-    """One v5e chip, 64 × 2048 tokens, no memory options: XLA refuses the program (RESOURCE_EXHAUSTED);
+    """One v5e chip, 128 × 1024 tokens, no memory options: XLA refuses the program (RESOURCE_EXHAUSTED);
     the report says so with the compiler's figure, the analytic state and the options that cut memory."""
     pytest.importorskip("libtpu", reason="the [tpu] extra (libtpu) compiles for TPU; the test command installs it")
     config, _ = demo
     proc = run_cli("continued-pretrain", "--config", config, "--compile-only", "--topology", "v5e-1",
-                   "--set", "data.seq_len=2048", "--set", "data.global_batch_size=64", check=False)
+                   "--set", "data.seq_len=1024", "--set", "data.global_batch_size=128", check=False)
     assert proc.returncode == 1 and proc.stderr.strip() == "", proc.stderr
     fit = next(line for line in proc.stdout.splitlines() if line.startswith("fit"))
     assert "does not fit: the compiler ran out of memory" in fit and "exceeds available HBM (15.75G)" in fit

@@ -101,6 +101,7 @@ BAD = {
     "a prefill option in a training config": ({"model.prefill_gamma": 0.5}, "'prefill_gamma'"),
     "an HF export no saved step reaches": ({"checkpoint.hf_every": 5}, "checkpoint.hf_every 5 exports no step"),
     "a phase longer than the model's positions": (_long_phase({"seq_len": 512}), "run `upcycle context`"),
+    "a sequence longer than the model's positions": ({"data.seq_len": 512}, "data.seq_len 512 is beyond"),
     "a phase of no length": (_long_phase({"seq_len": 0}), "data.phases[1].seq_len"),
     "a phase whose tokens per step do not make whole rows": (
         _long_phase({"seq_len": 48, "batch": "keep_tokens"}), "cannot keep 256 tokens per step"),

@@ -53,10 +53,16 @@ def check_shapes(config: TrainConfig, spec: ModelSpec, devices: Sequence[Any] | 
 
 
 def check_lengths(config: TrainConfig, spec: ModelSpec) -> None:
-    """A phase's own `seq_len` within `max_position_embeddings`, unless the checkpoint's RoPE is scaled
-    (then the scaling decides how far positions reach)."""
+    """`data.seq_len` and every phase's own within `max_position_embeddings`, unless the checkpoint's RoPE
+    is scaled (then the scaling decides how far positions reach)."""
     if spec.rope_scaling is not None:
         return
+    if config.data.seq_len > spec.max_position_embeddings:
+        raise UpcyclerError(
+            f"{shown_path(config.model.init)}: data.seq_len {config.data.seq_len:,} is beyond the model's "
+            f"max_position_embeddings {spec.max_position_embeddings:,} and its RoPE is not scaled; run "
+            "`upcycle context` on the checkpoint first (or lower data.seq_len)"
+        )
     for k, phase in enumerate(config.data.phases):
         if phase.seq_len is not None and phase.seq_len > spec.max_position_embeddings:
             raise UpcyclerError(
