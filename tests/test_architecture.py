@@ -442,3 +442,13 @@ def test_one_builder_assembles_the_step():
                 if name in STEP_WIRING and where not in STEP_BUILDER:
                     callers.append(f"{where}:{node.lineno} {name}")
     assert callers == []
+
+
+REPORTING_LINES = 400
+
+
+def test_no_reporting_module_is_over_400_lines():
+    """The report's modules stay small: one purpose each (the run's figures, the expert figures, the log)."""
+    long = {p.name: n for p in (ROOT / "train" / "reporting").glob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > REPORTING_LINES}
+    assert long == {}

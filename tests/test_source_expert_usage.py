@@ -24,9 +24,10 @@ from upcycler.train.loop.train_step import TrainState, make_train_step
 from upcycler.train.loop.trainer import train
 from upcycler.train.model import hidden_states
 from upcycler.train.model.params import init_params
+from upcycler.train.reporting.expert_plots import usage_layers
 from upcycler.train.reporting.metrics import read_metrics
 from upcycler.train.reporting.metrics_log import step_record
-from upcycler.train.reporting.plots import make_report, usage_layers
+from upcycler.train.reporting.plots import make_report
 from upcycler.train.techniques.expert_window import ExpertWindow
 
 PNG = b"\x89PNG\r\n\x1a\n"
