@@ -452,3 +452,20 @@ def test_no_reporting_module_is_over_400_lines():
     long = {p.name: n for p in (ROOT / "train" / "reporting").glob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > REPORTING_LINES}
     assert long == {}
+
+
+def test_no_family_name_under_transforms():
+    """A transform knows families only through their fields (`upcycler.families.base.Family`): no string
+    under transforms/ is a family's name, model type or architecture (docstrings aside)."""
+    from upcycler.families import FAMILIES
+
+    names = {n for f in FAMILIES.values() for n in (f.name, f.model_type, f.architecture)}
+    found = []
+    for path in sorted((ROOT / "transforms").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef) and node.body
+                      and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+        found += [f"{path.name}:{node.lineno} {node.value!r}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and node.value in names and id(node) not in docstrings]
+    assert found == []

@@ -150,12 +150,8 @@ def dense_to_moe(cfg: DenseToMoE, spec: ModelSpec, tensors: TensorMap,
         report(f"NOT function-preserving: {'; '.join(target.lossy)} to fit {target.family.architecture} "
                "(--allow-approximate)", exact=False)
     out = target.spec
-    if out.family == "glm4_moe" and not out.moe.shared_width:  # type: ignore[union-attr]
-        # measured with vLLM 0.32: the server dies on SIGFPE loading it (a shared MLP 0 neurons wide);
-        # transformers and the trainer run it, and aux-free balancing may want no shared expert
-        report("vLLM cannot serve this GLM-4-MoE: its GLM-4-MoE builds a shared MLP n_shared_experts × "
-               "moe_intermediate_size wide and fails on 0; transformers and `upcycle continued-pretrain` run "
-               "it, and --shared-experts 1 makes it servable")
+    for note in target.family.serving_notes(out):  # what a serving engine cannot load of this family
+        report(note)
     _check_size(cfg, spec, out)
     sources = _sources(cfg, spec, tensors, cover, context.checkpoint, fits_attention=bool(target.lossy))
     routers = _routers(cfg, out, sources, context)  # checked before the attention fit's minutes

@@ -8,8 +8,9 @@ the planned checkpoint to the writer, which pulls each output tensor (one expert
 chain of lazy transforms from the source bytes. No intermediate checkpoint is ever written.
 
 A plan whose every step preserves the function is checked before the rename: the command hands `execute`
-a `check` (for one `dense-to-moe` step, the in-stream check of `transforms.moe_write_check`, which works
-beside the write; else the staged output against the source on a probe, `upcycler.verify.check_written`)
+a `check` (the one a step's transform declares, `registry.TransformHooks.write_check`: for one
+`dense-to-moe` step, the in-stream check of `transforms.moe_write_check`, which works beside the write;
+else the staged output against the source on a probe, `upcycler.verify.check_written`)
 unless the user opts out or `unchecked_reason` says the output cannot be bit-faithful: a step that
 changes the function, a `--dtype` narrower than the source's, or a scale that rounds in a 16-bit dtype.
 """

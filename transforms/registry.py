@@ -22,6 +22,10 @@ source as read, the output dtype, and what a higher layer lends: the JAX model, 
 fit an attention) comes in its `TransformContext`, its fourth argument, built by whoever applies it
 (`transforms.pipeline.plan`, from what the command lends). `Transform.apply` collects notes, records and
 inputs, so a chain of transforms is still plain function composition over `(ModelSpec, TensorMap)`.
+
+What the command does around a transform (the paths it reads besides the source, the check of its write,
+what it reports after the write, an advisor on its command line) the transform declares in its
+`TransformHooks` (`declare(name, hooks)`), so the command names no transform.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ from upcycler.untrusted import describe
 
 class RouterInputsService(Protocol):
     """The JAX model's router inputs on calibration data, which `dense-to-moe --router-init centroids` points
-    its router rows at (`upcycler.train.evaluation.calibration.RouterInputs`)."""
+    its router rows at, and how the written model then routes that data
+    (`upcycler.train.evaluation.calibration.RouterInputs`)."""
 
     def check(self, data: Path, names: Sequence[str], base: Checkpoint, length: int,
               sequences: int = 1) -> None:
@@ -60,6 +65,12 @@ class RouterInputsService(Protocol):
     def mean(self, ckpt: Checkpoint, data: Path, name: str, sequences: int, length: int,
              layers: Sequence[int]) -> np.ndarray:
         """[len(layers), D] float64: the mean FFN input of `ckpt` at `layers` on source `name` of `data`."""
+        ...
+
+    def shares(self, ckpt: Checkpoint, data: Path, names: Sequence[str], expert_sources: Sequence[str],
+               sequences: int, length: int) -> np.ndarray:
+        """[M, S, S]: per MoE layer of `ckpt`, the share of source s's routed tokens (of `data`) that go to
+        the experts cut from source t, by the model's own first forward."""
         ...
 
 
@@ -205,12 +216,58 @@ class Applied:
 
 
 @dataclass(frozen=True)
+class AfterWrite:
+    """What a transform says once its output is written (`TransformHooks.after_write`): a text for people
+    (the command prints it on stderr) and the fields it adds to the command's `--json` result."""
+
+    text: str
+    fields: Mapping[str, Any]
+
+
+class TransformHooks:
+    """What a transform declares besides its options and its function, for the command that runs it: the
+    paths its config names (`inputs`), the check a write of it runs (`write_check`), what it reports after
+    the write (`after_write`) and the advisor its command carries (`advisor`). The command asks every
+    transform the same questions, so it names none. These defaults declare nothing: no input besides the
+    source, the command's full check, nothing to say after the write, no advisor."""
+
+    advisor: str | None = None
+    """The module of the command line's advisor for this transform, imported by the command line alone (it
+    is a layer above the transforms, and so is the trainer the advice compiles with): its
+    `command_options(fn)` adds the advisor's options to the transform's command, and its
+    `from_command(src, out, as_json, values) -> bool` takes them out of the command's values and, when
+    they ask for advice, gives it (True: the command is done and writes nothing)."""
+
+    def inputs(self, config: Any) -> list[Path]:
+        """The local paths `config` names that the transform reads besides its source (data, other
+        checkpoints): the command refuses an output that overlaps any of them before planning."""
+        return []
+
+    def write_check(self, plan: Any) -> Callable[[Path], dict] | None:
+        """The check a write of `plan` (a `transforms.pipeline.Plan` with a step of this transform) runs on
+        its staged output instead of the command's full one (`upcycler.verify.check_written`); None: the
+        full check."""
+        return None
+
+    def after_write(self, plan: Any, step: int, out: Path, lent: TransformContext) -> AfterWrite | None:
+        """What to report once `plan` is written to `out`, about its step number `step` (this transform),
+        measured with what the command lends (`lent`: its services, as a `TransformContext`); None:
+        nothing."""
+        return None
+
+
+NO_HOOKS = TransformHooks()
+
+
+@dataclass(frozen=True)
 class Transform:
-    """A registered transform: its CLI name, its config class and its function."""
+    """A registered transform: its CLI name, its config class, its function and what it declares for the
+    command that runs it (`hooks`)."""
 
     name: str
     config: type
     fn: TransformFn
+    hooks: TransformHooks = NO_HOOKS
 
     @property
     def doc(self) -> str:
@@ -260,6 +317,16 @@ def register(name: str, config: type) -> Callable[[TransformFn], TransformFn]:
         return fn
 
     return decorate
+
+
+def declare(name: str, hooks: TransformHooks) -> None:
+    """Give the registered transform `name` its hooks, from a module of its own that may import what the
+    transform's module cannot (its write check, which imports the transform)."""
+    if name not in TRANSFORMS:
+        raise ValueError(f"transform {name!r} is not registered")
+    if TRANSFORMS[name].hooks is not NO_HOOKS:
+        raise ValueError(f"transform {name!r} declared its hooks twice")
+    TRANSFORMS[name] = dataclasses.replace(TRANSFORMS[name], hooks=hooks)
 
 
 def transform_named(name: str) -> Transform:

@@ -4,8 +4,8 @@
 row at its source's domain. It needs, per source and per MoE layer, the mean of the hidden state the router
 reads (the FFN's normalised input) when the source's own model runs on the source's own data. This
 module computes that with the JAX model, one layer in memory at a time (`layerwise.ffn_inputs`), and
-measures how an upcycled model routes each source's tokens (`routing_shares`), which the command prints
-after the write.
+measures how an upcycled model routes each source's tokens (`routing_shares`), which `dense-to-moe` reports
+after the write (`transforms.dense_to_moe_hooks`).
 
 Calibration data is a prepared-data directory (`upcycle prepare-data`) holding one source per
 `--experts-from` name; `sequences` windows of `length` tokens are taken evenly spaced over each stream,
@@ -71,6 +71,12 @@ class RouterInputs:
                                     f"{MAX_CALIBRATION_BYTES:,}; use --calibration-sequences {most} or less "
                                     f"(or set {LIMITS_ENV}=off)")
             calibration_tokens(data, name, 1, length, base)
+
+    def shares(self, ckpt: Checkpoint, data: Path, names: Sequence[str], expert_sources: Sequence[str],
+               sequences: int, length: int) -> np.ndarray:
+        """[M, S, S]: how `ckpt` routes each source's tokens of `data` to the experts of each source
+        (`routing_shares`), which `dense-to-moe` reports after a write with centroid routers."""
+        return routing_shares(ckpt, data, names, expert_sources, sequences, length)
 
     def mean(self, ckpt: Checkpoint, data: Path, name: str, sequences: int, length: int,
              layers: Sequence[int]) -> np.ndarray:
@@ -154,13 +160,3 @@ def routing_shares(ckpt: Checkpoint, data: Path, names: Sequence[str], expert_so
             chosen = to_source[np.asarray(routing.expert_Tk).ravel()]
             out[layers.index(layer), s] = np.bincount(chosen, minlength=len(names)) / chosen.size
     return out
-
-
-def format_shares(shares: np.ndarray, names: Sequence[str]) -> str:
-    """The routing matrix averaged over MoE layers, one row per data source, for people."""
-    mean = shares.mean(0)
-    corner = "data \\ experts of"
-    first, width = max(len(corner), *(len(n) for n in names)) + 2, max(8, *(len(n) + 2 for n in names))
-    lines = [f"{corner:<{first}}" + "".join(f"{n:>{width}}" for n in names)]
-    lines += [f"{n:<{first}}" + "".join(f"{v:>{width}.0%}" for v in row) for n, row in zip(names, mean)]
-    return "\n".join(lines)

@@ -4,21 +4,81 @@ Each shape of `transforms.moe_shapes` is planned for the pod (`train.aot.plan`: 
 fit with the margin and give the best roofline bound), compiled from the spec the upcycle would write, so
 the source needs only its `config.json`. The table gives each shape's parameters, its best configuration,
 fit, peak and bound, and the two commands that make and train it. Bounds, not measurements.
+
+`dense-to-moe` declares this module its command's advisor (`transforms.registry.TransformHooks.advisor`):
+`command_options` adds `--plan-for` and its options to the command, `from_command` takes them out of its
+values and, given `--plan-for`, advises instead of writing.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 
+from upcycler.cli.path_type import LOCAL_PATH
 from upcycler.errors import UpcyclerError
-from upcycler.units import human_bytes, human_count
+from upcycler.units import human_bytes, human_count, parse_count, parse_size
 
 # the training run the shapes are planned for, unless --train-config gives one
 SEQ_LEN = 4096
 ROWS_PER_CHIP = 4
+
+
+OPTIONS = ("plan_for", "active_params", "total_params", "train_config", "plan_margin", "plan_seq_len")
+
+
+def command_options(fn: Callable) -> Callable:
+    """The advisor's options (`--plan-for` and what it plans with), added to the command `fn`."""
+    fn = click.option("--plan-margin", metavar="SIZE", default="1GiB", show_default=True,
+                      help="With --plan-for: HBM per chip a proposal must leave free.")(fn)
+    fn = click.option("--plan-seq-len", type=click.IntRange(128, 1 << 22), metavar="TOKENS",
+                      help="With --plan-for (no --train-config): plan for sequences of this many tokens (default "
+                           "4096), the rows per step scaled to keep the tokens per chip; a sequence that does not "
+                           "fit one chip is split over several (mesh.context), the degree in each proposal.")(fn)
+    fn = click.option("--train-config", type=LOCAL_PATH, metavar="YAML",
+                      help="With --plan-for: the training run to plan for (its data, batch and sequence; "
+                           "default 4096 tokens × 4 rows per chip).")(fn)
+    fn = click.option("--total-params", metavar="N", help="With --plan-for: total parameters to aim at (e.g. 13B).")(fn)
+    fn = click.option("--active-params", metavar="N",
+                      help="With --plan-for: parameters per token to aim at (e.g. 2.3B; default the source's).")(fn)
+    return click.option("--plan-for", metavar="TOPOLOGY",
+                        help="Propose expert count, width and top-k for training on this TPU slice (e.g. v5e-256), "
+                             "each with its best training configuration, fit and MFU bound (compiled from the "
+                             "source's config.json); writes nothing.")(fn)
+
+
+def from_command(src: Path, out: Path | None, as_json: bool, values: dict) -> bool:
+    """Take the advisor's options out of the command's `values`; with `--plan-for`, advise (the experts,
+    topk and width the command was given are kept fixed) and return True: the command writes nothing. An
+    option that only plans, given without `--plan-for`, is refused; otherwise False: the command goes on."""
+    advice = {k: values.pop(k) for k in OPTIONS}
+    if advice["plan_for"] is not None:
+        fixed = {"experts": values.get("experts"), "topk": values.get("topk"), "width": values.get("expert_width")}
+        _advise(src, out, as_json, advice, fixed)
+        return True
+    stray = [k for k in OPTIONS if k != "plan_margin" and advice[k] is not None]
+    if stray:
+        raise click.UsageError(f"--{stray[0].replace('_', '-')} plans a shape: it needs --plan-for TOPOLOGY")
+    return False
+
+
+def _advise(src: Path, out: Path | None, as_json: bool, advice: dict, fixed: dict) -> None:
+    from upcycler.train.aot.topology import parse_slice
+
+    if out is not None:
+        raise click.UsageError("--plan-for writes nothing: drop OUT (the proposals print the command that writes)")
+    parse_slice(advice["plan_for"], "--plan-for")
+    if advice["plan_seq_len"] is not None and advice["train_config"] is not None:
+        raise click.UsageError("--plan-seq-len plans the default run at another length; --train-config names its "
+                               "own data.seq_len: drop one of them")
+    advise(src, advice["plan_for"], as_json=as_json, train_config=advice["train_config"],
+           seq_len=advice["plan_seq_len"],
+           active=parse_count(advice["active_params"], "--active-params") if advice["active_params"] else None,
+           total=parse_count(advice["total_params"], "--total-params") if advice["total_params"] else None,
+           margin=parse_size(advice["plan_margin"], "--plan-margin"), fixed=fixed)
 
 
 def advise(src: Path, topology: str, *, active: int | None, total: int | None, train_config: Path | None,

@@ -6,14 +6,21 @@ default, choices and help come from the field), plus the output options every wr
 one-step recipe, so it runs exactly like `upcycle run` and records the same lineage. A `context` step that
 changes the RoPE is measured after the write: KL and top-1 agreement against the source within the length
 it was trained at (`rope_shift`).
+
+Everything else a command does around a transform, the transform declares (`TransformHooks`): the paths
+its options name besides the source (an output may overlap none), the check its write runs instead of
+the full one, what it reports after the write, and the advisor its command carries. No transform is
+named here.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import click
@@ -25,13 +32,17 @@ from upcycler.io.staging import check_output
 from upcycler.locations import Location
 from upcycler.schema import Option
 from upcycler.transforms import TRANSFORMS
-from upcycler.transforms.registry import AttentionFitService, RouterInputsService, Transform
+from upcycler.transforms.registry import (
+    AfterWrite,
+    AttentionFitService,
+    RouterInputsService,
+    Transform,
+    TransformContext,
+)
 from upcycler.units import parse_size
 from upcycler.untrusted import describe
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from upcycler.transforms.pipeline import Plan
     from upcycler.transforms.recipe import Recipe
 
@@ -102,7 +113,7 @@ def _listed(given: str | None) -> list[str] | None:
 
 class _PairsCommand(click.Command):
     """A command whose mapping options take several `NAME=VALUE` words after one flag
-    (`--experts-from code=a/ math=b/`), as if the flag were repeated before each."""
+    (`--flag one=a/ two=b/`), as if the flag were repeated before each."""
 
     def __init__(self, *args, pair_flags: tuple[str, ...] = (), **kwargs):
         super().__init__(*args, **kwargs)
@@ -129,54 +140,14 @@ def _option(opt: Option) -> Callable:
     return click_option(opt)
 
 
-ADVICE_OPTIONS = ("plan_for", "active_params", "total_params", "train_config", "plan_margin", "plan_seq_len")
-
-
-def _advice_options(fn: Callable) -> Callable:
-    """dense-to-moe's shape advisor (`upcycler.cli.moe_advice`)."""
-    fn = click.option("--plan-margin", metavar="SIZE", default="1GiB", show_default=True,
-                      help="With --plan-for: HBM per chip a proposal must leave free.")(fn)
-    fn = click.option("--plan-seq-len", type=click.IntRange(128, 1 << 22), metavar="TOKENS",
-                      help="With --plan-for (no --train-config): plan for sequences of this many tokens (default "
-                           "4096), the rows per step scaled to keep the tokens per chip; a sequence that does not "
-                           "fit one chip is split over several (mesh.context), the degree in each proposal.")(fn)
-    fn = click.option("--train-config", type=LOCAL_PATH, metavar="YAML",
-                      help="With --plan-for: the training run to plan for (its data, batch and sequence; "
-                           "default 4096 tokens × 4 rows per chip).")(fn)
-    fn = click.option("--total-params", metavar="N", help="With --plan-for: total parameters to aim at (e.g. 13B).")(fn)
-    fn = click.option("--active-params", metavar="N",
-                      help="With --plan-for: parameters per token to aim at (e.g. 2.3B; default the source's).")(fn)
-    return click.option("--plan-for", metavar="TOPOLOGY",
-                        help="Propose expert count, width and top-k for training on this TPU slice (e.g. v5e-256), "
-                             "each with its best training configuration, fit and MFU bound (compiled from the "
-                             "source's config.json); writes nothing.")(fn)
-
-
-def _advise(src: Path, out: Path | None, as_json: bool, advice: dict, fixed: dict) -> None:
-    from upcycler.cli.moe_advice import advise
-    from upcycler.train.aot.topology import parse_slice
-    from upcycler.units import parse_count
-
-    if out is not None:
-        raise click.UsageError("--plan-for writes nothing: drop OUT (the proposals print the command that writes)")
-    parse_slice(advice["plan_for"], "--plan-for")
-    if advice["plan_seq_len"] is not None and advice["train_config"] is not None:
-        raise click.UsageError("--plan-seq-len plans the default run at another length; --train-config names its "
-                               "own data.seq_len: drop one of them")
-    advise(src, advice["plan_for"], as_json=as_json, train_config=advice["train_config"],
-           seq_len=advice["plan_seq_len"],
-           active=parse_count(advice["active_params"], "--active-params") if advice["active_params"] else None,
-           total=parse_count(advice["total_params"], "--total-params") if advice["total_params"] else None,
-           margin=parse_size(advice["plan_margin"], "--plan-margin"), fixed=fixed)
-
-
 def finish(p: Plan, *, dry_run: bool, as_json: bool, overwrite: bool, no_verify: bool = False) -> None:
     """Print the plan `p` (dry run), or write it, then print the notes, how the output was checked and what
     was written.
 
-    The notes follow the write so that a failed write says one thing only: its error.
+    The notes follow the write so that a failed write says one thing only: its error. What the steps'
+    transforms declare (`TransformHooks`) decides which paths OUT may not overlap, which check the write
+    runs and what is reported after it.
     """
-    from upcycler.transforms.moe_write_check import write_check_for
     from upcycler.transforms.pipeline import execute, unchecked_reason
     from upcycler.units import human_bytes, human_count
 
@@ -184,13 +155,12 @@ def finish(p: Plan, *, dry_run: bool, as_json: bool, overwrite: bool, no_verify:
         click.echo(json.dumps(p.to_json(), indent=2) if as_json else p.describe())
         return
     if p.recipe.output.path is not None:  # refuse a bad OUT before anything is read
-        calibration = [Path(s.config["calibration"]) for s in p.steps if s.config.get("calibration")]
-        check_output(p.recipe.output.path, overwrite=overwrite, sources=[*p.ckpt.inputs, *calibration])
+        check_output(p.recipe.output.path, overwrite=overwrite, sources=[*p.ckpt.inputs, *step_inputs(p.recipe)])
     skipped = "--no-verify" if no_verify else unchecked_reason(p)
-    check = None if skipped else (write_check_for(p) or function_check(p.recipe.source,
+    check = None if skipped else (declared_check(p) or function_check(p.recipe.source,
                                                                       " + ".join(s.name for s in p.steps)))
     out = execute(p, overwrite=overwrite, check=check)
-    routing = initial_routing(p, out)
+    said = after_write(p, out)
     moved = rope_shift(p, out, skipped="--no-verify" if no_verify else "")
     if not as_json:
         for step in p.steps:
@@ -199,17 +169,13 @@ def finish(p: Plan, *, dry_run: bool, as_json: bool, overwrite: bool, no_verify:
         echo_verification(out, skipped)
         if moved:
             click.echo(format_shift(moved), err=True)
-        if routing:
-            from upcycler.train.evaluation.calibration import format_shares
-
-            click.echo("first forward on the calibration data: share of each source's tokens routed to the "
-                       f"experts of each source (mean over MoE layers)\n{format_shares(*routing)}", err=True)
+        for report in said:
+            click.echo(report.text, err=True)
     if as_json:
         from upcycler.io.manifest import read_manifest
 
         record = read_manifest(out).extra.get("verification")
-        extra = {"initial_routing": {"sources": list(routing[1]), "per_layer": routing[0].round(4).tolist()}} \
-            if routing else {}
+        extra = {key: value for report in said for key, value in report.fields.items()}
         extra.update({"shift": moved} if moved else {})
         click.echo(json.dumps({**p.to_json(), "written": str(out), "verification": record or {"skipped": skipped},
                                **extra}, indent=2))
@@ -220,9 +186,23 @@ def finish(p: Plan, *, dry_run: bool, as_json: bool, overwrite: bool, no_verify:
                f"function {'preserved' if p.exact else 'NOT preserved'}")
 
 
+def declared_check(p: Plan) -> Callable[[Path], dict] | None:
+    """The check a step's transform declares for the write of `p` (`TransformHooks.write_check`: e.g. one
+    that works beside the write), or None: the full check."""
+    return next((check for s in p.recipe.steps if (check := s.transform.hooks.write_check(p)) is not None), None)
+
+
+def after_write(p: Plan, out: Path) -> list[AfterWrite]:
+    """What the steps' transforms report once `p` is written to `out` (`TransformHooks.after_write`), each
+    measured with the services this command lends the transforms."""
+    lent = TransformContext(router_inputs=_router_inputs, attention_fit=_attention_fit(measures=True))
+    said = (s.transform.hooks.after_write(p, k, out, lent) for k, s in enumerate(p.recipe.steps))
+    return [report for report in said if report is not None]
+
+
 def _router_inputs() -> RouterInputsService:
-    """The JAX model's router calibration (`--router-init centroids`), lent to the transforms; imported when a
-    transform first asks, so that commands which never calibrate do not start JAX."""
+    """The JAX model's router inputs on prepared data, lent to the transforms; imported when a transform first
+    asks, so that commands which never run the model do not start JAX."""
     from upcycler.train.evaluation.calibration import RouterInputs
 
     return RouterInputs()
@@ -242,8 +222,8 @@ def _attention_fit(measures: bool) -> Callable[[], AttentionFitService]:
 
 def planned(recipe: Recipe, *, dry_run: bool, overwrite: bool = False) -> Plan:
     """`pipeline.plan` with the services a transform may borrow from the trainer. A local output that
-    overlaps an input (the source, a step's calibration data or expert sources) or exists without
-    `overwrite` is refused first: planning may read and fit for a while."""
+    overlaps an input (the source, or a path a step's options name: `TransformHooks.inputs`) or exists
+    without `overwrite` is refused first: planning may read and fit for a while."""
     from upcycler.transforms.pipeline import plan
 
     if recipe.output.path is not None and not dry_run and not isinstance(recipe.output.path, str):
@@ -253,31 +233,13 @@ def planned(recipe: Recipe, *, dry_run: bool, overwrite: bool = False) -> Plan:
 
 
 def _named_inputs(recipe: Recipe) -> list[Path]:
-    """The local paths a recipe reads: its source and what its steps name (calibration, expert sources)."""
-    named = [recipe.source] if isinstance(recipe.source, Path) else []
-    for step in recipe.steps:
-        calibration = getattr(step.config, "calibration", None)
-        experts_from = getattr(step.config, "experts_from", None) or {}
-        named += [Path(path) for path in (calibration, *experts_from.values()) if path is not None]
-    return named
+    """The local paths a recipe reads: its source and what its steps' options name."""
+    return [*([recipe.source] if isinstance(recipe.source, Path) else []), *step_inputs(recipe)]
 
 
-def initial_routing(p: Plan, out: Path) -> tuple[np.ndarray, list[str]] | None:
-    """(shares [M, S, S], source names) of the written MoE's first forward on the calibration data of a
-    step that calibrated its router (`upcycler.train.evaluation.calibration.routing_shares`); None otherwise."""
-    step = next((s for s in p.steps if s.config.get("router_init") == "centroids"), None)
-    if step is None:
-        return None
-    from upcycler.io import read_checkpoint
-    from upcycler.train.evaluation.calibration import routing_shares
-    from upcycler.transforms.dense_to_moe import CENTROID_SEQUENCES
-
-    c = step.config
-    recorded = next(e for e in reversed(p.ckpt.lineage) if e.get("step") == step.name and "expert_sources" in e)
-    names = list(c["experts_from"])
-    shares = routing_shares(read_checkpoint(out), Path(c["calibration"]), names, recorded["expert_sources"],
-                            c["calibration_sequences"] or CENTROID_SEQUENCES, c["calibration_length"])
-    return shares, names
+def step_inputs(recipe: Recipe) -> list[Path]:
+    """The local paths the options of a recipe's steps name besides its source (`TransformHooks.inputs`)."""
+    return [path for step in recipe.steps for path in step.transform.hooks.inputs(step.config)]
 
 
 def rope_shift(p: Plan, out: Path, skipped: str = "") -> dict | None:
@@ -311,25 +273,23 @@ def format_shift(moved: dict) -> str:
             f"{moved['top1_agreement']:.2%}")
 
 
+def advisor_of(t: Transform) -> ModuleType | None:
+    """The advisor transform `t` declares for its command (`TransformHooks.advisor`: a command-line module
+    with `command_options(fn)` and `from_command(src, out, as_json, values) -> bool`), or None."""
+    return None if t.hooks.advisor is None else importlib.import_module(t.hooks.advisor)
+
+
 def transform_command(t: Transform) -> click.Command:
-    """The click command of transform `t`: SRC, OUT, its options, the output options and --dry-run (and for
-    dense-to-moe the shape advisor's `--plan-for`)."""
-    advises = t.name == "dense-to-moe"
+    """The click command of transform `t`: SRC, OUT, its options, the output options and --dry-run (and the
+    options of the advisor it declares, which may advise instead of writing)."""
+    advisor = advisor_of(t)
 
     def callback(src: Path, out: Path | None, dry_run: bool, as_json: bool, no_verify: bool, to: str,
                  family: str | None, dtype: str | None, shard_size: str, overwrite: bool, **values) -> None:
         from upcycler.transforms.recipe import Output, single
 
-        if advises:
-            advice = {k: values.pop(k) for k in ADVICE_OPTIONS}
-            if advice["plan_for"] is not None:
-                fixed = {"experts": values.get("experts"), "topk": values.get("topk"),
-                         "width": values.get("expert_width")}
-                _advise(src, out, as_json, advice, fixed)
-                return
-            stray = [k for k in ADVICE_OPTIONS if k != "plan_margin" and advice[k] is not None]
-            if stray:
-                raise click.UsageError(f"--{stray[0].replace('_', '-')} plans a shape: it needs --plan-for TOPOLOGY")
+        if advisor is not None and advisor.from_command(src, out, as_json, values):
+            return
         if out is None and not dry_run:
             raise click.UsageError("missing argument OUT (only --dry-run can do without it)")
         recipe = single(t.name, values, src, Output(out, to, family, dtype, parse_size(shard_size, "--shard-size")))
@@ -337,8 +297,8 @@ def transform_command(t: Transform) -> click.Command:
                overwrite=overwrite, no_verify=no_verify)
 
     fn: Callable = run_options(output_options(callback))
-    if advises:
-        fn = _advice_options(fn)
+    if advisor is not None:
+        fn = advisor.command_options(fn)
     for info in reversed(t.options()):
         fn = _option(info)(fn)
     fn = click.argument("out", required=False, type=OUTPUT)(fn)

@@ -82,7 +82,8 @@ class Family:
     family never changes a transform: `default_router`, `shared_experts`, `routed_scaling` and
     `auto_rank` say how `dense-to-moe` builds an MoE for it; `neutral_qkv_bias` and `neutral_router_bias`
     name the function-neutral zero tensors `conform` adds when writing it, and `ties_embeddings` whether a
-    tied output head is written as a copy instead; `rope_scalings` which RoPE scalings `context` may write.
+    tied output head is written as a copy instead; `rope_scalings` which RoPE scalings `context` may write;
+    `serving_notes` what a serving engine cannot load that the rest runs.
     """
 
     name: str
@@ -110,6 +111,9 @@ class Family:
     # the `rope_scaling` types (rope_type) that both transformers (`ROPE_INIT_FUNCTIONS`, through the
     # family's rotary embedding) and vLLM (`get_rope`) load for this family
     rope_scalings: tuple[str, ...] = ("linear", "dynamic", "yarn", "longrope", "llama3")
+    # what a serving engine cannot do with a model of this family that transformers and the trainer run:
+    # one line each, reported by the transforms that write such a model
+    serving_notes: Callable[[ModelSpec], list[str]] = lambda spec: []
 
     def read_config(self, cfg: dict[str, Any]) -> ModelSpec:
         """The spec a config.json of this family describes (its fields checked; see the module doc)."""

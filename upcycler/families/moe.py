@@ -203,6 +203,17 @@ def _glm4_moe_limits(spec: ModelSpec) -> list[str]:
     return out
 
 
+def _glm4_moe_serving(spec: ModelSpec) -> list[str]:
+    """Measured with vLLM 0.32: the server dies on SIGFPE loading a GLM-4-MoE without a shared expert (it
+    builds a shared MLP n_shared_experts × moe_intermediate_size wide, 0 neurons); transformers and the
+    trainer run it, and aux-free balancing may want no shared expert."""
+    if spec.moe is not None and not spec.moe.shared_width:
+        return [("vLLM cannot serve this GLM-4-MoE: its GLM-4-MoE builds a shared MLP n_shared_experts × "
+                 "moe_intermediate_size wide and fails on 0; transformers and `upcycle continued-pretrain` run "
+                 "it, and --shared-experts 1 makes it servable")]
+    return []
+
+
 _GLM_NAMES = {
     **_QWEN_MOE_NAMES,
     "moe.router_bias": "mlp.gate.e_score_correction_bias",
@@ -238,5 +249,4 @@ GLM4_MOE = Family(name="glm4_moe", architecture="Glm4MoeForCausalLM", model_type
                   config_reader=_read_glm4_moe, config_writer=_write_glm4_moe, moe_names=_GLM_NAMES,
                   limits=_glm4_moe_limits, is_moe=True, sliding_window=False, default_router="sigmoid",
                   shared_experts="count", routed_scaling=True, auto_rank=3, neutral_router_bias=True,
-                  partial_rotary=True,
-                  ties_embeddings=False)
+                  partial_rotary=True, ties_embeddings=False, serving_notes=_glm4_moe_serving)
