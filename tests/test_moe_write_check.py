@@ -135,6 +135,18 @@ def test_the_cli_checks_in_stream_by_default(tiny_dir, tmp_path):
     assert record["method"] == "in-stream" and record["passed"] and record["moe_layers"] == 2
 
 
+def test_a_block_that_adds_nothing_checks_in_stream(tiny_dir, tmp_path):
+    """`upcycle depth` grows identity blocks (down_proj all zeros): their dense MLP outputs exactly zero, no
+    noise floor at all, and the in-stream check of an MoE made from them passes (it divided by zero)."""
+    from cli_helpers import run_cli
+
+    run_cli("depth", tiny_dir("llama"), tmp_path / "deep", "--layers", "4")
+    proc = run_cli("dense-to-moe", tmp_path / "deep", tmp_path / "moe", *[f"--{k}={v}" for k, v in OPTIONS.items()])
+    assert "verified: same function" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    record = json.loads((tmp_path / "moe" / "upcycler.json").read_text())["verification"]
+    assert record["method"] == "in-stream" and record["passed"] and record["moe_layers"] == 4
+
+
 def test_bf16_exponent_arithmetic_is_the_exact_product_or_declines():
     """Scaling bf16 down_proj columns by 2^k on their bits equals the transform's fp32 product rounded to
     bf16 wherever it answers, and declines (None: the transform's own arithmetic runs instead) on a zero,
