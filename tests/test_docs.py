@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import html
+import inspect
 import os
 import re
 import subprocess
@@ -20,6 +21,7 @@ import click
 import pytest
 
 from upcycler.cli import main
+from upcycler.merge import METHODS
 from upcycler.train.config import TrainConfig
 from upcycler.transforms import TRANSFORMS
 from upcycler.transforms.recipe import Output
@@ -70,7 +72,8 @@ def plain(text: str) -> str:
 
 def test_the_site_builds_every_page(site: Path):
     for name in ("guide/first-session", "guide/continued-pretraining", "guarantees", "benchmarks",
-                 "reference/commands", "reference/configuration", "reference/recipes"):
+                 "guide/merging", "guide/recipes", "reference/commands", "reference/configuration",
+                 "reference/recipes", "reference/merge-methods"):
         assert (site / name / "index.html").is_file(), name
     assert "pip install torch==2.13.0 -e '.[test]' && python -m pytest -q" in plain(page(site, ""))  # the README
 
@@ -135,6 +138,22 @@ def test_the_recipe_reference_lists_every_transform_and_key(site: Path):
     example = plain(text)
     for key in ("source:", "transforms:", "output:", *(f"{f.name}:" for f in dataclasses.fields(Output))):
         assert key in example, key
+
+
+def test_the_merge_method_reference_lists_every_method_and_option(site: Path):
+    by_id = sections(page(site, "reference/merge-methods"))
+    assert len(METHODS) >= 11
+    for name, method in METHODS.items():
+        section = by_id.get(name)
+        assert section is not None, f"no section for merge method {name}"
+        table = rows(section)
+        params = [p for p in inspect.signature(method.fn).parameters.values() if p.kind is p.KEYWORD_ONLY]
+        for param in params:
+            flag = "--" + param.name.rstrip("_").replace("_", "-")
+            assert flag in table, (name, flag)
+            assert codes(table[flag][2]) == [str(param.default)], (name, flag, "default")
+            assert table[flag][3].strip(), (name, flag, "no meaning")
+        assert len(table) == len(params), name
 
 
 def test_the_readme_is_a_front_door():

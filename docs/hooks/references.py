@@ -3,7 +3,8 @@
 - `index.md`, the home page, is the README, its links into `docs/` made relative to the site;
 - `reference/commands.md` from the click commands of `upcycle` (`commands_page`);
 - `reference/configuration.md` from the training config's dataclasses (`config_page`);
-- `reference/recipes.md` from the recipe format and the transforms' options (`recipes_page`).
+- `reference/recipes.md` from the recipe format and the transforms' options (`recipes_page`);
+- `reference/merge-methods.md` from the merge registry (`merge_methods_page`).
 
 Nothing is written into `docs/`: the pages exist only in the built site. Every page, written or
 generated, is Markdown that GitHub renders too; `on_page_markdown` bridges the one difference in
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import commands_page
 import config_page
+import merge_methods_page
 import recipes_page
 from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.structure.files import File, Files
@@ -49,6 +51,7 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
         "reference/commands.md": commands_page.render(main),
         "reference/configuration.md": config_page.render(),
         "reference/recipes.md": recipes_page.render(),
+        "reference/merge-methods.md": merge_methods_page.render(),
     }
     for uri, text in pages.items():
         files.append(File.generated(config, uri, content=text))

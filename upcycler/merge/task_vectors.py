@@ -32,7 +32,7 @@ DARE = "https://arxiv.org/abs/2311.03099"
 MODEL_STOCK = "https://arxiv.org/abs/2403.19522"
 
 Lambda = Annotated[float, "Scale λ of the merged task vector"]
-Density = Annotated[float, Range(0, 1, lo_open=True), "Fraction of each task vector kept; DARE drops the rest at random (p = 1 − density)"]
+Density = Annotated[float, Range(0, 1, lo_open=True), "Fraction of each task vector kept: ties keeps the largest magnitudes, dare-* each entry with probability density, rescaled by 1/density"]
 
 
 @merge_method("task-arithmetic", paper=TASK_ARITHMETIC)
