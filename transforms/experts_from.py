@@ -13,6 +13,9 @@ of another dtype, another tokenizer) and decides, before a byte is read:
   element-wise mean of the N sources, summed one source at a time in fp32 and cast once: `mean_of`), or one
   source by name. `--shared-params` chooses for attention, norms, embeddings and head; `--shared-ffn`
   for the shared experts and the dense first layers.
+- whether the sources are BASE itself (`Sources.identical`): BASE's directory, or the same weight files
+  by name, size and sha256 (manifest records, else the files hashed; the only bytes read at this stage),
+  which makes the upcycle function-preserving and verified.
 
 Memory stays that of one tensor per source read at a time: a mean reads its sources one after another
 (`mean_of` over `read_ahead`), and an expert slice is cut from one source's dense tensor.
@@ -156,9 +159,9 @@ def _check_tokenizer(where: str, ckpt: Checkpoint, base: Checkpoint) -> None:
                                 "(experts of another vocabulary see other token ids)")
 
 
-def _digest(path: Path) -> str:
-    """sha256 of a regular file, streamed (a tokenizer of any size in bounded memory; never a FIFO)."""
-    with os.fdopen(open_regular(path, "tokenizer file"), "rb") as f:
+def _digest(path: Path, what: str = "tokenizer file") -> str:
+    """sha256 of a regular file, streamed (a file of any size in bounded memory; never a FIFO)."""
+    with os.fdopen(open_regular(path, what), "rb") as f:
         try:
             return hashlib.file_digest(f, "sha256").hexdigest()
         except OSError as err:
@@ -166,19 +169,34 @@ def _digest(path: Path) -> str:
 
 
 def _same_weights(base: Checkpoint, other: Checkpoint) -> bool:
-    """True when `other` is BASE's directory, or both manifests record the same weight files (names, sizes
-    and sha256): then every expert is cut from BASE's own FFNs and the upcycle preserves the function."""
+    """True when `other` holds BASE's weights byte for byte: BASE's own directory, or the same safetensors
+    files (names, sizes and sha256) under any other path. Then every expert is cut from BASE's own FFNs and
+    the upcycle preserves the function. A file's digest is its manifest's record when the directory has an
+    `upcycler.json`, else hashed here (only when the names and sizes already agree)."""
     if base.source is None or other.source is None:
         return False
     if Path(base.source).resolve() == Path(other.source).resolve():
         return True
-    try:
-        mine, theirs = read_manifest(base.source).file_records(), read_manifest(other.source).file_records()
-    except UpcyclerError:
+    mine, theirs = _weight_sizes(Path(base.source)), _weight_sizes(Path(other.source))
+    if not mine or mine != theirs:
         return False
-    weights = [f for f in mine if f.endswith(".safetensors")]
-    return bool(weights) and all(theirs.get(f) == mine[f] for f in weights) and \
-        sorted(f for f in theirs if f.endswith(".safetensors")) == sorted(weights)
+    return _weight_digests(Path(base.source), mine) == _weight_digests(Path(other.source), theirs)
+
+
+def _weight_sizes(root: Path) -> dict[str, int]:
+    """The safetensors files of a checkpoint directory and their sizes."""
+    return {p.name: p.stat().st_size for p in sorted(root.glob("*.safetensors")) if p.is_file()}
+
+
+def _weight_digests(root: Path, sizes: dict[str, int]) -> dict[str, str]:
+    """sha256 of each weight file of `root`: the manifest's record where it has one of that size, else the
+    file hashed."""
+    try:
+        recorded = read_manifest(root).file_records()
+    except UpcyclerError:
+        recorded = {}
+    return {name: recorded[name][1] if recorded.get(name, (None,))[0] == size else _digest(root / name, "weight file")
+            for name, size in sizes.items()}
 
 
 def _assign(names: tuple[str, ...], groups: int, group: int, assignment: Sequence[str] | None) -> tuple[int, ...]:
