@@ -271,12 +271,13 @@ def test_the_advisor_plans_a_long_sequence_split_over_chips(monkeypatch, capsys,
     (("OUT", "--plan-for", "v5e-4"), "--plan-for writes nothing"),
     (("--plan-for", "v5e-4", "--active-params", "lots"), "--active-params: 'lots' is not a count"),
     (("--plan-for", "v5e-4", "--active-params", "10"), "is not above the source's parameters outside its MLPs"),
+    (("--plan-for", "v5e-4", "--active-params", "2.3B"), "is above what this source can make active: at most"),
     (("--plan-for", "v5e-4", "--topk", "2", "--expert-width", "128"), "no exact MoE shape meets these targets"),
     (("--plan-for", "v99-8"), "--plan-for 'v99-8': not a TPU slice"),
     (("--plan-for", "v5e-4", "--plan-seq-len", "32768", "--train-config", "OUT"), "drop one of them"),
     (("--plan-for", "v5e-4", "--plan-seq-len", "12"), "--plan-seq-len"),
     (("OUT", "--experts", "4", "--topk", "2", "--plan-seq-len", "32768"), "it needs --plan-for"),
-], ids=["with-out", "bad-count", "too-few", "narrow", "bad-slice", "seq-len-and-config", "short-seq-len",
+], ids=["with-out", "bad-count", "too-few", "too-many", "narrow", "bad-slice", "seq-len-and-config", "short-seq-len",
         "seq-len-alone"])
 def test_the_advisor_refuses_what_it_cannot_plan(tmp_path, args, message):
     args = [str(tmp_path / a) if a == "OUT" else a for a in args]

@@ -51,9 +51,13 @@ def shapes(source: ModelSpec, *, active: int | None = None, total: int | None = 
                             f"MLPs ({shared:,}): ask for more")
     found: list[Shape] = []
     refused: UpcyclerError | None = None
+    too_wide = []  # the top-k whose experts would need more neurons than the dense MLP has
     for k in (topk,) if topk else TOPKS:
         w = width or round((want_active - shared) / (ffn_per_neuron * k) / WIDTH_STEP) * WIDTH_STEP
-        if w < 1 or w > source.intermediate_size:
+        if w > source.intermediate_size:
+            too_wide.append(k)
+            continue
+        if w < 1:
             continue
         n = experts or (SPARSITY * k if total is None else max(k, round((total - shared) / (ffn_per_neuron * w))))
         n = n if experts else -(-n // k) * k  # a multiple of top-k: the virtual groups fill the experts
@@ -64,6 +68,12 @@ def shapes(source: ModelSpec, *, active: int | None = None, total: int | None = 
             refused = err  # a shape the writer refuses is not proposed
             continue
         found.append(Shape(n, k, w, target.spec))
+    if not found and too_wide and refused is None and active is not None and width is None:
+        k = max(too_wide)
+        most = shared + ffn_per_neuron * k * source.intermediate_size
+        raise UpcyclerError(f"--active-params {want_active:,} is above what this source can make active: at most "
+                            f"{most:,} (top-{k} experts as wide as its whole MLP, {source.intermediate_size:,} "
+                            "neurons); ask for less, or grow the source first (`upcycle depth`, or a wider model)")
     if not found:
         raise UpcyclerError("no exact MoE shape meets these targets (top-k experts must cover the dense MLP, so "
                             "the active parameters are at least the source's)"

@@ -238,9 +238,11 @@ def plan(config: TrainConfig, topology: str, *, margin: int = 1 << 30, cache=Non
             figures = store.get(key)
             if figures is None:
                 log(f"compiling {' '.join(choice.sets())}")
+                began = time.perf_counter()
                 figures = _compile(candidate, topology, tgt.chip, spec)
                 store.put(key, figures)
                 compiled += 1
+                log(f"  compiled in {time.perf_counter() - began:.0f} s")
         except UpcyclerError as err:  # a split the batch or the mesh does not allow
             log(f"skipped {' '.join(choice.sets())}: {err}")
             return None

@@ -13,6 +13,7 @@ values and, given `--plan-for`, advises instead of writing.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -97,11 +98,23 @@ def advise(src: Path, topology: str, *, active: int | None, total: int | None, t
     config = (load_config(train_config, {"model.init": str(src)}) if train_config is not None
               else TrainConfig.from_dict(_default_run(src, chips, seq_len or SEQ_LEN), "--plan-seq-len"))
     rows = []
-    for shape in proposals:
+    click.echo(f"planning {len(proposals)} shape(s) for {topology}: each compiles its training step for every "
+               "configuration the search tries (a few per shape; each compile's time is printed, then each shape's "
+               "answer with an estimate of the time left). Figures are cached in ~/.cache/upcycler/plan: asked "
+               "again, the answer comes at once.", err=True)
+    began = time.perf_counter()
+    for number, shape in enumerate(proposals, 1):
         click.echo(f"planning {shape.flags()} for {topology}", err=True)
         found = plan(config, topology, margin=margin, spec=shape.spec, dispatch=("gspmd",),
                      cache=Path.home() / ".cache" / "upcycler" / "plan", log=lambda line: click.echo(line, err=True))
         best = found.best
+        spent = time.perf_counter() - began
+        left = len(proposals) - number
+        click.echo(f"shape {number}/{len(proposals)} ({shape.flags()}): "
+                   + (f"fits, MFU ≤ {best.figures.mfu:.1%} with {' '.join(best.choice.sets())}" if best
+                      else "nothing fits")
+                   + f"; {found.compiles} compile(s), {found.seconds:.0f} s"
+                   + (f"; about {spent / number * left / 60:.0f} min for the other {left}" if left else ""), err=True)
         rows.append({"experts": shape.experts, "topk": shape.topk, "width": shape.width,
                      "total_params": shape.spec.total_params(), "active_params": shape.spec.active_params(),
                      "fits": best is not None, "peak": best.figures.peak if best else None,
