@@ -301,6 +301,19 @@ def good_config(ws, tmp_path) -> Path:
     return F.write_config(tmp_path / "train.yaml", F.config_dict(tmp_path, ws["dense"], ws["data"]))
 
 
+
+def test_a_step_larger_than_this_host_is_refused_before_allocating(ws, tmp_path):
+    """A batch whose compiled step needs far more memory than any test host has (about 0.5 TB of
+    activations): one line naming the config, the compiled figure per device and the fix, before a
+    parameter is read or the run directory made (the step is compiled from shapes alone)."""
+    path = good_config(ws, tmp_path)
+    started = time.monotonic()
+    line = refused(*train_args(path, "--set", "data.global_batch_size=1048576", "--set", "data.seq_len=256"),
+                   mentions="train.yaml: the train step of 1048576 rows × 256 tokens needs", inputs=(path,),
+                   out=tmp_path / "run")
+    assert "per device (compiled" in line and "available" in line and "data.microbatches" in line, line
+    assert time.monotonic() - started < TIMEOUT
+
 def test_binary_config_is_refused(tmp_path):
     path = tmp_path / "train.yaml"
     path.write_bytes(bytes(range(256)) * 8)

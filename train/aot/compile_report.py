@@ -238,11 +238,22 @@ def _memory(layout, batch, compiled) -> Memory:
     arguments, outputs = int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes)
     aliased, temporaries = int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes)
     code = int(stats.generated_code_size_in_bytes)
-    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
-    if peak < arguments:  # the CPU compiler's peak leaves out the arguments: add the buffers up instead
-        peak = arguments + outputs - aliased + temporaries + code
     return Memory(**analytic, arguments=arguments, outputs=outputs, aliased=aliased, temporaries=temporaries,
-                  code=code, peak=peak)
+                  code=code, peak=compiled_peak(compiled))
+
+
+def compiled_peak(compiled) -> int:
+    """The memory one device needs at the peak of the compiled program `compiled`: the compiler's own peak,
+    or, where that holds less than the arguments or the temporaries (the CPU compiler's leaves them out),
+    arguments + outputs − aliased + temporaries + code. The figure `--compile-only` reports as
+    `memory.peak` and the trainer checks before allocating."""
+    stats = compiled.memory_analysis()
+    arguments, outputs = int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes)
+    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+    if peak < max(arguments, int(stats.temp_size_in_bytes)):
+        peak = arguments + outputs - int(stats.alias_size_in_bytes) + int(stats.temp_size_in_bytes) \
+            + int(stats.generated_code_size_in_bytes)
+    return peak
 
 
 def _bytes_accessed(compiled) -> float | None:

@@ -4,6 +4,8 @@
 Guarantees:
 - every check of the config, the files it names, the tokenizer and the device layout happens before a
   parameter is loaded or a step compiled, and fails with one `UpcyclerError` line;
+- a step that needs more memory per device than a device has is refused in one line before a parameter is
+  loaded (`memory_check`: the step is compiled first, for every data phase shape still to come);
 - the run directory is never a source (`upcycler.train.loop.preflight`), so a run cannot overwrite what it
   reads;
 - a resumed run (`resume=True`) restores parameters, optimiser state, step and data position from the
@@ -42,8 +44,8 @@ from upcycler.spec import ModelSpec
 from upcycler.train.config import TrainConfig
 from upcycler.train.data.mix import DataIterator, make_data_iterator
 from upcycler.train.loop import checkpointing as ckpt
+from upcycler.train.loop import memory_check, phases, run_build
 from upcycler.train.loop import mesh as mesh_lib
-from upcycler.train.loop import phases, run_build
 from upcycler.train.loop.heldout_eval import HeldoutEval
 from upcycler.train.loop.preflight import RunInputs, prepare
 from upcycler.train.loop.remote_inputs import localized
@@ -89,19 +91,22 @@ def train(config: TrainConfig, *, resume: bool = False, checked: RunInputs | Non
         checked = checked or prepare(config, resume)
         # the mesh, layout and step (MoE options on a dense model refused): before the run directory
         built = run_build.build(config, checked.spec, lineage=checked.lineage)
-        mesh = built.mesh
+        mesh, steps = built.mesh, phases.CompiledSteps(built)  # compiled once per data phase shape
+    if not resume:  # before anything is allocated or a directory made
+        memory_check.check_step_memory(config, built, steps, 0, clock)
     data = make_data_iterator(config.data, *mesh_lib.data_shard(mesh))
     run, held = None, None
     try:
-        heldout = None
-        if config.eval is not None:  # its sources are checked before the run directory is made
-            heldout = HeldoutEval(config, checked.spec, data.tokenizer_sha256, *mesh_lib.data_shard(mesh))
+        heldout = None if config.eval is None else HeldoutEval(  # its sources checked before the run directory
+            config, checked.spec, data.tokenizer_sha256, *mesh_lib.data_shard(mesh))
         held = lock_run_dir(config, resume=resume)  # one run at a time, until its last save is done
         make_run_dir(config)
         run = _Run(config, checked, built, data, clock, heldout)
         with clock.timed("checkpoint_restore" if resume else "training_prep"):
+            if resume:
+                memory_check.check_step_memory(config, built, steps, run.ckpts.latest_step() or 0, clock)
             state = run.resumed_state() if resume else run.initial_state()
-        return run.loop(state)
+        return run.loop(state, steps)
     finally:
         try:
             if run is not None:
@@ -118,18 +123,16 @@ class _Run:
     def __init__(self, config: TrainConfig, checked: RunInputs, built: run_build.BuiltRun, data: DataIterator,
                  clock: RunClock, heldout: HeldoutEval | None):
         self.config, self.checked, self.built, self.data, self.clock = config, checked, built, data, clock
-        self.mesh = mesh = built.mesh
-        self.spec = spec = checked.spec
-        self.layout = built.layout
+        self.mesh, self.spec, self.layout = built.mesh, checked.spec, built.layout
         self.state_shardings = self.layout.shardings
         c = config.checkpoint  # side files: the tokenizer's first, then the init's
         self.ckpts = ckpt.RunCheckpoints(
-            config.run_dir, spec, keep=c.keep, async_save=c.async_save, lineage=checked.lineage,
+            config.run_dir, self.spec, keep=c.keep, async_save=c.async_save, lineage=checked.lineage,
             side_dirs=(checked.tokenizer.parent, checked.init), hf_every=c.hf_every, hf_dtype=c.hf_dtype)
-        evaluation = [HeldoutEvaluation(heldout, mesh, self.state_shardings.params)] if heldout else []
+        evaluation = [HeldoutEvaluation(heldout, self.mesh, self.state_shardings.params)] if heldout else []
         self.techniques: list[Technique] = [  # in the order they are walked; preemption joins in `loop`
             ProfileWindow(config.profile, *trace_location(config.run_dir)), *evaluation, SpikeGuard(config.loss.spike),
-            FinitenessCheck(), ExpertWatch(spec, config.metrics, config.steps, data.source_names),
+            FinitenessCheck(), ExpertWatch(self.spec, config.metrics, config.steps, data.source_names),
             CheckpointSchedule(config.checkpoint.every, config.steps),
         ]
         self.last_lr = 0.0
@@ -165,12 +168,12 @@ class _Run:
         ckpt.restore_data(self.data, saved.data, self.ckpts.step_dir(step))
         return TrainState(jnp.asarray(step, jnp.int32), saved.params, saved.opt_state, saved.ema)
 
-    def loop(self, state: TrainState) -> RunResult:
-        """Train from `state` to `config.steps`, logging every step and acting on what the techniques ask."""
+    def loop(self, state: TrainState, steps: phases.CompiledSteps) -> RunResult:
+        """Train from `state` to `config.steps` with `steps` (compiled so far), logging every step and acting
+        on what the techniques ask."""
         config, primary, clock = self.config, jax.process_index() == 0, self.clock
         start = step = int(state.step)
         sources = self.data.source_names
-        steps = phases.CompiledSteps(self.built)  # compiled once per data phase shape
         with clock.timed("initialization"):
             peak = peak_per_device(config.metrics.peak_flops, jax.devices())
         log = RecordSinks(MetricsLog(config.run_dir, enabled=primary, start_step=start))
@@ -190,7 +193,8 @@ class _Run:
                 with clock.timed("data_loading"):
                     batch = global_batch(next(self.data), self.mesh)
                 data_wait = time.perf_counter() - t_data
-                if steps.compile(state, batch, clock) == 1:  # the run's first compile: techniques start
+                steps.compile(state, batch, clock)  # a shape met for the first time (the memory check
+                if step == start:  # compiled those it foresaw); the techniques start with the first step
                     ctx.params = state.params
                     walk(techniques, "start", ctx)
                 t0 = time.perf_counter()

@@ -42,6 +42,7 @@ from upcycler.train.config import (
     load_config,
 )
 from upcycler.units import parse_size
+from upcycler.untrusted import shown_path
 
 MAX_HBM_BUDGET = 1 << 50  # --hbm-budget: 1 PiB per device, far beyond any accelerator
 FLAG_SECTIONS = {"": TrainConfig, "model": ModelSection, "distributed": DistributedConfig, "metrics": MetricsConfig}
@@ -159,9 +160,13 @@ def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_
     check_buckets(config)  # each bucket answers, before run_dir is read and JAX starts
     resume = resumes(config, resume_mode)
     checked = prepare(config, resume)
+    from upcycler.train.loop.memory_check import StepTooLarge
     from upcycler.train.loop.trainer import train
 
-    result = train(config, resume=resume, checked=checked)
+    try:
+        result = train(config, resume=resume, checked=checked)
+    except StepTooLarge as err:  # the file the shape came from, then the figures and the fix
+        raise UpcyclerError(f"{shown_path(config_path)}: {err}") from None
     how = "stopped by SIGTERM" if result.preempted else "finished"
     click.echo(f"{how} at step {result.step}; last checkpoint: {result.last_checkpoint}")
     if result.preempted:

@@ -1,0 +1,88 @@
+"""Before a run allocates its train state: the compiled step's memory per device against what a device has.
+
+The trainer compiles its step for the shape of every data phase the run will still meet, from the train
+state's shapes alone (`phases.CompiledSteps`: the very programs the run then executes, so nothing is
+compiled twice), and reads each program's peak per device as `--compile-only` reports it
+(`compile_report.compiled_peak`). A run whose step needs more than a device has is refused in one line,
+before a parameter is read or a buffer allocated, with the figure and what lowers it. What a device has:
+
+- an accelerator: its allocator's limit (`memory_stats()["bytes_limit"]`);
+- a CPU: the memory this host has available now (`MemAvailable`), shared by its local CPU devices (the
+  fake devices of `--xla_force_host_platform_device_count` each need their own share).
+
+A device that reports neither is not checked.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from upcycler.errors import UpcyclerError
+from upcycler.train.config import TrainConfig
+from upcycler.train.reporting.goodput import RunClock
+from upcycler.units import human_bytes
+
+
+class StepTooLarge(UpcyclerError):
+    """The run's step needs more memory per device than a device has (the message says both figures)."""
+
+
+FIX = ("lower data.global_batch_size or data.seq_len, raise data.microbatches, set model.remat: full, or let "
+       "`upcycle continued-pretrain --config … --compile-only --plan best.yaml` choose (on the target "
+       "with --topology)")
+
+
+def check_step_memory(config: TrainConfig, built: Any, steps: Any, start: int, clock: RunClock | None = None,
+                      devices: Sequence[Any] | None = None) -> None:
+    """Compile `built`'s step into `steps` for every batch shape met from step `start` on and raise
+    `StepTooLarge` (one line) when one needs more memory per device than `devices` (default: this
+    process's) have."""
+    import jax
+
+    from upcycler.train.aot.compile_report import compiled_peak
+    from upcycler.train.loop.train_step import abstract_batch
+
+    devices = list(devices if devices is not None else jax.local_devices())
+    available = device_memory(devices)
+    data = config.data
+    shapes = dict.fromkeys(data.phase_shape(k) for k in range(data.phase_at(min(start, config.steps - 1)),
+                                                                len(data.phases)))
+    for seq_len, rows in shapes:
+        batch = abstract_batch(rows, seq_len, built.mesh)
+        steps.compile(built.layout.abstract, batch, clock)
+        peak = compiled_peak(steps.for_batch(batch))
+        if available is not None and peak > available:
+            where = devices[0].platform.upper()
+            has = (f"this host has {human_bytes(available * len(devices))} available for its {len(devices)} CPU "
+                   f"device(s), {human_bytes(available)} each" if devices[0].platform == "cpu"
+                   else f"a {where} device has {human_bytes(available)}")
+            raise StepTooLarge(f"the train step of {rows} rows × {seq_len:,} tokens needs {human_bytes(peak)} per "
+                                f"device (compiled: parameters, optimiser state, activations) but {has}; {FIX}")
+
+
+def device_memory(devices: Sequence[Any]) -> int | None:
+    """Bytes one of `devices` can hold: an accelerator's allocator limit, a CPU device's share of this
+    host's available memory; None when neither is known."""
+    if devices[0].platform == "cpu":
+        available = _host_available()
+        return None if available is None else available // len(devices)
+    stats = devices[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return int(limit) if limit else None
+
+
+def _host_available() -> int | None:
+    """This host's available memory (`MemAvailable` of /proc/meminfo, else the free pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
