@@ -33,6 +33,13 @@ receives over the interconnect, for ring algorithms:
   decided at run time; the buffers of a dropless layer are sized for the worst case, the smaller one is
   what a device moves when routing is balanced.
 - collective-permute: bytes = the buffer; traffic = bytes (0 when every device sends to itself)
+
+The module text is read as either printer writes it (`parse_module`): an element of a tuple-shaped value
+as a `get-tuple-element(%x), index=k` instruction (`compiled.as_text()` of JAX 0.10 and 0.12) or as a
+compact reference `%x#k` in the operand list (`%x#1#0` nested: how the compiler of JAX 0.12 prints a module
+with XLA's `xla_dump_compact_gte`), read as the instruction it stands for; and an instruction printed over
+several lines (a Pallas kernel's metadata, JSON with a newline after each entry) read whole, so its
+backend config and cost estimate are not lost.
 """
 
 from __future__ import annotations
@@ -308,7 +315,7 @@ def _module_devices(hlo_text: str) -> int | None:
 
 
 def execution_counts(
-    computations: dict[str, Computation], entry: str, *, one_branch: bool = False
+    computations: dict[str, Computation], entry: str, *, one_branch: bool = False, continuations: bool = False
 ) -> tuple[dict[str, int | Fraction], list[str]]:
     """Runs of every computation reachable from `entry` in one execution of it; the loops whose trip count
     is unknown (counted once) and that run a collective, the only ones whose count matters here.
@@ -316,7 +323,11 @@ def execution_counts(
     A conditional runs one of its n branches. By default each branch is counted as running (what may run:
     a collective in any branch is seen); with `one_branch` each runs 1/n of the time, so what the branches
     move is charged as their mean: exactly one branch's when they move the same bytes, as the kernels the
-    model chooses among at run time do (splash's per window and per chunk place)."""
+    model chooses among at run time do (splash's per window and per chunk place).
+
+    The computations of an overlapped collective's continuation fusions (`async_collective_fusion.N`) are
+    left out by default: each holds a copy of the collective, counted in its start. With `continuations`
+    they run as often as their fusion: beside that copy they hold the compute the collective overlaps."""
     edges: dict[str, list[tuple[str, int | Fraction]]] = {name: [] for name in computations}
     unknown: list[tuple[str, str, str]] = []  # (computation holding the loop, the loop, its body)
     for comp in computations.values():
@@ -333,7 +344,7 @@ def execution_counts(
             if instr.opcode in _NOT_CALLING or instr.name.startswith(_ASYNC_COLLECTIVE_DONE):
                 continue
             called = [c for c in callees(instr.attrs)
-                      if c in computations and not c.startswith(_ASYNC_COLLECTIVE_CONTINUATION)]
+                      if c in computations and (continuations or not c.startswith(_ASYNC_COLLECTIVE_CONTINUATION))]
             share = Fraction(1, len(called)) if one_branch and instr.opcode == "conditional" and called else 1
             edges[comp.name] += [(callee, share) for callee in called]
     order = _topological(edges, entry)
@@ -479,14 +490,20 @@ def _passed_through(body: Computation, index: int) -> bool:
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _INSTR = re.compile(r"^\s+(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_ELEMENT = re.compile(r"^(.+)#(\d+)$")  # a compact tuple-element reference, `while.3#1` (`%` already cut)
+_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')  # a double-quoted string, escaped characters in it included
 
 
 def parse_module(text: str) -> tuple[dict[str, Computation], str]:
-    """Computations of an HLO module's text by name, and the entry's name."""
+    """Computations of an HLO module's text by name, and the entry's name; an instruction printed over
+    several lines read whole, compact tuple-element references read as get-tuple-element instructions."""
     computations: dict[str, Computation] = {}
     entry = None
     current: Computation | None = None
-    for line in text.splitlines():
+    lines = text.splitlines()
+    at = 0
+    while at < len(lines):
+        line, at = lines[at], at + 1
         if current is None:
             if header := _HEADER.match(line):
                 current = Computation(header.group(2))
@@ -494,18 +511,58 @@ def parse_module(text: str) -> tuple[dict[str, Computation], str]:
                 if header.group(1):
                     entry = current.name
             continue
-        if line.rstrip() == "}":  # not `}}, metadata=…`: a Pallas kernel's backend config may span lines
+        if line.rstrip() == "}":  # the computation ends
             current = None
             continue
         if m := _INSTR.match(line):
-            instr = _parse_instr(m.group(2), m.group(3))
+            rest, at = _whole_instruction(m.group(3), lines, at)
+            instr = _parse_instr(m.group(2), rest)
             if instr is not None:
-                current.instrs[instr.name] = instr
-                if m.group(1):
-                    current.root = instr.name
+                _add(current, instr, root=bool(m.group(1)))
     if entry is None:
         raise ValueError("not an HLO module: no ENTRY computation")
     return computations, entry
+
+
+def _whole_instruction(rest: str, lines: list[str], at: int) -> tuple[str, int]:
+    """The text of an instruction whose first line ends with `rest`, with the lines it goes on over (a
+    Pallas kernel's metadata is printed as JSON with a newline after each entry: `kernel_metadata={`, the
+    entries, `}}, metadata=…`), joined; and the index of the line after it. A line goes on an instruction
+    while a bracket or a quoted string of it is open; the next instruction or the computation's closing
+    brace ends it in any case."""
+    while at < len(lines) and not (_INSTR.match(lines[at]) or lines[at].rstrip() == "}") and _unclosed(rest):
+        rest, at = rest + lines[at], at + 1
+    return rest, at
+
+
+def _unclosed(text: str) -> bool:
+    """Whether `text` leaves a bracket or a quoted string open (brackets in quoted strings aside)."""
+    bare = _QUOTED.sub("", text)
+    return '"' in bare or sum(map(bare.count, "([{")) > sum(map(bare.count, ")]}"))
+
+
+def _add(comp: Computation, instr: Instr, *, root: bool) -> None:
+    """`instr` into `comp`, after the get-tuple-element instructions its compact operands stand for."""
+    for operand in instr.operands:
+        _tuple_element(comp, operand)
+    comp.instrs[instr.name] = instr
+    if root:
+        comp.root = instr.name
+
+
+def _tuple_element(comp: Computation, name: str) -> None:
+    """For a compact reference `x#k` (element k of the tuple `x`; `x#1#0` nests), the get-tuple-element
+    instruction it stands for, named `x#k` (no instruction's name has a `#`), with the element's shape;
+    what reads the module then sees what the long printer prints: `get-tuple-element(x), index=k`."""
+    element = _ELEMENT.match(name)
+    if element is None or name in comp.instrs:
+        return
+    whole, index = element.group(1), int(element.group(2))
+    _tuple_element(comp, whole)
+    tuple_shape = comp.instrs[whole].shape if whole in comp.instrs else ""
+    parts = _split_top(tuple_shape[1:-1]) if tuple_shape.startswith("(") else []
+    shape = parts[index] if index < len(parts) else ""
+    comp.instrs[name] = Instr(name, shape, "get-tuple-element", [whole], f", index={index}", "", "")
 
 
 def _parse_instr(name: str, rest: str) -> Instr | None:
@@ -537,14 +594,11 @@ def _parse_instr(name: str, rest: str) -> Instr | None:
 
 
 def _balanced(text: str, open_: str, close: str) -> str:
-    """The prefix of `text` (which starts with `open_`) up to its matching `close`, quotes respected."""
-    depth, quoted = 0, False
-    for i, ch in enumerate(text):
-        if ch == '"':
-            quoted = not quoted
-        elif quoted:
-            continue
-        elif ch == open_:
+    """The prefix of `text` (which starts with `open_`) up to its matching `close`, quoted strings (with
+    their escaped quotes) skipped."""
+    depth = 0
+    for i, ch in enumerate(_QUOTED.sub(lambda q: " " * len(q.group(0)), text)):
+        if ch == open_:
             depth += 1
         elif ch == close:
             depth -= 1

@@ -163,6 +163,7 @@ def build(config: TrainConfig, spec: ModelSpec, mesh, layout, batch, compiled, *
         text = compiled.as_text()
         rows = hbm_traffic.breakdown(text)
         hbm_bytes = float(sum(row.bytes for row in rows))
+        flops["compiled_matmul_per_device"] = hbm_traffic.matmul_flops(text)  # the program's own count
         sources = [{"source": row.name, "bytes_per_layer": row.bytes / spec.num_layers, "bytes": row.bytes,
                     "executions": row.executions, "kernel_estimate_bytes": row.kernel_estimate}
                    for row in rows[:SOURCES_KEPT]]
@@ -315,7 +316,9 @@ def _text_lines(r: Report) -> list[str]:
                      f"({_gib(-r.margin)} over); largest: {largest}; {_CUTS}{split}")
     f = r.flops
     lines.append(f"flops    {f['per_token'] / 1e9:.2f} GFLOP/token, {f['per_step'] / 1e15:.2f} PFLOP/step, "
-                 f"{f['per_device'] / 1e12:.2f} TFLOP/device (executed {f['executed_per_device'] / 1e12:.2f})")
+                 f"{f['per_device'] / 1e12:.2f} TFLOP/device (executed {f['executed_per_device'] / 1e12:.2f}"
+                 + (f"; the compiled program's matmuls and kernels {f['compiled_matmul_per_device'] / 1e12:.2f}"
+                    if "compiled_matmul_per_device" in f else "") + ")")
     for kind, t in r.collectives.items():
         if t["executions"]:
             dcn = f", {_gib(t['dcn_traffic_bytes'])} of it over DCN" if r.slices > 1 else ""
