@@ -56,7 +56,7 @@ from tiny_models import make_tiny
 # with `--dist loadfile --no-loadscope-reorder` (pyproject's addopts) the two workers take files in this
 # order, so the longest ones run side by side from the start instead of one of them ending the run alone.
 LONGEST_FIRST = ("test_long_prefill_real.py", "test_serving.py", "test_trainer_distributed.py", "test_real_model.py",
-                 "test_memory_options.py", "test_bias_balancing.py", "test_expert_parallel.py",
+                 "test_guides.py", "test_memory_options.py", "test_bias_balancing.py", "test_expert_parallel.py",
                  "test_bucket_runs.py", "test_compile_only.py", "test_plan.py", "test_flexprefill_splash.py",
                  "test_training_guards.py", "test_notebooks.py",
                  "test_remote_locations.py", "test_launch_recipes.py", "test_observability.py", "test_lm_eval.py")
