@@ -22,7 +22,7 @@ import pytest
 
 BLOCKS = [block for path in G.guide_files() for block in G.blocks(path)]
 RUN = {block.where: block for block in BLOCKS if not block.illustrative}
-ASSIGNMENT = re.compile(r"^[A-Za-z_]\w*=")
+ASSIGNMENT = re.compile(r"^(?:[A-Za-z_]\w*=|[A-Za-z_]\w*\(\)\s*\{.*\}\s*;?\s*$)")  # VAR=…, f() { …; }
 
 
 def test_every_upcycle_command_in_the_guides_parses():
@@ -68,7 +68,7 @@ def test_a_shown_error_is_matched_figures_aside():
 def test_the_guides_blocks_run_as_written(guide, tmp_path):
     """Every block of `guide` not marked illustrative, in order, in one empty directory (a later block
     uses what an earlier one made); a block the guide shows refused must end in that error line."""
-    assignments = ""  # the shell variables earlier blocks set carry on, as in one terminal
+    assignments = ""  # the shell variables and functions earlier blocks set carry on, as in one terminal
     for block in [b for b in RUN.values() if b.guide.name == guide]:
         proc = subprocess.run(["bash", "-euo", "pipefail", "-c", assignments + block.text], cwd=tmp_path,
                               capture_output=True, text=True, timeout=1200, env=_shell_env(tmp_path), check=False)
@@ -80,6 +80,7 @@ def test_the_guides_blocks_run_as_written(guide, tmp_path):
             assert G.same_error(block.error, last), f"the guide shows {block.error!r}; printed {last!r}"
         else:
             assert proc.returncode == 0, told
+        assert "command not found" not in proc.stderr, told  # in a $(…), which set -e does not see
 
 
 def _shell_env(home: Path) -> dict[str, str]:

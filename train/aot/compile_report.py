@@ -27,6 +27,7 @@ from upcycler.hardware import Chip
 from upcycler.spec import ModelSpec
 from upcycler.train.aot import collectives, hbm_traffic, roofline, save_time
 from upcycler.train.config import LossConfig, ModelConfig, TrainConfig
+from upcycler.train.loop.memory_check import compiled_peak
 from upcycler.train.loop.train_step import program_fingerprint
 from upcycler.train.model import remat
 from upcycler.train.model.gmm_megablox import scoped_vmem_of
@@ -241,20 +242,6 @@ def _memory(layout, batch, compiled) -> Memory:
     code = int(stats.generated_code_size_in_bytes)
     return Memory(**analytic, arguments=arguments, outputs=outputs, aliased=aliased, temporaries=temporaries,
                   code=code, peak=compiled_peak(compiled))
-
-
-def compiled_peak(compiled) -> int:
-    """The memory one device needs at the peak of the compiled program `compiled`: the compiler's own peak,
-    or, where that holds less than the arguments or the temporaries (the CPU compiler's leaves them out),
-    arguments + outputs − aliased + temporaries + code. The figure `--compile-only` reports as
-    `memory.peak` and the trainer checks before allocating."""
-    stats = compiled.memory_analysis()
-    arguments, outputs = int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes)
-    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
-    if peak < max(arguments, int(stats.temp_size_in_bytes)):
-        peak = arguments + outputs - int(stats.alias_size_in_bytes) + int(stats.temp_size_in_bytes) \
-            + int(stats.generated_code_size_in_bytes)
-    return peak
 
 
 def _bytes_accessed(compiled) -> float | None:

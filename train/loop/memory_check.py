@@ -3,7 +3,7 @@
 The trainer compiles its step for the shape of every data phase the run will still meet, from the train
 state's shapes alone (`phases.CompiledSteps`: the very programs the run then executes, so nothing is
 compiled twice), and reads each program's peak per device as `--compile-only` reports it
-(`compile_report.compiled_peak`). A run whose step needs more than a device has is refused in one line,
+(`compiled_peak`). A run whose step needs more than a device has is refused in one line,
 before a parameter is read or a buffer allocated, with the figure and what lowers it. What a device has:
 
 - an accelerator: its allocator's limit (`memory_stats()["bytes_limit"]`);
@@ -41,7 +41,6 @@ def check_step_memory(config: TrainConfig, built: Any, steps: Any, start: int, c
     process's) have."""
     import jax
 
-    from upcycler.train.aot.compile_report import compiled_peak
     from upcycler.train.loop.train_step import abstract_batch
 
     devices = list(devices if devices is not None else jax.local_devices())
@@ -60,6 +59,20 @@ def check_step_memory(config: TrainConfig, built: Any, steps: Any, start: int, c
                    else f"a {where} device has {human_bytes(available)}")
             raise StepTooLarge(f"the train step of {rows} rows × {seq_len:,} tokens needs {human_bytes(peak)} per "
                                 f"device (compiled: parameters, optimiser state, activations) but {has}; {FIX}")
+
+
+def compiled_peak(compiled) -> int:
+    """The memory one device needs at the peak of the compiled program `compiled`: the compiler's own peak,
+    or, where that holds less than the arguments or the temporaries (the CPU compiler's leaves them out),
+    arguments + outputs − aliased + temporaries + code. The figure `--compile-only` reports as
+    `memory.peak` (`upcycler.train.aot.compile_report`) and the trainer checks before allocating."""
+    stats = compiled.memory_analysis()
+    arguments, outputs = int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes)
+    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
+    if peak < max(arguments, int(stats.temp_size_in_bytes)):
+        peak = arguments + outputs - int(stats.alias_size_in_bytes) + int(stats.temp_size_in_bytes) \
+            + int(stats.generated_code_size_in_bytes)
+    return peak
 
 
 def device_memory(devices: Sequence[Any]) -> int | None:
