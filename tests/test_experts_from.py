@@ -102,15 +102,15 @@ def test_base_named_as_every_source_is_verified_on_write(tmp_path, models):
 
 
 def test_byte_identical_copies_without_manifests_are_verified_and_a_changed_byte_is_not(tmp_path, models):
-    """Copies of a plain HF model (no `upcycler.json`: nothing recorded their digests) are recognised by
+    """Four copies of a plain HF model (no `upcycler.json`: nothing recorded their digests) are recognised by
     their content, hashed: the step is verified on write. A copy with one weight byte changed (same size)
     is another model: reported as not function-preserving and left unverified."""
     plain = {}
-    for name in ("base", "copy0", "copy1", "copy2"):
+    for name in ("base", "copy0", "copy1", "copy2", "copy3"):
         plain[name] = Path(shutil.copytree(models[name], tmp_path / f"plain-{name}"))
         (plain[name] / "upcycler.json").unlink(missing_ok=True)
-    sources = [f"c{k}={plain[f'copy{k}']}" for k in range(3)]
-    proc = run_cli("dense-to-moe", plain["base"], tmp_path / "out", "--experts", "6", "--topk", "3",
+    sources = [f"c{k}={plain[f'copy{k}']}" for k in range(4)]
+    proc = run_cli("dense-to-moe", plain["base"], tmp_path / "out", "--experts", "8", "--topk", "4",
                    "--experts-from", *sources)
     assert "NOT function-preserving" not in proc.stdout + proc.stderr
     assert json.loads((tmp_path / "out/upcycler.json").read_text())["verification"]["passed"] is True
@@ -118,9 +118,9 @@ def test_byte_identical_copies_without_manifests_are_verified_and_a_changed_byte
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1  # the last byte of the last tensor's data
     weights.write_bytes(bytes(data))
-    proc = run_cli("dense-to-moe", plain["base"], tmp_path / "changed", "--experts", "6", "--topk", "3",
+    proc = run_cli("dense-to-moe", plain["base"], tmp_path / "changed", "--experts", "8", "--topk", "4",
                    "--experts-from", *sources)
-    assert "NOT function-preserving: the experts come from 3 different models" in proc.stdout + proc.stderr
+    assert "NOT function-preserving: the experts come from 4 different models" in proc.stdout + proc.stderr
     assert "verification" not in json.loads((tmp_path / "changed/upcycler.json").read_text())
 
 # --- different models: every tensor from the documented place ------------------------------------------
