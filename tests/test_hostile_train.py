@@ -314,6 +314,29 @@ def test_a_step_larger_than_this_host_is_refused_before_allocating(ws, tmp_path)
     assert "per device (compiled" in line and "available" in line and "data.microbatches" in line, line
     assert time.monotonic() - started < TIMEOUT
 
+
+def test_a_step_the_accelerators_compiler_refuses_is_the_same_one_line(ws, tmp_path):
+    """On a TPU the compiler itself refuses a step that cannot fit (RESOURCE_EXHAUSTED): the memory check
+    turns that into its one line with the compiler's words, not a traceback."""
+    import jax
+
+    from upcycler.train.loop import memory_check, run_build
+    from upcycler.train.loop.memory_check import StepTooLarge
+
+    config = load_config(good_config(ws, tmp_path))
+    built = run_build.build(config, F.tiny_spec())
+
+    class RefusingCompiler:
+        def compile(self, state, batch, clock=None):
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used "
+                                             "20.5G of 15.75G hbm. Exceeded hbm capacity by 4.75G.\nmore detail")
+
+    with pytest.raises(StepTooLarge) as refused:
+        memory_check.check_step_memory(config, built, RefusingCompiler(), 0)
+    line = str(refused.value)
+    assert "\n" not in line and "the compiler ran out of memory" in line and "Used 20.5G of 15.75G" in line, line
+    assert "data.microbatches" in line
+
 def test_binary_config_is_refused(tmp_path):
     path = tmp_path / "train.yaml"
     path.write_bytes(bytes(range(256)) * 8)

@@ -122,7 +122,9 @@ def open_sources(experts_from: Mapping[str, Path], spec: ModelSpec, base: Tensor
     checkpoints = tuple(read_input(Path(experts_from[n])) for n in names)
     for name, ckpt in zip(names, checkpoints):
         _check_compatible(name, ckpt, spec, base, base_checkpoint)
-    identical = base_checkpoint is not None and all(_same_weights(base_checkpoint, c) for c in checkpoints)
+    base_digests: dict[str, str] = {}  # BASE's files hashed at most once, whatever the number of sources
+    identical = base_checkpoint is not None and all(_same_weights(base_checkpoint, c, base_digests)
+                                                    for c in checkpoints)
     return Sources(names, checkpoints, expert_source, identical)
 
 
@@ -168,11 +170,12 @@ def _digest(path: Path, what: str = "tokenizer file") -> str:
             raise UpcyclerError(f"{shown_path(path)}: cannot read ({err.strerror}); check the file") from None
 
 
-def _same_weights(base: Checkpoint, other: Checkpoint) -> bool:
+def _same_weights(base: Checkpoint, other: Checkpoint, base_digests: dict[str, str]) -> bool:
     """True when `other` holds BASE's weights byte for byte: BASE's own directory, or the same safetensors
     files (names, sizes and sha256) under any other path. Then every expert is cut from BASE's own FFNs and
     the upcycle preserves the function. A file's digest is its manifest's record when the directory has an
-    `upcycler.json`, else hashed here (only when the names and sizes already agree)."""
+    `upcycler.json`, else hashed here (only when the names and sizes already agree); BASE's are kept in
+    `base_digests` for the next source."""
     if base.source is None or other.source is None:
         return False
     if Path(base.source).resolve() == Path(other.source).resolve():
@@ -180,7 +183,9 @@ def _same_weights(base: Checkpoint, other: Checkpoint) -> bool:
     mine, theirs = _weight_sizes(Path(base.source)), _weight_sizes(Path(other.source))
     if not mine or mine != theirs:
         return False
-    return _weight_digests(Path(base.source), mine) == _weight_digests(Path(other.source), theirs)
+    if not base_digests:
+        base_digests.update(_weight_digests(Path(base.source), mine))
+    return base_digests == _weight_digests(Path(other.source), theirs)
 
 
 def _weight_sizes(root: Path) -> dict[str, int]:

@@ -10,7 +10,8 @@ before a parameter is read or a buffer allocated, with the figure and what lower
 - a CPU: the memory this host has available now (`MemAvailable`), shared by its local CPU devices (the
   fake devices of `--xla_force_host_platform_device_count` each need their own share).
 
-A device that reports neither is not checked.
+A device that reports neither is not checked. Where the compiler itself refuses a step that cannot fit (a
+TPU's, RESOURCE_EXHAUSTED), that is the same one-line refusal with the compiler's words.
 """
 
 from __future__ import annotations
@@ -50,7 +51,15 @@ def check_step_memory(config: TrainConfig, built: Any, steps: Any, start: int, c
                                                                 len(data.phases)))
     for seq_len, rows in shapes:
         batch = abstract_batch(rows, seq_len, built.mesh)
-        steps.compile(built.layout.abstract, batch, clock)
+        try:
+            steps.compile(built.layout.abstract, batch, clock)
+        except jax.errors.JaxRuntimeError as err:  # an accelerator's compiler refuses what cannot fit
+            if "RESOURCE_EXHAUSTED" not in str(err):
+                raise
+            said = next((line.strip() for line in str(err).splitlines() if "RESOURCE_EXHAUSTED" in line), "")
+            raise StepTooLarge(f"the train step of {rows} rows × {seq_len:,} tokens does not fit a "
+                               f"{devices[0].platform.upper()} device: the compiler ran out of memory "
+                               f"({said[:300]}); {FIX}") from None
         peak = compiled_peak(steps.for_batch(batch))
         if available is not None and peak > available:
             where = devices[0].platform.upper()
