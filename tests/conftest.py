@@ -90,6 +90,10 @@ HEAVY_FILES = {
     "test_demo.py": "the demo end to end (surgery, data, a training run, a report)",
     "test_run_build.py": "a training run and two compiles of its step",
     "test_in_step_techniques.py": "training runs with techniques inside the step",
+    "test_source_expert_usage.py": "training runs on 8 devices beside one, and resumed",
+    "test_splash_attention.py": "interpreted TPU kernels in the train step",
+    "test_lm_eval.py": "lm-evaluation-harness running the same model beside ours",
+    "test_remote_locations.py": "every command against the bucket emulator and a Hub server",
 }
 
 

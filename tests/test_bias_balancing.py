@@ -52,10 +52,10 @@ def demo(tmp_path_factory):
 
 def config(demo, root, **changes):
     base = F.config_dict(root, demo["model"], demo["data"], **{
-        "steps": 100, "data.seq_len": 64, "data.global_batch_size": 16,
+        "steps": 60, "data.seq_len": 64, "data.global_batch_size": 16,
         "data.phases": [{"weights": {"code": 0.4, "prose": 0.3, "math": 0.3}}],
         "optimizer.lr": 1e-3, "optimizer.schedule": [],
-        "loss.lb_coef": 0.0, "checkpoint.every": 100, "checkpoint.keep": 1,
+        "loss.lb_coef": 0.0, "checkpoint.every": 60, "checkpoint.keep": 1,
         "metrics.expert_load_every": 20, "model.tokenizer": str(demo["tokenizer"]), **changes})
     return base
 
@@ -75,16 +75,16 @@ def test_bias_balancing_evens_out_a_skewed_router_and_nothing_else_does(demo, ca
     train(TrainConfig.from_dict(config(demo, tmp_path / "off")))
     balanced, skewed = ratios(tmp_path / "on" / "run"), ratios(tmp_path / "off" / "run")
     print("max/min load per window, with balancing:", np.round(balanced, 2), "without:", np.round(skewed, 2))
-    assert len(balanced) == len(skewed) == 5  # 100 steps: the issue asks for balance within 200
+    assert len(balanced) == len(skewed) == 3  # 60 steps: the issue asks for balance within 200
     assert skewed[0] > 3 and balanced[0] > 3, "the skew does not show in the first window"
     assert min(balanced) < 1.5, balanced
     assert balanced[-1] < 1.5, balanced
     assert min(skewed) > 3, skewed
     # the bias moved only where the load was: experts 0 and 1 down, the others up
-    bias = F.step_params(tmp_path / "on" / "run" / "100")
+    bias = F.step_params(tmp_path / "on" / "run" / "60")
     layer_bias = [v for k, v in bias.items() if k.endswith("router_bias")]
     assert all(b[:2].max() < SKEW and b[2:].min() > 0 for b in layer_bias)
-    off = F.step_params(tmp_path / "off" / "run" / "100")
+    off = F.step_params(tmp_path / "off" / "run" / "60")
     for name, value in off.items():
         if name.endswith("router_bias"):
             np.testing.assert_array_equal(value, np.array([SKEW, SKEW] + [0.0] * 6, np.float32))

@@ -215,15 +215,16 @@ def test_counts_the_mesh_refuses_are_skipped_not_taken_for_out_of_memory(demo_mo
 
 def test_the_shape_advisor_proposes_a_shape_whose_lines_run(demo_moe, tmp_path):
     """`dense-to-moe SRC --plan-for v5e-4 --topk 2`, the source's active parameters: one proposal (16
-    experts of width F/2), planned on the training run given, that fits; its upcycle line, pasted, writes
-    that shape. Nothing is written by the advice itself."""
+    experts of width F/2), planned on the training run given (narrowed to one configuration: one compile),
+    that fits; its upcycle line, pasted, writes that shape. Nothing is written by the advice itself."""
     from upcycler.io.hf_read import read_spec
 
     config, home = demo_moe
     source = demo_assets() / "model"
     spec = read_spec(source)
     proc = subprocess.run([sys.executable, "-m", "upcycler", "dense-to-moe", str(source), "--plan-for", "v5e-4",
-                           "--topk", "2", "--train-config", str(config), "--json"],
+                           "--topk", "2", "--train-config", str(config), "--plan-remat", "none",
+                           "--plan-microbatches", "1", "--json"],
                           capture_output=True, text=True, timeout=900, check=False, env={**os.environ, "HOME": str(home)},
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -231,6 +232,7 @@ def test_the_shape_advisor_proposes_a_shape_whose_lines_run(demo_moe, tmp_path):
     [proposal] = json.loads(proc.stdout.splitlines()[-1])["proposals"]
     assert (proposal["experts"], proposal["topk"], proposal["width"]) == (16, 2, spec.intermediate_size // 2)
     assert proposal["fits"] and proposal["mfu"] > 0 and "model.attention=splash" in proposal["sets"]
+    assert proposal["compiles"] == 1 and {"model.remat=none", "data.microbatches=1"} <= set(proposal["sets"])
     out = tmp_path / "moe"
     line = proposal["upcycle"].split()
     assert line[:4] == ["upcycle", "dense-to-moe", str(source), "OUT"]
@@ -276,9 +278,12 @@ def test_the_advisor_plans_a_long_sequence_split_over_chips(monkeypatch, capsys,
     (("--plan-for", "v99-8"), "--plan-for 'v99-8': not a TPU slice"),
     (("--plan-for", "v5e-4", "--plan-seq-len", "32768", "--train-config", "OUT"), "drop one of them"),
     (("--plan-for", "v5e-4", "--plan-seq-len", "12"), "--plan-seq-len"),
+    (("--plan-for", "v5e-4", "--plan-remat", "most"), "--plan-remat: 'most'; choose from none"),
+    (("--plan-for", "v5e-4", "--plan-microbatches", "0"), "--plan-microbatches takes positive integers"),
+    (("OUT", "--experts", "4", "--topk", "2", "--plan-remat", "full"), "it needs --plan-for"),
     (("OUT", "--experts", "4", "--topk", "2", "--plan-seq-len", "32768"), "it needs --plan-for"),
 ], ids=["with-out", "bad-count", "too-few", "too-many", "narrow", "bad-slice", "seq-len-and-config", "short-seq-len",
-        "seq-len-alone"])
+        "bad-remat", "bad-microbatches", "remat-alone", "seq-len-alone"])
 def test_the_advisor_refuses_what_it_cannot_plan(tmp_path, args, message):
     args = [str(tmp_path / a) if a == "OUT" else a for a in args]
     proc = subprocess.run([sys.executable, "-m", "upcycler", "dense-to-moe", str(demo_assets() / "model"), *args],

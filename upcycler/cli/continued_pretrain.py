@@ -25,6 +25,7 @@ from typing import Any
 import click
 
 from upcycler.cli.path_type import LOCAL_PATH
+from upcycler.cli.plan_lists import listed
 from upcycler.cli.transforms import click_option
 from upcycler.errors import UpcyclerError
 from upcycler.locations import Location
@@ -141,11 +142,11 @@ def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_
 
     config = localized(config)  # gs:// model inputs: this host's copies
     if plan_out is not None:
-        narrow = {"policies": _listed(plan_remat, "--plan-remat", REMAT_POLICIES),
-                  "microbatches": _listed(plan_microbatches, "--plan-microbatches", None),
-                  "dispatch": _listed(plan_dispatch, "--plan-dispatch", MOE_DISPATCHES),
-                  "contexts": _listed(plan_context, "--plan-context", None),
-                  "exchange": _listed(plan_exchange, "--plan-exchange", CONTEXT_EXCHANGES)}
+        narrow = {"policies": listed(plan_remat, "--plan-remat", REMAT_POLICIES),
+                  "microbatches": listed(plan_microbatches, "--plan-microbatches", None),
+                  "dispatch": listed(plan_dispatch, "--plan-dispatch", MOE_DISPATCHES),
+                  "contexts": listed(plan_context, "--plan-context", None),
+                  "exchange": listed(plan_exchange, "--plan-exchange", CONTEXT_EXCHANGES)}
         _plan(config, compile_only, topology, plan_out, plan_margin, as_json,
               {k: v for k, v in narrow.items() if v is not None})
         return
@@ -172,22 +173,6 @@ def command(config_path: Path, resume_mode: str, sets: tuple[str, ...], compile_
     if result.preempted:
         click.echo(f"preempted: exit status {PREEMPTED_EXIT_STATUS}; run the same command to continue", err=True)
         sys.exit(PREEMPTED_EXIT_STATUS)
-
-
-def _listed(text: str | None, option: str, allowed: tuple[str, ...] | None) -> tuple | None:
-    """A comma-separated option's values (positive integers where `allowed` is None), or None when unset."""
-    if text is None:
-        return None
-    values = tuple(v.strip() for v in text.split(",") if v.strip())
-    if allowed is None:
-        if not values or not all(v.isdigit() and int(v) > 0 for v in values):
-            raise UpcyclerError(f"{option} takes positive integers separated by commas, e.g. 1,2,4; got {text!r}")
-        return tuple(int(v) for v in values)
-    unknown = [v for v in values if v not in allowed]
-    if not values or unknown:
-        raise UpcyclerError(f"{option}: {', '.join(map(repr, unknown)) or 'nothing given'}; "
-                            f"choose from {', '.join(allowed)}")
-    return values
 
 
 def _plan(config: TrainConfig, compile_only: bool, topology: str | None, out: Path, margin: str,

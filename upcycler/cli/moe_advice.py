@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 
 from upcycler.cli.path_type import LOCAL_PATH
+from upcycler.cli.plan_lists import listed
 from upcycler.errors import UpcyclerError
 from upcycler.units import human_bytes, human_count, parse_count, parse_size
 
@@ -28,11 +29,17 @@ SEQ_LEN = 4096
 ROWS_PER_CHIP = 4
 
 
-OPTIONS = ("plan_for", "active_params", "total_params", "train_config", "plan_margin", "plan_seq_len")
+OPTIONS = ("plan_for", "active_params", "total_params", "train_config", "plan_margin", "plan_seq_len", "plan_remat",
+           "plan_microbatches")
 
 
 def command_options(fn: Callable) -> Callable:
     """The advisor's options (`--plan-for` and what it plans with), added to the command `fn`."""
+    fn = click.option("--plan-microbatches", metavar="N1,N2,...",
+                      help="With --plan-for: plan each shape with only these microbatch counts.")(fn)
+    fn = click.option("--plan-remat", metavar="P1,P2,...",
+                      help="With --plan-for: plan each shape with only these remat policies (fewer "
+                           "compiles).")(fn)
     fn = click.option("--plan-margin", metavar="SIZE", default="1GiB", show_default=True,
                       help="With --plan-for: HBM per chip a proposal must leave free.")(fn)
     fn = click.option("--plan-seq-len", type=click.IntRange(128, 1 << 22), metavar="TOKENS",
@@ -79,13 +86,25 @@ def _advise(src: Path, out: Path | None, as_json: bool, advice: dict, fixed: dic
            seq_len=advice["plan_seq_len"],
            active=parse_count(advice["active_params"], "--active-params") if advice["active_params"] else None,
            total=parse_count(advice["total_params"], "--total-params") if advice["total_params"] else None,
-           margin=parse_size(advice["plan_margin"], "--plan-margin"), fixed=fixed)
+           margin=parse_size(advice["plan_margin"], "--plan-margin"), fixed=fixed,
+           narrow=_narrowing(advice["plan_remat"], advice["plan_microbatches"]))
+
+
+def _narrowing(remat: str | None, microbatches: str | None) -> dict[str, tuple]:
+    """`train.aot.plan.plan`'s narrowing arguments from `--plan-remat` and `--plan-microbatches`."""
+    from upcycler.train.config import REMAT_POLICIES
+
+    narrow = {"policies": listed(remat, "--plan-remat", REMAT_POLICIES),
+              "microbatches": listed(microbatches, "--plan-microbatches", None)}
+    return {k: v for k, v in narrow.items() if v is not None}
 
 
 def advise(src: Path, topology: str, *, active: int | None, total: int | None, train_config: Path | None,
-           margin: int, as_json: bool, fixed: dict[str, int | None], seq_len: int | None = None) -> None:
+           margin: int, as_json: bool, fixed: dict[str, int | None], seq_len: int | None = None,
+           narrow: dict[str, tuple] | None = None) -> None:
     """Print the proposals for upcycling `src` to train on `topology` (`fixed`: the experts, topk and width
-    the user chose; `seq_len`: the default run's sequence length); exit 1 when none fits."""
+    the user chose; `seq_len`: the default run's sequence length; `narrow`: the remat policies and
+    microbatch counts the search may try); exit 1 when none fits."""
     from upcycler.io.hf_read import read_spec
     from upcycler.train.aot.compile import target
     from upcycler.train.aot.plan import plan
@@ -105,7 +124,7 @@ def advise(src: Path, topology: str, *, active: int | None, total: int | None, t
     began = time.perf_counter()
     for number, shape in enumerate(proposals, 1):
         click.echo(f"planning {shape.flags()} for {topology}", err=True)
-        found = plan(config, topology, margin=margin, spec=shape.spec, dispatch=("gspmd",),
+        found = plan(config, topology, margin=margin, spec=shape.spec, dispatch=("gspmd",), **(narrow or {}),
                      cache=Path.home() / ".cache" / "upcycler" / "plan", log=lambda line: click.echo(line, err=True))
         best = found.best
         spent = time.perf_counter() - began
