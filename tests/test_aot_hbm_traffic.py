@@ -125,7 +125,9 @@ def test_a_pallas_kernel_is_charged_its_own_cost_estimate():
     groups of [512, 1024] bf16 weights. Its operands and result are 21 MB, but with 4 column tiles the
     rows are read 4 times and, over 4096/512 + 8 - 1 = 15 row tiles, one group's 1 MiB weight once per
     tile: 4·4 MiB + 15·1 MiB + 8 MiB out. That is what the kernel's estimate in the HLO says and what the
-    walker charges it, and the breakdown names the kernel."""
+    walker charges it, and the breakdown names the kernel. Its estimate's FLOPs count each row once, but
+    the grid's 15 steps each multiply a whole 512-row tile (8 row tiles, 7 group boundaries inside them):
+    its matmul FLOPs are 15/8 of 2·4096·512·1024, and 7/8 of that product is the waste."""
     pytest.importorskip("libtpu", reason="TPU compiles need libtpu (the [tpu] extra)")
     import importlib
     import re
@@ -133,7 +135,7 @@ def test_a_pallas_kernel_is_charged_its_own_cost_estimate():
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from upcycler.train.aot.compile import without_persistent_cache
-    from upcycler.train.aot.hbm_traffic import breakdown, charges
+    from upcycler.train.aot.hbm_traffic import breakdown, charges, grouped_matmul_waste, matmul_flops
     from upcycler.train.aot.topology import parse_slice, tpu_devices
 
     kernels = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
@@ -153,6 +155,10 @@ def test_a_pallas_kernel_is_charged_its_own_cost_estimate():
     top = breakdown(hlo)[0]
     assert top.name.startswith("kernel gmm") and top.bytes == estimate
     assert top.kernel_estimate == estimate - kernel.operand_bytes
+    product = 2 * 4096 * 512 * 1024
+    assert re.findall(r'"flops":"(\d+)"', hlo) == [str(product)]  # the estimate: each row once
+    assert matmul_flops(hlo) == product * 15 / 8
+    assert grouped_matmul_waste(hlo) == product * 7 / 8
 
 
 NESTED = """HloModule n, entry_computation_layout={()->f32[1,1024]{1,0}}

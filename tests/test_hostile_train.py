@@ -337,6 +337,27 @@ def test_a_step_the_accelerators_compiler_refuses_is_the_same_one_line(ws, tmp_p
     assert "\n" not in line and "the compiler ran out of memory" in line and "Used 20.5G of 15.75G" in line, line
     assert "data.microbatches" in line
 
+
+@pytest.mark.parametrize("platform", ["cpu", "tpu"])
+def test_the_peak_is_the_accelerators_own_and_the_cpus_buffers_summed(platform):
+    """The compiler's memory figures of the reference MoE's step compiled for v5e (temporaries that are
+    never live together sum past the peak; the compiler compiled it for a 15.75 GiB chip, so its peak of
+    12.5 GB is the figure) are taken as they are on a TPU. The same figures from the CPU compiler, whose
+    peak leaves the temporaries out, are summed."""
+    from types import SimpleNamespace
+
+    from upcycler.train.loop.memory_check import compiled_peak
+
+    stats = SimpleNamespace(argument_size_in_bytes=630_818_816, output_size_in_bytes=630_660_096,
+                            alias_size_in_bytes=630_621_696, temp_size_in_bytes=16_319_407_104,
+                            generated_code_size_in_bytes=93_374_976, peak_memory_in_bytes=12_515_450_368)
+    device = SimpleNamespace(platform=platform)
+    compiled = SimpleNamespace(memory_analysis=lambda: stats,
+                               input_shardings=((SimpleNamespace(device_set=[device]),), {}))
+    summed = 630_818_816 + 630_660_096 - 630_621_696 + 16_319_407_104 + 93_374_976
+    assert compiled_peak(compiled) == (12_515_450_368 if platform == "tpu" else summed)
+
+
 def test_binary_config_is_refused(tmp_path):
     path = tmp_path / "train.yaml"
     path.write_bytes(bytes(range(256)) * 8)

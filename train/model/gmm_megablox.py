@@ -3,7 +3,7 @@
 `jax.experimental.pallas.ops.tpu.megablox` computes only the tiles that hold rows of some group (a tile
 crossing a group boundary is visited once per group it holds): `gmm` for the forward product and for dx
 (against the transposed weights), `tgmm` for dW. This module calls those two kernels with a VJP of its own,
-so each of the three gets tiles chosen for its shape and the chip's VMEM (`gmm_tiles`), and fits our
+so each of the three gets tiles chosen for its shape and the chip's VMEM and rates (`gmm_tiles`), and fits our
 arguments to what the kernels accept:
 
 - Shapes. The kernels want the rows a multiple of the row tile, and the in/out widths multiples of their
@@ -37,7 +37,13 @@ import jax
 import jax.numpy as jnp
 
 from upcycler.train.model.gmm_rows import round_up, zero_cotangent_past, zero_rows_past
-from upcycler.train.model.gmm_tiles import DEFAULT_SCOPED_VMEM, LANE, PhaseTiles, phase_tiles
+from upcycler.train.model.gmm_tiles import (
+    DEFAULT_FLOPS_PER_BYTE,
+    DEFAULT_SCOPED_VMEM,
+    LANE,
+    PhaseTiles,
+    phase_tiles,
+)
 
 # the kernels themselves (the package's `gmm` name is the op with megablox's own VJP, which would give the
 # three kernels one tiling)
@@ -63,7 +69,8 @@ def megablox_gmm(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, *, i
     m_pad, k_pad, n_pad = (round_up(d, LANE) for d in (m, k, n))
     itemsize = jnp.dtype(x_sorted.dtype).itemsize
     tiles = phase_tiles(m_pad, k_pad, n_pad, w.shape[0], in_bytes=max(itemsize, jnp.dtype(w.dtype).itemsize),
-                        out_bytes=itemsize, vmem=scoped_vmem() if vmem is None else vmem)
+                        out_bytes=itemsize, vmem=scoped_vmem() if vmem is None else vmem,
+                        flops_per_byte=flops_per_byte())
     group_sizes = group_sizes.astype(jnp.int32)
 
     x_padded = _pad_to(x_sorted, (m_pad, k_pad))
@@ -76,14 +83,28 @@ def megablox_gmm(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, *, i
 
 
 def scoped_vmem() -> int:
-    """The scoped VMEM of the TPU being compiled for (`scoped_vmem_of`): the mesh's device kind, else this
-    host's first device."""
+    """The scoped VMEM of the TPU being compiled for (`scoped_vmem_of`)."""
+    return scoped_vmem_of(_target_chip())
+
+
+def flops_per_byte() -> float:
+    """The bf16 FLOPs the TPU being compiled for does per byte of HBM bandwidth, which weighs the compute
+    a tile wastes against the bytes it saves (`gmm_tiles`); v5e's for what is not a TPU the table knows."""
+    chip = _target_chip()
+    if chip is None or not chip.scoped_vmem_bytes:
+        return DEFAULT_FLOPS_PER_BYTE
+    return chip.peak_bf16_flops / chip.hbm_bandwidth
+
+
+def _target_chip():
+    """The `hardware.Chip` being compiled for: the mesh's device kind, else this host's first device's
+    (None when the table does not know it)."""
     from upcycler.hardware import chip_for
 
     mesh = jax.sharding.get_abstract_mesh()
     device = None if mesh.empty else getattr(mesh, "abstract_device", None)
     kind = getattr(device, "device_kind", None) or jax.devices()[0].device_kind
-    return scoped_vmem_of(chip_for(kind))
+    return chip_for(kind)
 
 
 def scoped_vmem_of(chip) -> int:

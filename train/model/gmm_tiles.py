@@ -1,4 +1,4 @@
-"""Tiles for the megablox grouped-matmul kernels, chosen per call shape from the chip's VMEM.
+"""Tiles for the megablox grouped-matmul kernels, chosen per call shape from the chip's VMEM and rates.
 
 A megablox call computes an [M, K] × [G, K, N] grouped product in tiles (tm, tk, tn). What it moves through
 HBM is set by the tiles, and the kernel says so in its own cost estimate (which the compile report charges):
@@ -9,8 +9,18 @@ HBM is set by the tiles, and the kernel says so in its own cost estimate (which 
     tgmm  (dW)
           lhs·(N / tn) + rhs·(K / tk) + out [G, K, N]
 
-so the widest tn (and for tgmm the widest tk) and the tallest tm that fit win. What fits is the kernel's
-scoped VMEM, measured by compiling for v5e (sizes from the compiler's "Scoped allocation with size …"):
+What it computes is set by the row tile too: its grid has M / tm + G − 1 row steps, each multiplying a
+whole tm-row tile and keeping the rows of one group, so a tile a group boundary crosses is multiplied once
+per group it holds. With routed tokens nearly every boundary falls inside a tile, and the kernel computes
+
+    2 · (M / tm + G − 1) · tm · K · N   FLOPs, against the 2·M·K·N of the product
+
+(the compile report charges this too: `hbm_traffic.grid_repeats`). Tall row tiles move the fewest bytes
+and waste the most compute: at the reference MoE's 131,072 rows and 64 experts, 4096-row tiles multiply
+(32 + 63) / 32 ≈ 3× the product's FLOPs. So the tiles are chosen by time, as a roofline would: the larger
+of the bytes moved and the FLOPs computed over the chip's FLOPs per byte of HBM bandwidth
+(`flops_per_byte`, v5e's by default). What fits is the kernel's scoped VMEM, measured by compiling for v5e
+(sizes from the compiler's "Scoped allocation with size …"):
 
     gmm   2·(tm·tk + tk·tn)·in + tm·tn·4 (the fp32 accumulator), tm·tn·4 more when K is split, and
           tm·tn·out (the output tile: counted by the compiler at the largest tiles, 72 MB for
@@ -18,11 +28,10 @@ scoped VMEM, measured by compiling for v5e (sizes from the compiler's "Scoped al
     tgmm  2·(tm·tk + tm·tn)·in + 2·tk·tn·out + tk·tn·4
 
 against the chip's default scoped limit (`hardware.Chip.scoped_vmem_bytes`: 16 MiB on v4, v5e, v5p; 32 MiB
-on v6e), less a margin. Among the tiles that fit and move within 10% of the least traffic, the deepest
+on v6e), less a margin. Among the tiles that fit and take within 10% of the least time, the deepest
 contraction wins (each extra k tile is a read-modify-write of the fp32 accumulator), then the fewest grid
-steps. Forward, dx and dW have different
-shapes and kernels, so each gets its own tiles (`PhaseTiles`). Tiles only change the speed and the order
-of the fp32 accumulation, never which products are summed.
+steps. Forward, dx and dW have different shapes and kernels, so each gets its own tiles (`PhaseTiles`).
+Tiles only change the speed and the order of the fp32 accumulation, never which products are summed.
 """
 
 from __future__ import annotations
@@ -32,9 +41,10 @@ from typing import NamedTuple
 
 LANE = 128  # TPU tiles of the minor dimensions are multiples of this
 ROW_TILES = (128, 256, 512, 1024, 2048, 4096)
-NEAR_LEAST = 1.1  # tiles within this factor of the least traffic count as equal; the deepest contraction wins
+NEAR_LEAST = 1.1  # tiles within this factor of the least time count as equal; the deepest contraction wins
 VMEM_MARGIN = 0.8  # of the scoped limit: what the kernel's own bookkeeping may need beside the tiles
 DEFAULT_SCOPED_VMEM = 16 << 20  # v4, v5e, v5p; chips without a figure get this
+DEFAULT_FLOPS_PER_BYTE = 197e12 / 819e9  # v5e's bf16 peak over its HBM bandwidth; chips without figures get this
 
 
 class Tiles(NamedTuple):
@@ -53,19 +63,27 @@ class PhaseTiles(NamedTuple):
 
 
 def phase_tiles(m: int, k: int, n: int, groups: int, *, in_bytes: int, out_bytes: int,
-                vmem: int = DEFAULT_SCOPED_VMEM) -> PhaseTiles:
+                vmem: int = DEFAULT_SCOPED_VMEM, flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> PhaseTiles:
     """The tiles of out[M, N] = x[M, K] @ w[G, K, N] and its two gradients (M, K, N multiples of `LANE`)."""
-    return PhaseTiles(forward=gmm_tiles(m, k, n, groups, in_bytes=in_bytes, out_bytes=out_bytes, vmem=vmem),
-                      dx=gmm_tiles(m, n, k, groups, in_bytes=in_bytes, out_bytes=in_bytes, vmem=vmem),
-                      dw=tgmm_tiles(m, k, n, groups, in_bytes=in_bytes, out_bytes=out_bytes, vmem=vmem))
+    rates = {"vmem": vmem, "flops_per_byte": flops_per_byte}
+    return PhaseTiles(forward=gmm_tiles(m, k, n, groups, in_bytes=in_bytes, out_bytes=out_bytes, **rates),
+                      dx=gmm_tiles(m, n, k, groups, in_bytes=in_bytes, out_bytes=in_bytes, **rates),
+                      dw=tgmm_tiles(m, k, n, groups, in_bytes=in_bytes, out_bytes=out_bytes, **rates))
+
+
+def computed_flops(m: int, k: int, n: int, groups: int, tm: int) -> int:
+    """FLOPs a megablox kernel multiplies for an [m, k] × [groups, k, n] product with row tile `tm`, when
+    no group boundary falls on a tile's edge: every one of its grid's m / tm + groups − 1 row steps."""
+    return 2 * (m // tm + groups - 1) * tm * k * n
 
 
 def gmm_tiles(m: int, k: int, n: int, groups: int, *, in_bytes: int, out_bytes: int,
-              vmem: int = DEFAULT_SCOPED_VMEM) -> Tiles:
-    """Tiles for megablox `gmm` of [m, k] rows against [groups, k, n] weights (its estimate, least first)."""
+              vmem: int = DEFAULT_SCOPED_VMEM, flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> Tiles:
+    """Tiles for megablox `gmm` of [m, k] rows against [groups, k, n] weights (the least time first: its
+    estimate's bytes, or its grid's FLOPs over `flops_per_byte`, whichever is larger)."""
     def traffic(t: Tiles) -> float:
-        return (m * k * in_bytes * (n // t.tn) + k * n * in_bytes * (m // t.tm + groups - 1)
-                + m * n * out_bytes)
+        return max(m * k * in_bytes * (n // t.tn) + k * n * in_bytes * (m // t.tm + groups - 1)
+                   + m * n * out_bytes, computed_flops(m, k, n, groups, t.tm) / flops_per_byte)
 
     def scoped(t: Tiles) -> int:
         acc = t.tm * t.tn * 4
@@ -75,10 +93,12 @@ def gmm_tiles(m: int, k: int, n: int, groups: int, *, in_bytes: int, out_bytes: 
 
 
 def tgmm_tiles(m: int, k: int, n: int, groups: int, *, in_bytes: int, out_bytes: int,
-               vmem: int = DEFAULT_SCOPED_VMEM) -> Tiles:
-    """Tiles for megablox `tgmm`: dW[g] = x[rows of g]^T @ dy[rows of g], x [m, k], dy [m, n]."""
+               vmem: int = DEFAULT_SCOPED_VMEM, flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> Tiles:
+    """Tiles for megablox `tgmm`: dW[g] = x[rows of g]^T @ dy[rows of g], x [m, k], dy [m, n] (the least
+    time first, as `gmm_tiles`)."""
     def traffic(t: Tiles) -> float:
-        return m * k * in_bytes * (n // t.tn) + m * n * in_bytes * (k // t.tk) + groups * k * n * out_bytes
+        return max(m * k * in_bytes * (n // t.tn) + m * n * in_bytes * (k // t.tk) + groups * k * n * out_bytes,
+                   computed_flops(m, k, n, groups, t.tm) / flops_per_byte)
 
     def scoped(t: Tiles) -> int:
         return 2 * (t.tm * t.tk + t.tm * t.tn) * in_bytes + 2 * t.tk * t.tn * out_bytes + t.tk * t.tn * 4
