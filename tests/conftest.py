@@ -40,7 +40,32 @@ else:
 os.environ.update(UPCYCLER_TEST_JAX_CACHE=str(JAX_CACHE), JAX_COMPILATION_CACHE_DIR=str(JAX_CACHE),
                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
-import gcs_emulator
+
+
+def _checkout_is_installed() -> str | None:
+    """Why the `upcycler` this Python imports is not this checkout's (None when it is): the tests, their
+    workers and every `upcycle` they start must run the code under test, not another install."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parent.parent
+    for name, folder in (("upcycler", "upcycler"), ("upcycler.train", "train"), ("upcycler.transforms", "transforms")):
+        try:
+            spec = importlib.util.find_spec(name)
+        except ImportError:
+            spec = None
+        origin = Path(spec.origin).resolve().parent if spec is not None and spec.origin else None
+        if origin != root / folder:
+            found = f"from {origin}" if origin else "nowhere"
+            return f"this Python ({sys.executable}) imports {name} {found}, not from this checkout ({root})"
+    return None
+
+
+if (_wrong := _checkout_is_installed()) is not None:  # one line, before any test is collected
+    sys.stderr.write(f"error: {_wrong}: install the checkout first, as the README's test command does: "
+                     "pip install torch==2.13.0 -e '.[test]'\n")
+    raise SystemExit(4)
+
+import gcs_emulator  # after the checkout is known to be the one installed
 
 if not IS_WORKER:
     EMULATOR, os.environ["STORAGE_EMULATOR_HOST"] = gcs_emulator.start()
