@@ -46,7 +46,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "O
 MAX_TOKENS = 24  # generated per prompt
 COMPARED = 16  # generated tokens whose top-5 logprobs are compared
 TOL = 2e-3
-CALIBRATION = ["--calibration-sequences", "16", "--calibration-length", "128"]  # 2,048 tokens, as many held out
+CALIBRATION = ["--calibration-sequences", "8", "--calibration-length", "128"]  # 1,024 tokens, as many held out
 CASES = {  # name: (source, command, arguments, comparison); the source is "parent" or an earlier case
     "mixtral-8-top2": ("parent", "dense-to-moe", ["--experts", "8", "--topk", "2", "--target", "mixtral"],
                        "exact"),
@@ -128,8 +128,9 @@ def test_output_serves_as_its_parent(name, served, record_property):
 
 
 def test_fitted_norms_are_far_closer_to_the_parent_than_unit_norms(served, record_property):
-    """Qwen3-MoE from the Llama parent: on 2,048 held-out tokens of the bundled corpus, transformers' top-1
-    agreement with the parent and KL, fitted norms against the same model with weight-1 norms."""
+    """Qwen3-MoE from the Llama parent: on 1,024 held-out tokens of the bundled corpus, transformers' top-1
+    agreement with the parent and KL, fitted norms against the same model with weight-1 norms (fitted on
+    1,024 tokens: 69.9% and KL 0.39 against 22.8% and 2.36)."""
     import torch
     from tiny_models import load_model
     from tokenizers import Tokenizer
@@ -142,7 +143,7 @@ def test_fitted_norms_are_far_closer_to_the_parent_than_unit_norms(served, recor
         path = demo_assets() / "corpus" / f"{name}.heldout.jsonl"
         ids += [tokenizer.encode(json.loads(line)["text"]).ids for line in path.open()]
     stream = np.concatenate(ids)
-    windows = stream[np.linspace(0, len(stream) - 128, 16).astype(int)[:, None] + np.arange(128)]
+    windows = stream[np.linspace(0, len(stream) - 128, 8).astype(int)[:, None] + np.arange(128)]
     reference, model = load_model(parent), load_model(out)
     with _torch_threads():
         fitted = _agreement(reference, model, windows)

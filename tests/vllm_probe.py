@@ -2,10 +2,10 @@
 virtualenv that `serving.vllm_python` builds (vLLM is no dependency of the tests' own environment).
 
 stdin holds a JSON request: {"models": [DIR, …], "prompts": [TEXT, …], "max_tokens": M, "logprobs": L}.
-Each model gets an engine of its own, one after another in this one process: fp32, eager, greedy. The
-last line of stdout is `RESULT ` and a JSON object: for every model, for every prompt, the text, the
-prompt's and the generated token ids and, per generated token, the top-L {token id: logprob}; for a
-model vLLM could not load or run, {"error": its traceback}.
+Each model gets an engine of its own, one after another in this one process: fp32, eager, greedy, every
+prompt in one batch. The last line of stdout is `RESULT ` and a JSON object: for every model, for every
+prompt, the text, the prompt's and the generated token ids and, per generated token, the top-L {token id:
+logprob}; for a model vLLM could not load or run, {"error": its traceback}.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ def main(request: dict) -> dict:
     for model in request["models"]:
         llm = None
         try:
+            # one step holds every prompt; the memory profile runs 512 tokens, not the CPU default of 4,096
             llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
+                      max_num_batched_tokens=512, max_num_seqs=len(request["prompts"]),
                       distributed_executor_backend="uni")
             outputs = llm.generate(request["prompts"], params, use_tqdm=False)
             served[model] = [_completion(out) for out in outputs]
