@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import jax
 
 from upcycler.train.model.gmm import gmm
+
+# what "auto" takes on TPU: tokamax's kernels where tokamax is installed (it installs only with JAX >= 0.11.1)
+TPU_AUTO = "tokamax" if importlib.util.find_spec("tokamax") else "megablox"
 
 
 @functools.cache

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_checks import gmm_with_grads
+from gmm_checks import TPU_AUTO, gmm_with_grads
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -120,8 +120,8 @@ def test_megablox_dtypes() -> None:
 
 def test_auto_backend_follows_the_host_without_a_mesh() -> None:
     host = jax.default_backend()
-    assert resolve_backend("auto") == {"cpu": "tiled", "tpu": "megablox", "gpu": "tiled"}.get(host, "ragged_dot")
-    assert [resolve_backend("auto", p) for p in ("cpu", "tpu", "gpu", "rocm")] == ["tiled", "megablox", "tiled", "ragged_dot"]
+    assert resolve_backend("auto") == {"cpu": "tiled", "tpu": TPU_AUTO, "gpu": "tiled"}.get(host, "ragged_dot")
+    assert [resolve_backend("auto", p) for p in ("cpu", "tpu", "gpu", "rocm")] == ["tiled", TPU_AUTO, "tiled", "ragged_dot"]
     with jax.set_mesh(Mesh(np.array(jax.devices()[:1]), ("data",))):
         assert resolve_backend("auto") == resolve_backend("auto", host)
         assert resolve_backend("ragged_dot") == "ragged_dot"
@@ -159,12 +159,12 @@ def _backend_traced_in_shard_map(mesh: Mesh) -> str:
 
 def test_auto_backend_follows_the_target_tpu_mesh() -> None:
     with jax.set_mesh(_mesh(1)):
-        assert resolve_backend("auto") == "megablox"
+        assert resolve_backend("auto") == TPU_AUTO
         assert resolve_backend("tiled") == "tiled"
     with jax.set_mesh(_mesh(4)):
         # a Pallas kernel cannot be partitioned by XLA: megablox only where each device runs it whole
         assert resolve_backend("auto") == "ragged_dot"
-        assert _backend_traced_in_shard_map(_mesh(4)) == "megablox"
+        assert _backend_traced_in_shard_map(_mesh(4)) == TPU_AUTO
         x, w = jax.ShapeDtypeStruct((128, 128), jnp.float32), jax.ShapeDtypeStruct((2, 128, 128), jnp.float32)
         group_sizes = jax.ShapeDtypeStruct((2,), jnp.int32)
         with pytest.raises(ValueError, match="shard_map"):

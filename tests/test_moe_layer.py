@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gmm_checks import TPU_AUTO
 from moe_capacity_reference import capacity_moe, expert_capacity
 
 from upcycler.train.model import moe
@@ -75,9 +76,9 @@ def test_tiled_gmm_matches_ragged_dot(tile_rows: tuple[int, ...]) -> None:
 
 
 def test_gmm_backend_choice_and_shape_errors() -> None:
-    expected = {"cpu": "tiled", "tpu": "megablox", "gpu": "tiled"}.get(jax.default_backend(), "ragged_dot")
+    expected = {"cpu": "tiled", "tpu": TPU_AUTO, "gpu": "tiled"}.get(jax.default_backend(), "ragged_dot")
     assert resolve_backend("auto") == expected
-    assert [resolve_backend("auto", p) for p in ("cpu", "tpu", "gpu", "rocm")] == ["tiled", "megablox", "tiled", "ragged_dot"]
+    assert [resolve_backend("auto", p) for p in ("cpu", "tpu", "gpu", "rocm")] == ["tiled", TPU_AUTO, "tiled", "ragged_dot"]
     with pytest.raises(ValueError, match="backend"):
         resolve_backend("cuda")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"w is \[G, in, out\]"):

@@ -14,7 +14,7 @@ Schema (every section but `model` and `data` is optional; defaults shown):
       attention_chunk: 512
       context_exchange: gather         # gather | ring: a split sequence's keys and values (splash, mesh.context > 1)
       moe_impl: dropless               # dropless | reference (one-hot)
-      gmm_backend: auto                # auto | tiled | ragged_dot | megablox | mosaic_gpu (the dropless expert matmul)
+      gmm_backend: auto                # auto | tiled | ragged_dot | megablox | mosaic_gpu | tokamax (the dropless expert matmul)
       moe_dispatch: gspmd              # gspmd | all_to_all | all_gather (expert parallelism on mesh.expert)
       comm_dtype: fp32                 # fp32 | bf16 | fp8: the expert combine's collectives
       moe_chunks: 1                    # all_gather dispatch: token chunks through the experts (less memory)
@@ -90,7 +90,7 @@ CONTEXT_EXCHANGES = ("gather", "ring")  # how a split sequence's keys and values
 REMAT_POLICIES = ("none", "dots", "all_but_ffn_hidden", "attention_and_ffn_input", "attention", "qkv",
                   "offload_attention", "offload_attention_and_ffn_input", "full")
 MOE_IMPLS = ("dropless", "reference")
-GMM_BACKENDS = ("auto", "tiled", "ragged_dot", "megablox", "mosaic_gpu")  # the grouped-matmul kernels of `upcycler.train.model.gmm`
+GMM_BACKENDS = ("auto", "tiled", "ragged_dot", "megablox", "mosaic_gpu", "tokamax")  # the grouped-matmul kernels of `upcycler.train.model.gmm`
 MOE_DISPATCHES = ("gspmd", "all_to_all", "all_gather")  # `upcycler.train.model.expert_parallel`
 COMM_DTYPES = ("fp32", "bf16", "fp8")  # payloads of the compressed collectives, `upcycler.train.model.comm`
 GRAD_COMM_DTYPES = ("native", "fp32", "bf16")
@@ -149,8 +149,9 @@ class ModelConfig:
     moe_impl: str = field("dropless", choices=MOE_IMPLS,
                           help="dropless (sort, then grouped matmul) or reference (one-hot, for tests).")
     gmm_backend: str = field("auto", choices=GMM_BACKENDS,
-                             help="Grouped matmul of the dropless MoE: auto (megablox on TPU, tiled on CPU and GPU), tiled, "
-                                  "ragged_dot, megablox (Pallas TPU) or mosaic_gpu (Pallas, NVIDIA Hopper, 16-bit).")
+                             help="Grouped matmul of the dropless MoE: auto (on TPU tokamax where installed, else megablox; tiled "
+                                  "on CPU and GPU), tiled, ragged_dot, megablox (Pallas TPU), mosaic_gpu (Pallas, "
+                                  "NVIDIA Hopper, 16-bit) or tokamax (its TPU kernels; JAX >= 0.11.1).")
     moe_dispatch: str = field("gspmd", choices=MOE_DISPATCHES,
                               help="How tokens reach their experts: gspmd (every device gathers all experts' "
                                    "weights and runs its own tokens), all_to_all (tokens sent to the device of "

@@ -43,7 +43,8 @@ counts it, inside fusions too and inside the continuation fusions of an overlapp
 the matmuls the collective overlaps; each kernel at its own estimate's FLOPs, except megablox's grouped
 matmuls (`gmm`, `tgmm`), whose estimate counts each row once though their grid multiplies a whole row tile
 once per group the tile holds: they are charged their grid (`grid_repeats`), and `grouped_matmul_waste`
-says how much that adds. Elementwise work is left out: on a program without loops it is XLA's figure less
+says how much that adds. tokamax's (`gmm_v2`, `tgmm_v2`) are charged each group's rows rounded up to
+their bucket, half a bucket per group as routed groups' sizes fall. Elementwise work is left out: on a program without loops it is XLA's figure less
 that work (tested: within 0.5% on a stack of layers).
 
 It is a model of the traffic, like XLA's, not a measurement: caches, fusion into a consumer's prologue and
@@ -90,6 +91,8 @@ _ARRAY = re.compile(r"\b[a-z]+\d*[a-z0-9]*\[[^\]]*\](\{[^}]*\})?")
 
 _KERNEL_TARGET = 'custom_call_target="tpu_custom_call"'
 _GROUPED_MATMULS = ("gmm", "tgmm")  # megablox's kernels (`_kernel_name`): a grid step per row tile and group
+_TOKAMAX_GROUPED = re.compile(r"^t?gmm_v2-g_(\d+)-m_(\d+)-")  # tokamax's, named after their shapes and tiles
+_BUCKET = re.compile(r'bucket_base\\?"\s*:\s*(\d+)')
 _ESTIMATE = re.compile(r'"cost_estimate"\s*:\s*(\{[^}]*\})')
 
 
@@ -376,12 +379,19 @@ def grouped_matmul_waste(hlo_text: str) -> float:
 
 def grid_repeats(instr: Instr, comp: Computation) -> float:
     """How many times over a kernel multiplies its rows, against its estimate's once: for megablox's
-    grouped matmuls (`gmm`, `tgmm`), their grid's steps over the row tiles, else 1.
+    grouped matmuls (`gmm`, `tgmm`), their grid's steps over the row tiles; for tokamax's (`gmm_v2`,
+    `tgmm_v2`), which start each group's tiles at its first row and round its rows up to a bucket (128 or
+    256 rows, named in the kernel's metadata), the expected half bucket per group; else 1.
 
     Each grid step multiplies a whole row tile and keeps the rows of one group, so a tile that holds rows
     of n groups is multiplied n times. The grid has row tiles + G − 1 steps, all of which run when no
     group boundary falls on a tile's edge (the rule with routed tokens): the kernel's scalar operands say
     so, the group offsets [G + 1] and each step's group [row tiles + G − 1]."""
+    tokamax = _TOKAMAX_GROUPED.match(instr.name)
+    if tokamax:  # each group's rows rounded up to a bucket: half a bucket per group, on average
+        groups, rows = int(tokamax[1]), int(tokamax[2])
+        bucket = _BUCKET.search(instr.attrs + instr.backend_config)
+        return (rows + groups * (int(bucket[1]) if bucket else 128) / 2) / rows
     if _kernel_name(instr) not in _GROUPED_MATMULS:
         return 1.0
     shapes = _operand_shapes(instr, comp)

@@ -113,9 +113,21 @@ def check_spec_options(config: TrainConfig, spec: ModelSpec, devices: Sequence[A
                     "an MoE checkpoint"
                 )
     _check_balancing(config, spec)
+    _check_gmm_backend(config)
     from upcycler.train.loop.phases import check_shapes  # brings in JAX: only once a mesh is built
 
     check_shapes(config, spec, devices)
+
+
+def _check_gmm_backend(config: TrainConfig) -> None:
+    """`model.gmm_backend: tokamax` needs tokamax installed, with a JAX it runs on."""
+    from upcycler.train.model.gmm_tokamax import tokamax_available
+
+    if config.model.gmm_backend == "tokamax" and not tokamax_available():
+        raise UpcyclerError(
+            f"{shown_path(config.model.init)}: model.gmm_backend tokamax needs tokamax, which needs JAX >= 0.11.1 "
+            "(Python >= 3.12): install upcycler[tpu] on such a Python, or set model.gmm_backend auto"
+        )
 
 
 def _check_balancing(config: TrainConfig, spec: ModelSpec) -> None:
