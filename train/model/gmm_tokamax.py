@@ -25,7 +25,6 @@ import contextlib
 import functools
 import importlib.util
 import logging
-from functools import partial
 
 import jax
 
@@ -74,7 +73,7 @@ def _call(x, w, group_sizes, implementation: str) -> jax.Array:
     return tokamax.ragged_dot(x, w, group_sizes, preferred_element_type=x.dtype, implementation=implementation)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(3,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _cross_compiled(x, w, group_sizes, implementation: str) -> jax.Array:
     with _host_checks_off():
         return _call(x, w, group_sizes, implementation)
