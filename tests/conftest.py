@@ -6,6 +6,10 @@ its pytest-xdist workers and every `upcycle` subprocess they start share compile
 that starts the run makes the directory; workers (`PYTEST_XDIST_WORKER`) inherit its path. Identical
 programs give identical executables: it saves compile time and changes no result.
 
+Bytecode: written, as Python does by default, even where the environment says not to
+(PYTHONDONTWRITEBYTECODE), so the workers and the `upcycle` processes tests start compile the checkout's
+modules once, not each on its own start (`__pycache__` is git-ignored).
+
 Remote locations: the process that starts the run starts one loopback Cloud Storage emulator
 (`gcs_emulator.py`) and points `STORAGE_EMULATOR_HOST` at it, and points `HF_ENDPOINT` at a closed
 loopback port unless a test names its own Hub server, and W&B runs offline: no gs:// URL, no Hub id and
@@ -32,6 +36,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 IS_WORKER = "PYTEST_XDIST_WORKER" in os.environ
 if IS_WORKER and os.environ.get("UPCYCLER_TEST_JAX_CACHE"):
     JAX_CACHE = Path(os.environ["UPCYCLER_TEST_JAX_CACHE"])  # the run's, made by the process that started it
