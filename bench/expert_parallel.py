@@ -278,11 +278,11 @@ def compile_part(topology: str, experts: list[int], full: bool, microbatches: in
 
 
 def cpu_inputs(key: jax.Array) -> tuple[jax.Array, ...]:
-    """x_TD, router logits_TE, w_gate_up_EDU, w_down_EFD, probe_TD with unit-variance activations."""
+    """x_TD, router logits_TE, w_gate_up_EDU, w_down_EDF, probe_TD with unit-variance activations."""
     T, D, F, E = (CPU_SHAPE[k] for k in ("tokens", "d_model", "width", "experts"))
     k = jax.random.split(key, 5)
     return (jax.random.normal(k[0], (T, D)), jax.random.normal(k[1], (T, E)),
-            jax.random.normal(k[2], (E, D, 2 * F)) * D**-0.5, jax.random.normal(k[3], (E, F, D)) * F**-0.5,
+            jax.random.normal(k[2], (E, D, 2 * F)) * D**-0.5, jax.random.normal(k[3], (E, D, F)) * F**-0.5,
             jax.random.normal(k[4], (T, D)))
 
 

@@ -57,12 +57,12 @@ def parse_args() -> argparse.Namespace:
 
 def moe_params(key: jax.Array, tokens: int, d: int, width: int, experts: int,
                dtype: str = "float32") -> tuple[jax.Array, ...]:
-    """x_TD, w_gate_up_EDU, w_down_EFD (in `dtype`), w_router_ED (float32) with unit-variance activations."""
+    """x_TD, w_gate_up_EDU, w_down_EDF (in `dtype`), w_router_ED (float32) with unit-variance activations."""
     k = jax.random.split(key, 4)
     return (
         jax.random.normal(k[0], (tokens, d)).astype(dtype),
         (jax.random.normal(k[1], (experts, d, 2 * width)) * d**-0.5).astype(dtype),
-        (jax.random.normal(k[2], (experts, width, d)) * width**-0.5).astype(dtype),
+        (jax.random.normal(k[2], (experts, d, width)) * width**-0.5).astype(dtype),
         jax.random.normal(k[3], (experts, d)) * d**-0.5,
     )
 
@@ -78,11 +78,11 @@ def dense_params(key: jax.Array, tokens: int, d: int, width: int, dtype: str = "
 
 
 def moe_layer(impl: str, top_k: int, router: str, backend: str) -> Callable[..., jax.Array]:
-    def layer(x_TD, w_gate_up_EDU, w_down_EFD, w_router_ED):
+    def layer(x_TD, w_gate_up_EDU, w_down_EDF, w_router_ED):
         routing = moe.route(moe.router_logits(x_TD, w_router_ED), top_k, router)
         if impl == "onehot":
-            return moe.onehot_moe_reference(x_TD, w_gate_up_EDU, w_down_EFD, routing)
-        return moe.dropless_moe(x_TD, w_gate_up_EDU, w_down_EFD, routing, backend=backend)
+            return moe.onehot_moe_reference(x_TD, w_gate_up_EDU, w_down_EDF, routing)
+        return moe.dropless_moe(x_TD, w_gate_up_EDU, w_down_EDF, routing, backend=backend)
 
     return layer
 

@@ -119,7 +119,7 @@ def _fused_bwd(residuals, g_XF):
 fused_gate_up.defvjp(_fused_fwd, _fused_bwd)
 
 
-def tokamax_moe(x_TD, w_gate_up_EDU, w_down_EFD, routing: moe.Routing, *, fused: bool):
+def tokamax_moe(x_TD, w_gate_up_EDU, w_down_EDF, routing: moe.Routing, *, fused: bool):
     """`moe.dropless_moe` with tokamax's grouped matmuls: the same dispatch, swiglu and combine."""
     t, top_k = routing.expert_Tk.shape
     plan = moe.plan_dispatch(routing.expert_Tk, w_gate_up_EDU.shape[0])
@@ -129,16 +129,16 @@ def tokamax_moe(x_TD, w_gate_up_EDU, w_down_EFD, routing: moe.Routing, *, fused:
         a_XF = fused_gate_up(x_XD, w_gate_up_EDU, plan.group_sizes_E)
     else:
         a_XF = moe.swiglu(_ragged(x_XD, w_gate_up_EDU, plan.group_sizes_E))
-    y_XD = _ragged(a_XF, w_down_EFD, plan.group_sizes_E)
+    y_XD = _ragged(a_XF, jnp.swapaxes(w_down_EDF, 1, 2), plan.group_sizes_E)  # down as stored, swapped, as `gmm` does
     return moe.combine_rows(y_XD, routing.weight_Tk, pos_Tk, plan.copy_X, True).astype(x_TD.dtype)
 
 
 def layer(variant: str, top_k: int, router: str):
-    def fn(x_TD, w_gate_up_EDU, w_down_EFD, w_router_ED):
+    def fn(x_TD, w_gate_up_EDU, w_down_EDF, w_router_ED):
         routing = moe.route(moe.router_logits(x_TD, w_router_ED), top_k, router)
         if variant == "megablox":
-            return moe.dropless_moe(x_TD, w_gate_up_EDU, w_down_EFD, routing, backend="megablox")
-        return tokamax_moe(x_TD, w_gate_up_EDU, w_down_EFD, routing, fused=variant == "tokamax_fused")
+            return moe.dropless_moe(x_TD, w_gate_up_EDU, w_down_EDF, routing, backend="megablox")
+        return tokamax_moe(x_TD, w_gate_up_EDU, w_down_EDF, routing, fused=variant == "tokamax_fused")
 
     return fn
 
@@ -310,7 +310,7 @@ def main() -> None:
     mesh = Mesh(devices[:1], ("chip",))
     chip = hardware.for_devices(devices)
     vmem = scoped_vmem_of(chip)
-    shapes = [((T, D), jnp.bfloat16), ((E, D, 2 * F), jnp.bfloat16), ((E, F, D), jnp.bfloat16),
+    shapes = [((T, D), jnp.bfloat16), ((E, D, 2 * F), jnp.bfloat16), ((E, D, F), jnp.bfloat16),
               ((E, D), jnp.float32)]
     flops = analytic_flops(T, D, F, E, K)
     results: dict[str, dict] = {}

@@ -70,7 +70,7 @@ def main() -> None:
     k1, k2, k3, k4 = jax.random.split(key, 4)
     x = jax.random.normal(k1, (T, D))
     w_gu = jax.random.normal(k2, (E, D, 2 * F)) / np.sqrt(D)
-    w_down = jax.random.normal(k3, (E, F, D)) / np.sqrt(F)
+    w_down = jax.random.normal(k3, (E, D, F)) / np.sqrt(F)
     probe = jax.random.normal(k4, (T, D))
     mesh = sharding.make_mesh(**MESH)
     results = {}

@@ -44,7 +44,7 @@ def plan_capacity_dispatch(expert_Tk: jax.Array, num_experts: int, capacity: int
 def capacity_moe(
     x_TD: jax.Array,
     w_gate_up_EDU: jax.Array,
-    w_down_EFD: jax.Array,
+    w_down_EDF: jax.Array,
     routing: moe.Routing,
     *,
     backend: Backend = "auto",
@@ -62,6 +62,7 @@ def capacity_moe(
     pos_Tk = plan.pos_C.reshape(t, top_k)
     x_XD = moe.dispatch_rows(x_TD, plan.copy_X, pos_Tk)
     h_XU = gmm(x_XD, w_gate_up_EDU, plan.group_sizes_E, backend=backend, tile_rows=tile_rows)
-    y_XD = gmm(moe.swiglu(h_XU), w_down_EFD, plan.group_sizes_E, backend=backend, tile_rows=tile_rows)
+    y_XD = gmm(moe.swiglu(h_XU), w_down_EDF, plan.group_sizes_E, backend=backend, tile_rows=tile_rows,
+               transpose_rhs=True)
     y_TD = moe.combine_rows(y_XD, routing.weight_Tk, pos_Tk, plan.copy_X)
     return y_TD.astype(x_TD.dtype)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_checks import TPU_AUTO, gmm_with_grads
+from gmm_checks import TPU_AUTO, assert_transposed_weight_gives_the_same, gmm_with_grads
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -62,6 +62,14 @@ def test_megablox_matches_tiled_in_output_and_gradients(name: str) -> None:
     # rows no group owns: output exactly zero, no gradient reaches x from them
     np.testing.assert_array_equal(np.asarray(out[sum(sizes) :], np.float32), 0.0)
     np.testing.assert_array_equal(np.asarray(dx[sum(sizes) :], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("backend", ["megablox", "tiled", "ragged_dot"])
+def test_a_weight_read_transposed_gives_the_same_product_and_gradients(backend: str) -> None:
+    """`transpose_rhs` (the MoE's down weight as stored, [G, out, in]): megablox reads it transposed in its
+    kernels (dW from tgmm of dyᵀ and x, padding on the swapped widths); the others swap it first."""
+    m, k, n, sizes, dtype = GMM_CASES["unaligned_dims_and_rows"]
+    assert_transposed_weight_gives_the_same(backend, *_case_arrays(m, k, n, sizes, dtype), **F32_TOL)
 
 
 def test_every_row_grouped_needs_no_masks_and_gives_the_same() -> None:
@@ -175,9 +183,9 @@ T, D, F, E, TOP_K = 64, 128, 128, 4, 2  # X = T·k = 128 rows; widths multiples 
 
 
 def _moe_loss(params, cotangent_TD, backend: str):
-    x_TD, w_gate_up_EDU, w_down_EFD, w_router_ED = params
+    x_TD, w_gate_up_EDU, w_down_EDF, w_router_ED = params
     routing = moe.route(moe.router_logits(x_TD, w_router_ED), TOP_K, "renormalized")
-    y_TD = moe.dropless_moe(x_TD, w_gate_up_EDU, w_down_EFD, routing, backend=backend)
+    y_TD = moe.dropless_moe(x_TD, w_gate_up_EDU, w_down_EDF, routing, backend=backend)
     return jnp.sum(y_TD.astype(jnp.float32) * cotangent_TD)
 
 
@@ -196,7 +204,7 @@ def _compiled_moe_hlo(backend: str, devices: int) -> str:
     params = (
         arg((T, D), bf16, P("data")),
         arg((E, D, 2 * F), bf16, P()),
-        arg((E, F, D), bf16, P()),
+        arg((E, D, F), bf16, P()),
         arg((E, D), f32, P()),
     )
     step = jax.jit(jax.value_and_grad(functools.partial(_moe_loss, backend=backend)))
@@ -266,11 +274,11 @@ def _fsdp_gathers(split: bool) -> tuple[list[str], list[str]]:
 
     args = (arg((tokens, width), jnp.bfloat16, expert_parallel.TOKEN_AXES),
             arg((4, width, 2 * hidden), jnp.bfloat16, expert_parallel.WEIGHT_AXES[0]),
-            arg((4, hidden, width), jnp.bfloat16, expert_parallel.WEIGHT_AXES[1]),
+            arg((4, width, hidden), jnp.bfloat16, expert_parallel.WEIGHT_AXES[1]),
             arg((4, width), jnp.float32, (None, None)))
     with jax.set_mesh(mesh), without_persistent_cache():
         hlo = jax.jit(jax.grad(loss, argnums=(1, 2))).lower(*args).compile().as_text()
-    wholes = (f"bf16[4,{width},{2 * hidden}]", f"bf16[4,{hidden},{width}]")
+    wholes = (f"bf16[4,{width},{2 * hidden}]", f"bf16[4,{width},{hidden}]")
     gathers = [line for line in hlo.splitlines() if re.search(r"= \S+ all-gather(-start)?\(", line)]
     copies = [line for line in hlo.splitlines() if re.search(r"= (\S+) copy(-start)?\(", line)
               and any(line.split("= ", 1)[1].startswith(whole) for whole in wholes)]
@@ -278,15 +286,18 @@ def _fsdp_gathers(split: bool) -> tuple[list[str], list[str]]:
 
 
 def test_the_expert_weights_gather_into_the_kernels_layout_on_a_split_fsdp() -> None:
-    """What the fsdp_outer split buys: on one fsdp axis, whole expert weights are copied after their
-    gather (and the weight gradient's kernel output relaid); split, the gate/up weight is one all-gather of
-    its E·D flattened rows over both axes, and no whole expert weight is copied."""
-    _, flat_copies = _fsdp_gathers(split=False)
+    """The expert weights reach the kernels as gathered: the gate/up weight [E, D, 2F] and the down weight
+    as stored ([E, D, F], which the kernel reads transposed) are gathered along the model width, which is
+    not the minor dimension, so no whole expert weight is copied after its gather on one fsdp axis or on
+    the fsdp_outer split (a down weight swapped to [E, F, D] before its gather was gathered along its
+    minor dimension and relaid). Split, each is one all-gather of its E·D flattened rows over both axes."""
+    flat_gathers, flat_copies = _fsdp_gathers(split=False)
     gathers, copies = _fsdp_gathers(split=True)
-    assert flat_copies, "the one-axis layout was expected to copy after its gather"
-    assert copies == [], copies
-    rows = [line for line in gathers if re.search(r"= bf16\[(1,)?1024,1024\]", line)]  # E·D = 4·256 rows
-    assert rows and all("replica_groups={{0,1,2,3,4,5,6,7}}" in line for line in rows), rows
+    assert flat_copies == copies == [], (flat_copies, copies)
+    assert any(re.search(r"= bf16\[4,256,512\]", line) for line in flat_gathers), flat_gathers  # down, [E, D, F]
+    for width in (1024, 512):  # E·D = 4·256 rows of gate/up (2F = 1024) and of down (F = 512)
+        rows = [line for line in gathers if re.search(rf"= bf16\[(1,)?1024,{width}\]", line)]
+        assert rows and all("replica_groups={{0,1,2,3,4,5,6,7}}" in line for line in rows), (width, gathers)
 
 
 @pytest.mark.parametrize("chip,vmem_mib", [("v5e", 64), ("v6e", 64), ("v4", 16)])

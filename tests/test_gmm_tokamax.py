@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_checks import gmm_with_grads
+from gmm_checks import assert_transposed_weight_gives_the_same, gmm_with_grads
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -51,6 +51,17 @@ def test_tokamax_equals_tiled_with_zero_rows_past_the_groups(case):
     assert bf16.dtype == jnp.bfloat16
 
 
+@needs_tokamax
+def test_tokamax_reads_a_transposed_weight_as_the_stored_one():
+    """`transpose_rhs` (the MoE's down weight as stored, [G, out, in]), which `gmm` swaps before tokamax's
+    kernels: the same output and dx, dW in the stored layout."""
+    rng = np.random.default_rng(1)
+    x, w = jnp.asarray(rng.normal(size=(96, 32)), jnp.float32), jnp.asarray(rng.normal(size=(5, 32, 48)), jnp.float32)
+    cotangent = jnp.asarray(rng.normal(size=(96, 48)), jnp.float32)
+    sizes = jnp.asarray(GROUP_SIZES["uneven, an empty group, rows past the groups"], jnp.int32)
+    assert_transposed_weight_gives_the_same("tokamax", x, w, sizes, cotangent, rtol=1e-5, atol=1e-5)
+
+
 @functools.cache
 def _v5e_chip() -> Mesh:
     from upcycler.train.aot.topology import parse_slice, tpu_devices
@@ -76,7 +87,7 @@ def test_auto_compiles_tokamax_kernels_for_one_v5e_chip_and_the_report_charges_t
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(one, P()))
 
     bf16 = jnp.bfloat16
-    args = ((arg((T, D), bf16), arg((E, D, 2 * F), bf16), arg((E, F, D), bf16), arg((E, D), jnp.float32)),
+    args = ((arg((T, D), bf16), arg((E, D, 2 * F), bf16), arg((E, D, F), bf16), arg((E, D), jnp.float32)),
             arg((T, D), jnp.float32))
     with jax.set_mesh(one), without_persistent_cache():  # a v5e executable cannot be loaded back here
         assert resolve_backend("auto") == "tokamax"

@@ -32,7 +32,7 @@ def _layer_params(seed: int = 0) -> dict[str, jax.Array]:
     return {
         "x_TD": _normal(rng, (T, D)),
         "w_gate_up_EDU": _normal(rng, (E, D, 2 * F), 0.4),
-        "w_down_EFD": _normal(rng, (E, F, D), 0.4),
+        "w_down_EDF": _normal(rng, (E, D, F), 0.4),
         "w_router_ED": _normal(rng, (E, D), 0.5),
     }
 
@@ -150,7 +150,7 @@ def _layer_with_grads(kind: str, k: int, backend: str | None):
     """
 
     def layer(params, bias_E):
-        weights = (params["w_gate_up_EDU"], params["w_down_EFD"])
+        weights = (params["w_gate_up_EDU"], params["w_down_EDF"])
         routing = _routing(params, kind, k, bias_E)
         if backend is None:
             return moe.onehot_moe_reference(params["x_TD"], *weights, routing)
@@ -207,7 +207,7 @@ _jit_reference = jax.jit(moe.onehot_moe_reference)
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0])
 def test_capacity_drops_the_latest_copies(capacity_factor: float) -> None:
     params = _layer_params(seed=4)
-    weights = (params["w_gate_up_EDU"], params["w_down_EFD"])
+    weights = (params["w_gate_up_EDU"], params["w_down_EDF"])
     routing = _routing(params, "renormalized", 2, jnp.zeros(E))
     capacity = expert_capacity(T, 2, E, capacity_factor)
     kept = _np_kept_copies(np.asarray(routing.expert_Tk), capacity)
@@ -240,7 +240,7 @@ def test_gate_up_layout_and_swiglu_gradient() -> None:
 
 def test_dropless_bfloat16_close_to_fp32_reference() -> None:
     params = _layer_params()
-    weights = (params["w_gate_up_EDU"], params["w_down_EFD"])
+    weights = (params["w_gate_up_EDU"], params["w_down_EDF"])
     routing = _routing(params, "renormalized", 2, jnp.zeros(E))
     want = _jit_reference(params["x_TD"], *weights, routing)
     bf16 = [a.astype(jnp.bfloat16) for a in (params["x_TD"], *weights)]
@@ -252,8 +252,8 @@ def test_dropless_bfloat16_close_to_fp32_reference() -> None:
 def test_layer_rejects_mismatched_weights() -> None:
     params = _layer_params()
     routing = _routing(params, "renormalized", 2, jnp.zeros(E))
-    with pytest.raises(ValueError, match=r"w_down_EFD \[E, F, D\]"):
-        moe.dropless_moe(params["x_TD"], params["w_gate_up_EDU"], jnp.zeros((E, F + 1, D)), routing)
+    with pytest.raises(ValueError, match=r"w_down_EDF \[E, D, F\]"):
+        moe.dropless_moe(params["x_TD"], params["w_gate_up_EDU"], jnp.zeros((E, D, F + 1)), routing)
 
 
 # ---------------------------------------------------------------------------------------- losses, stats
@@ -344,7 +344,7 @@ def test_remat_keeps_the_dispatch_plan_so_the_backward_does_not_sort_again(polic
     from upcycler.train.model import remat
 
     params = _layer_params()
-    weights = (params["w_gate_up_EDU"], params["w_down_EFD"])
+    weights = (params["w_gate_up_EDU"], params["w_down_EDF"])
 
     def loss(x_TD, remat_policy):
         routing = _routing({**params, "x_TD": x_TD}, "renormalized", 2, jnp.zeros(E))

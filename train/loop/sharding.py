@@ -15,9 +15,10 @@ shardings, constraints inside the model — is derived from it. The mesh has fou
 and for an MoE with fewer experts per expert group than FSDP devices (64 experts over 256 chips) a fourth,
 `fsdp_outer`: the FSDP devices as an outer × inner grid (`fsdp_outer` × `fsdp`, the same devices in the
 same order), the outer part as large as the experts allow. Every FSDP-split dimension spans both, as one
-`fsdp` axis would; the expert weights [E, D, U] split E over the outer part and D over the inner one, so
-each device holds one contiguous block of the E·D rows and FSDP's all-gather of them lands in the
-[E, D, U] layout the grouped matmul reads, with no relayout copy after it (`comm.gather_dims`).
+`fsdp` axis would; the expert weights ([E, D, U] for gate and up, the down weight as stored, [E, D, F],
+which the grouped matmul reads transposed) split E over the outer part and D over the inner one, so each
+device holds one contiguous block of the E·D rows and FSDP's all-gather of them lands in the layout the
+grouped matmul reads, with no relayout copy after it (`comm.gather_dims`).
 
 A dimension that does not divide evenly over its mesh axes is replicated instead, so a tiny test model
 runs on any mesh. A mesh axis may appear only once in one array's sharding.
@@ -55,7 +56,7 @@ RULES: dict[str, MeshAxes] = {  # an axis the mesh does not have (`fsdp_outer`) 
     "mlp": None,
     "experts": ("expert", FSDP_OUTER),
     "expert_mlp": None,
-    "expert_embed": ("fsdp", "context"),  # the model width of expert weights in kernel layout ([E, D, 2F], [E, F, D])
+    "expert_embed": ("fsdp", "context"),  # the model width of expert weights in kernel layout ([E, D, 2F], down as stored [E, D, F])
     "norm": None,
     "layers": None,
     # activations

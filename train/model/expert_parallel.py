@@ -45,14 +45,14 @@ from upcycler.train.model.placement import ONE_DEVICE, Placement
 
 TOKEN_AXES = ("tokens", "act_embed")  # [T, D]: the batch rows' tokens, flattened (rows, then sequence chunks)
 ROUTING_AXES = ("tokens", None)
-WEIGHT_AXES = (("experts", "expert_embed", "expert_mlp"), ("experts", "expert_mlp", "expert_embed"))
+WEIGHT_AXES = (("experts", "expert_embed", "expert_mlp"),) * 2  # [E, D, 2F] and down as stored, [E, D, F]
 Transport = Literal["padded", "ragged", "ragged_emulated"]
 
 
 def moe_layer(
     x_TD: jax.Array,
     w_gate_up_EDU: jax.Array,
-    w_down_EFD: jax.Array,
+    w_down_EDF: jax.Array,
     routing: moe.Routing,
     cfg: ModelConfig,
     placement: Placement = ONE_DEVICE,
@@ -64,15 +64,15 @@ def moe_layer(
     is the one-device dropless layer.
     """
     mesh = placement.mesh()
-    args = (x_TD, routing.expert_Tk, routing.weight_Tk, w_gate_up_EDU, w_down_EFD)
+    args = (x_TD, routing.expert_Tk, routing.weight_Tk, w_gate_up_EDU, w_down_EDF)
     axes = (TOKEN_AXES, ROUTING_AXES, ROUTING_AXES, *WEIGHT_AXES)
     gathered = (False, False, False, True, True)
     backend = cfg.gmm_backend
     if cfg.moe_dispatch == "gspmd" or mesh is None or mesh.size == 1:
 
-        def layer(x_TD, expert_Tk, weight_Tk, w_gate_up_EDU, w_down_EFD):
+        def layer(x_TD, expert_Tk, weight_Tk, w_gate_up_EDU, w_down_EDF):
             routing = moe.Routing(expert_Tk, weight_Tk)
-            return moe.dropless_moe(x_TD, w_gate_up_EDU, w_down_EFD, routing, backend=backend)
+            return moe.dropless_moe(x_TD, w_gate_up_EDU, w_down_EDF, routing, backend=backend)
 
         return placement.per_device(layer, args, axes, gathered, grad_comm=cfg.grad_comm_dtype)
 
@@ -86,9 +86,9 @@ def moe_layer(
 
     axis = placement.expert_axis
 
-    def local(x_TD, expert_Tk, weight_Tk, w_gate_up_LDU, w_down_LFD):
+    def local(x_TD, expert_Tk, weight_Tk, w_gate_up_LDU, w_down_LDF):
         routing = moe.Routing(expert_Tk, weight_Tk)
-        return variant(x_TD, w_gate_up_LDU, w_down_LFD, routing, axis=axis, comm_dtype=cfg.comm_dtype,
+        return variant(x_TD, w_gate_up_LDU, w_down_LDF, routing, axis=axis, comm_dtype=cfg.comm_dtype,
                        backend=backend).astype(x_TD.dtype)
 
     return placement.per_device(local, args, axes, gathered, keep_local=(axis,), grad_comm=cfg.grad_comm_dtype)
@@ -127,10 +127,10 @@ def _check_expert_layout(placement: Placement, mesh, x_TD: jax.Array, w_gate_up_
 # ------------------------------------------------------------------------------------- the local experts
 
 
-def _experts(x_XD, w_gate_up_LDU, w_down_LFD, group_sizes_L, backend) -> jax.Array:
+def _experts(x_XD, w_gate_up_LDU, w_down_LDF, group_sizes_L, backend) -> jax.Array:
     """Rows grouped by local expert through gate/up, SwiGLU and down; rows past the groups give 0."""
     h_XU = gmm(x_XD, w_gate_up_LDU, group_sizes_L, backend=backend)
-    return gmm(moe.swiglu(h_XU), w_down_LFD, group_sizes_L, backend=backend)
+    return gmm(moe.swiglu(h_XU), w_down_LDF, group_sizes_L, backend=backend, transpose_rhs=True)
 
 
 def worst_case_rows(tokens: int, top_k: int, local_experts: int) -> int:
@@ -145,7 +145,7 @@ def worst_case_rows(tokens: int, top_k: int, local_experts: int) -> int:
 def all_gather_moe(
     x_TD: jax.Array,
     w_gate_up_LDU: jax.Array,
-    w_down_LFD: jax.Array,
+    w_down_LDF: jax.Array,
     routing: moe.Routing,
     *,
     axis: str,
@@ -176,7 +176,7 @@ def all_gather_moe(
         copy_X = plan.copy_X[:rows]
         pos_Tk = jnp.where(here, plan.pos_C.reshape(-1, top_k), rows)  # copies elsewhere: no row here
         x_XD = moe.dispatch_rows(x_TD, copy_X, pos_Tk)
-        y_XD = _experts(x_XD, w_gate_up_LDU, w_down_LFD, plan.group_sizes_E[:num_local], backend)
+        y_XD = _experts(x_XD, w_gate_up_LDU, w_down_LDF, plan.group_sizes_E[:num_local], backend)
         return moe.combine_rows(y_XD, weight_Tk, pos_Tk, copy_X)
 
     if chunks == 1:
@@ -224,7 +224,7 @@ class Exchange:
 def all_to_all_moe(
     x_TD: jax.Array,
     w_gate_up_LDU: jax.Array,
-    w_down_LFD: jax.Array,
+    w_down_LDF: jax.Array,
     routing: moe.Routing,
     *,
     axis: str,
@@ -247,18 +247,18 @@ def all_to_all_moe(
     exchange = Exchange(axis, transport, worst_case_rows(t, top_k, num_local), t * top_k)
     route = plan_route(plan.group_sizes_E, exchange)
     x_RD = send(x_XD, route, exchange, True, None, comm_dtype)
-    y_RD = _received_rows_through_experts(x_RD, route.expert_R, w_gate_up_LDU, w_down_LFD, backend)
+    y_RD = _received_rows_through_experts(x_RD, route.expert_R, w_gate_up_LDU, w_down_LDF, backend)
     y_XD = send(y_RD, route, exchange, False, comm_dtype, comm_dtype)
     return moe.combine_rows(y_XD, routing.weight_Tk, pos_Tk, plan.copy_X)
 
 
-def _received_rows_through_experts(x_RD, expert_R, w_gate_up_LDU, w_down_LFD, backend) -> jax.Array:
+def _received_rows_through_experts(x_RD, expert_R, w_gate_up_LDU, w_down_LDF, backend) -> jax.Array:
     """Each received row through its local expert, back in the received order (empty rows give 0)."""
     num_local = w_gate_up_LDU.shape[0]
     plan = moe.plan_dispatch(expert_R[:, None], num_local + 1)
     pos_R1 = plan.pos_C[:, None]
     x_XD = moe.dispatch_rows(x_RD, plan.copy_X, pos_R1)
-    y_XD = _experts(x_XD, w_gate_up_LDU, w_down_LFD, plan.group_sizes_E[:num_local], backend)
+    y_XD = _experts(x_XD, w_gate_up_LDU, w_down_LDF, plan.group_sizes_E[:num_local], backend)
     unit_R1 = jnp.ones(pos_R1.shape, jnp.float32)
     return moe.combine_rows(y_XD, unit_R1, pos_R1, plan.copy_X).astype(x_RD.dtype)  # exact: one term each
 

@@ -52,10 +52,11 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def megablox_gmm(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, *, interpret: bool,
-                 all_rows_grouped: bool = False, vmem: int | None = None) -> jax.Array:
+                 all_rows_grouped: bool = False, vmem: int | None = None, transpose_rhs: bool = False) -> jax.Array:
     """`gmm.gmm`'s contract on the megablox kernels: rows of group g times `w[g]`, rows past the groups 0.
 
-    `x_sorted` [M, in], `w` [G, in, out], `group_sizes` [G] int32 with sum <= M (== M when
+    `x_sorted` [M, in], `w` [G, in, out] (or [G, out, in] with `transpose_rhs`: the kernels read it
+    transposed, and dW comes out in that layout from tgmm of dyᵀ and x), `group_sizes` [G] int32 with sum <= M (== M when
     `all_rows_grouped`, which the caller promises); returns [M, out] in `x_sorted.dtype` (products
     accumulate in fp32). Differentiable (reverse mode) in `x_sorted` and `w`, with finite gradients for
     rows past sum(group_sizes) (zero for x, no contribution to w). Any M, in, out: padding is added and
@@ -65,20 +66,24 @@ def megablox_gmm(x_sorted: jax.Array, w: jax.Array, group_sizes: jax.Array, *, i
     for name, arr in (("x_sorted", x_sorted), ("w", w)):
         if jnp.dtype(arr.dtype) not in KERNEL_DTYPES:
             raise ValueError(f"the megablox gmm backend takes float32 or bfloat16 {name}, not {arr.dtype}")
-    m, k, n = x_sorted.shape[0], w.shape[1], w.shape[2]
+    m, k, n = x_sorted.shape[0], x_sorted.shape[1], w.shape[1 if transpose_rhs else 2]
     m_pad, k_pad, n_pad = (round_up(d, LANE) for d in (m, k, n))
     itemsize = jnp.dtype(x_sorted.dtype).itemsize
     tiles = phase_tiles(m_pad, k_pad, n_pad, w.shape[0], in_bytes=max(itemsize, jnp.dtype(w.dtype).itemsize),
                         out_bytes=itemsize, vmem=scoped_vmem() if vmem is None else vmem,
-                        flops_per_byte=flops_per_byte())
+                        flops_per_byte=flops_per_byte(), transpose_rhs=transpose_rhs)
     group_sizes = group_sizes.astype(jnp.int32)
 
     x_padded = _pad_to(x_sorted, (m_pad, k_pad))
-    w_padded = _pad_to(w, (w.shape[0], k_pad, n_pad))
+    w_padded = _pad_to(w, (w.shape[0], n_pad, k_pad) if transpose_rhs else (w.shape[0], k_pad, n_pad))
+
+    def grouped(x, w, group_sizes):
+        return _grouped(x, w, group_sizes, tiles, interpret, transpose_rhs)
+
     if all_rows_grouped:
-        return _grouped(x_padded, w_padded, group_sizes, tiles, interpret)[:m, :n]
+        return grouped(x_padded, w_padded, group_sizes)[:m, :n]
     total = jnp.sum(group_sizes)
-    out_padded = _grouped(zero_cotangent_past(x_padded, total), w_padded, group_sizes, tiles, interpret)
+    out_padded = grouped(zero_cotangent_past(x_padded, total), w_padded, group_sizes)
     return zero_rows_past(out_padded, total)[:m, :n]
 
 
@@ -126,23 +131,26 @@ def _pad_to(a: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jnp.pad(a, [(0, want - have) for have, want in zip(a.shape, shape)])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _grouped(x, w, group_sizes, tiles: PhaseTiles, interpret: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _grouped(x, w, group_sizes, tiles: PhaseTiles, interpret: bool, transpose_rhs: bool):
     """The forward kernel; the VJP runs dx and dW with their own tiles."""
-    return _kernels.gmm(x, w, group_sizes, x.dtype, tiles.forward, None, None, transpose_rhs=False,
+    return _kernels.gmm(x, w, group_sizes, x.dtype, tiles.forward, None, None, transpose_rhs=transpose_rhs,
                         interpret=interpret)
 
 
-def _grouped_fwd(x, w, group_sizes, tiles, interpret):
-    return _grouped(x, w, group_sizes, tiles, interpret), (x, w, group_sizes)
+def _grouped_fwd(x, w, group_sizes, tiles, interpret, transpose_rhs):
+    return _grouped(x, w, group_sizes, tiles, interpret, transpose_rhs), (x, w, group_sizes)
 
 
-def _grouped_bwd(tiles, interpret, residuals, dy):
+def _grouped_bwd(tiles, interpret, transpose_rhs, residuals, dy):
     x, w, group_sizes = residuals
     dy = dy.astype(x.dtype)
-    dx = _kernels.gmm(dy, w, group_sizes, x.dtype, tiles.dx, None, None, transpose_rhs=True, interpret=interpret)
-    # tgmm takes x as [in, M] and transposes it back inside: the two swaps cancel, no copy is made
-    dw = _kernels.tgmm(x.swapaxes(0, 1), dy, group_sizes, w.dtype, tiles.dw, None, w.shape[0],
+    dx = _kernels.gmm(dy, w, group_sizes, x.dtype, tiles.dx, None, None, transpose_rhs=not transpose_rhs,
+                      interpret=interpret)
+    # tgmm takes its first operand as [K, M] and transposes it back inside: the two swaps cancel, no copy
+    # is made. dW in w's layout: xᵀ dy ([G, in, out]), or dyᵀ x ([G, out, in]) for a weight read transposed
+    first, second = (dy, x) if transpose_rhs else (x, dy)
+    dw = _kernels.tgmm(first.swapaxes(0, 1), second, group_sizes, w.dtype, tiles.dw, None, w.shape[0],
                        interpret=interpret)
     return dx, dw, None
 

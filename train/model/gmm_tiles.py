@@ -63,12 +63,16 @@ class PhaseTiles(NamedTuple):
 
 
 def phase_tiles(m: int, k: int, n: int, groups: int, *, in_bytes: int, out_bytes: int,
-                vmem: int = DEFAULT_SCOPED_VMEM, flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE) -> PhaseTiles:
-    """The tiles of out[M, N] = x[M, K] @ w[G, K, N] and its two gradients (M, K, N multiples of `LANE`)."""
+                vmem: int = DEFAULT_SCOPED_VMEM, flops_per_byte: float = DEFAULT_FLOPS_PER_BYTE,
+                transpose_rhs: bool = False) -> PhaseTiles:
+    """The tiles of out[M, N] = x[M, K] @ w[G, K, N] and its two gradients (M, K, N multiples of `LANE`).
+    With `transpose_rhs` the weight is stored [G, N, K]: the products tile alike, and dW ([G, N, K], tgmm
+    of dyᵀ and x) gets the tiles of its own orientation."""
     rates = {"vmem": vmem, "flops_per_byte": flops_per_byte}
+    dw_kn = (n, k) if transpose_rhs else (k, n)
     return PhaseTiles(forward=gmm_tiles(m, k, n, groups, in_bytes=in_bytes, out_bytes=out_bytes, **rates),
                       dx=gmm_tiles(m, n, k, groups, in_bytes=in_bytes, out_bytes=in_bytes, **rates),
-                      dw=tgmm_tiles(m, k, n, groups, in_bytes=in_bytes, out_bytes=out_bytes, **rates))
+                      dw=tgmm_tiles(m, *dw_kn, groups, in_bytes=in_bytes, out_bytes=out_bytes, **rates))
 
 
 def computed_flops(m: int, k: int, n: int, groups: int, tm: int) -> int:

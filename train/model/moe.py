@@ -4,11 +4,12 @@ Shape suffixes follow the dimension key of `upcycler.train.model`; the ones used
     T tokens (B·L flattened), D model width, F expert width, U gate and up stacked (2F), E experts,
     k experts per token, C token copies (T·k), X rows of the expert-sorted buffer (one per copy).
 
-Expert weights, input dimension first (a model loading Hugging Face `[out, in]` tensors transposes them),
-with gate and up stacked along the output dimension (U = 2F) so one grouped matmul computes both:
+Expert weights: gate and up input dimension first, stacked along the output dimension (U = 2F) so one
+grouped matmul computes both; down as stored (Hugging Face's `[out, in]`), which the grouped matmul reads
+transposed (`transpose_rhs`), so the weight FSDP gathers reaches the kernel without a relayout in HBM:
     w_gate_up_EDU [E, D, 2F]   [..., :F] is gate_proj[e]^T, [..., F:] is up_proj[e]^T  (`fuse_gate_up`)
-    w_down_EFD    [E, F, D]    down_proj[e]^T
-    expert e computes  (silu(x @ gate_e) * (x @ up_e)) @ w_down_EFD[e]
+    w_down_EDF    [E, D, F]    down_proj[e]
+    expert e computes  (silu(x @ gate_e) * (x @ up_e)) @ w_down_EDF[e]^T
 
 Pipeline of `dropless_moe` (Megablocks-style, no capacity, no dropped tokens):
     route -> stable argsort of the C copies by expert -> gather rows -> one grouped matmul for gate and
@@ -235,7 +236,7 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 def dropless_moe(
     x_TD: jax.Array,
     w_gate_up_EDU: jax.Array,
-    w_down_EFD: jax.Array,
+    w_down_EDF: jax.Array,
     routing: Routing,
     *,
     backend: Backend = "auto",
@@ -246,7 +247,7 @@ def dropless_moe(
     Equals `onehot_moe_reference` (up to fp32 summation order): no capacity, no token is dropped.
     Output dtype is `x_TD.dtype`; jit-friendly (all shapes static) and differentiable in every input.
     """
-    _check_expert_shapes(x_TD, w_gate_up_EDU, w_down_EFD, routing)
+    _check_expert_shapes(x_TD, w_gate_up_EDU, w_down_EDF, routing)
     t, top_k = routing.expert_Tk.shape
     plan = Dispatch(*(checkpoint_name(a, MOE_ROUTING) for a in plan_dispatch(routing.expert_Tk, w_gate_up_EDU.shape[0])))
     pos_Tk = plan.pos_C.reshape(t, top_k)
@@ -254,7 +255,7 @@ def dropless_moe(
     x_XD = checkpoint_name(dispatch_rows(x_TD, plan.copy_X, pos_Tk, True), MOE_DISPATCHED)
     grouped = partial(gmm, group_sizes=plan.group_sizes_E, backend=backend, tile_rows=tile_rows, all_rows_grouped=True)
     h_XU = checkpoint_name(grouped(x_XD, w_gate_up_EDU), FFN_HIDDEN)
-    y_XD = checkpoint_name(grouped(swiglu(h_XU), w_down_EFD), EXPERT_OUT)
+    y_XD = checkpoint_name(grouped(swiglu(h_XU), w_down_EDF, transpose_rhs=True), EXPERT_OUT)
     y_TD = combine_rows(y_XD, routing.weight_Tk, pos_Tk, plan.copy_X, True)
     return y_TD.astype(x_TD.dtype)
 
@@ -262,7 +263,7 @@ def dropless_moe(
 def onehot_moe_reference(
     x_TD: jax.Array,
     w_gate_up_EDU: jax.Array,
-    w_down_EFD: jax.Array,
+    w_down_EDF: jax.Array,
     routing: Routing,
 ) -> jax.Array:
     """The same layer computed the plain way: every expert on every token, masked by its combine weight.
@@ -270,27 +271,27 @@ def onehot_moe_reference(
     A loop over experts (`lax.scan`) so memory holds one expert's activations at a time in the forward
     pass. Costs E/k times the FLOPs of the dropless path; for tests and benchmarks only.
     """
-    _check_expert_shapes(x_TD, w_gate_up_EDU, w_down_EFD, routing)
+    _check_expert_shapes(x_TD, w_gate_up_EDU, w_down_EDF, routing)
     num_experts = w_gate_up_EDU.shape[0]
     onehot_TkE = jax.nn.one_hot(routing.expert_Tk, num_experts, dtype=jnp.float32)
     combine_ET = jnp.einsum("tke,tk->et", onehot_TkE, routing.weight_Tk.astype(jnp.float32))
 
     def one_expert(y_TD, expert):
-        w_gate_up_DU, w_down_FD, combine_T = expert
-        y_e_TD = (swiglu(x_TD @ w_gate_up_DU) @ w_down_FD).astype(jnp.float32)
+        w_gate_up_DU, w_down_DF, combine_T = expert
+        y_e_TD = (swiglu(x_TD @ w_gate_up_DU) @ w_down_DF.T).astype(jnp.float32)
         return y_TD + combine_T[:, None] * y_e_TD, None
 
     init = jnp.zeros(x_TD.shape, jnp.float32)
-    y_TD, _ = lax.scan(one_expert, init, (w_gate_up_EDU, w_down_EFD, combine_ET))
+    y_TD, _ = lax.scan(one_expert, init, (w_gate_up_EDU, w_down_EDF, combine_ET))
     return y_TD.astype(x_TD.dtype)
 
 
-def _check_expert_shapes(x_TD, w_gate_up_EDU, w_down_EFD, routing: Routing) -> None:
+def _check_expert_shapes(x_TD, w_gate_up_EDU, w_down_EDF, routing: Routing) -> None:
     e, d, h = w_gate_up_EDU.shape
-    if h % 2 or w_down_EFD.shape != (e, h // 2, d) or x_TD.shape[-1] != d:
+    if h % 2 or w_down_EDF.shape != (e, d, h // 2) or x_TD.shape[-1] != d:
         raise ValueError(
-            f"expert weights want w_gate_up_EDU [E, D, 2F] and w_down_EFD [E, F, D] for x [T, D]; "
-            f"got {w_gate_up_EDU.shape}, {w_down_EFD.shape}, x {x_TD.shape}"
+            f"expert weights want w_gate_up_EDU [E, D, 2F] and w_down_EDF [E, D, F] for x [T, D]; "
+            f"got {w_gate_up_EDU.shape}, {w_down_EDF.shape}, x {x_TD.shape}"
         )
     if routing.expert_Tk.shape[0] != x_TD.shape[0]:
         raise ValueError(f"routing is for {routing.expert_Tk.shape[0]} tokens, x has {x_TD.shape[0]}")

@@ -327,15 +327,15 @@ def _moe(
     routing = moe.route(
         logits_TE, moe_spec.top_k, moe_spec.router, moe_spec.routed_scaling_factor, p.get("router_bias")
     )
-    experts = p["experts"]  # canonical [E, out, in]; the MoE kernels take [E, in, out], gate and up fused
+    experts = p["experts"]  # canonical [E, out, in]: gate and up fused as [E, in, out], down read as stored
     w_gate_up_EDU = moe.fuse_gate_up(
         *(jnp.swapaxes(experts[name], 1, 2).astype(x_BLD.dtype) for name in ("gate_proj", "up_proj"))
     )
-    w_down_EFD = jnp.swapaxes(experts["down_proj"], 1, 2).astype(x_BLD.dtype)
+    w_down_EDF = experts["down_proj"].astype(x_BLD.dtype)
     if cfg.moe_impl == "dropless":
-        y_TD = expert_parallel.moe_layer(x_TD, w_gate_up_EDU, w_down_EFD, routing, cfg, placement)
+        y_TD = expert_parallel.moe_layer(x_TD, w_gate_up_EDU, w_down_EDF, routing, cfg, placement)
     elif cfg.moe_impl == "reference":
-        y_TD = moe.onehot_moe_reference(x_TD, w_gate_up_EDU, w_down_EFD, routing)
+        y_TD = moe.onehot_moe_reference(x_TD, w_gate_up_EDU, w_down_EDF, routing)
     else:
         raise ValueError(f"moe_impl must be dropless or reference, not {cfg.moe_impl!r}")
     y_BLD = y_TD.reshape(B, L, D)
