@@ -12,9 +12,10 @@ projections as `[out, in]`; a caller holding weights in that orientation passes 
 then `[G, out, in]`) rather than swapping the axes itself: megablox reads the weight transposed inside its
 kernels, so a weight gathered in the stored layout reaches them without a relayout copy in HBM (on the
 reference MoE's step for v5e-256: 32.8 GB per layer instead of 35.0, MFU bound 68.1% instead of 65.2%).
-The other backends swap the axes first: on CPU and GPU XLA folds the swap into the product; tokamax
-0.0.17's VJP of a transposed weight returns dW in the other layout and its API refuses a direct dW call,
-so there the swap is a copy, which its compute-bound step does not feel.
+The other backends swap the axes first, as callers did before: tiled and ragged_dot are XLA programs,
+free to fold the swap into their products; before the mosaic_gpu and tokamax kernels it is a copy
+(tokamax 0.0.17's VJP of a transposed weight returns dW in the other layout and its API refuses a direct
+dW call; its step is compute-bound, so the copy does not move its bound).
 
 Backends:
 - `"megablox"`: the Pallas TPU kernels of `jax.experimental.pallas.ops.tpu.megablox` (`gmm`, `tgmm`),
